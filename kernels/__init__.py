@@ -1,0 +1,31 @@
+"""moe-serve kernels: Triton fused MoE (swap-AB, FP8 W8A8) for Hopper.
+
+Kept light on purpose: importing ``kernels`` imports neither torch nor triton.
+Public entry points live in submodules::
+
+    from kernels.fused_moe import fused_moe, Fp8Scales
+    from kernels.warmup import warmup
+    from kernels import jit_monitor
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["fused_moe", "Fp8Scales", "warmup", "jit_monitor"]
+
+_LAZY = {
+    "fused_moe": ("kernels.fused_moe", "fused_moe"),
+    "Fp8Scales": ("kernels.fused_moe", "Fp8Scales"),
+    "warmup": ("kernels.warmup", "warmup"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Lazy attribute access (PEP 562) so heavy modules load on first use."""
+    if name in _LAZY:
+        mod, attr = _LAZY[name]
+        return getattr(importlib.import_module(mod), attr)
+    if name in ("jit_monitor",):
+        return importlib.import_module(f"kernels.{name}")
+    raise AttributeError(f"module 'kernels' has no attribute {name!r}")

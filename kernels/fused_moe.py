@@ -1,0 +1,150 @@
+"""Launcher of the fused MoE: align -> GEMM1 (+SiLU-and-mul) -> GEMM2 (+routed weight) -> top-k sum.
+
+Four launches (three when topk == 1), no host sync, every buffer sized from shapes only:
+CUDA-graph capturable.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+
+from kernels import configs
+from kernels.align import moe_align
+from kernels.moe_gemm import moe_gemm_kernel, topk_sum_kernel
+
+FP8 = torch.float8_e4m3fn
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # see moe_gemm._quant_fp8
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", FP8: "fp8"}
+
+
+@dataclass(frozen=True)
+class Fp8Scales:
+    """FP8 W8A8 scales (float32). w*_scale: per-tensor [E] or per-channel [E, 2N] (w1) /
+    [E, K] (w2). a*_scale: static per-tensor scalar tensor, or None = dynamic per-token
+    (row absmax / 448, computed inside the GEMM kernel)."""
+
+    w1_scale: torch.Tensor
+    w2_scale: torch.Tensor
+    a1_scale: torch.Tensor | None = None
+    a2_scale: torch.Tensor | None = None
+
+
+def dtype_name(w_dtype: torch.dtype) -> str:
+    """Config-table dtype key of a weight dtype ('bf16', 'fp16', 'fp32', 'fp8')."""
+    return _DTYPE_NAMES[w_dtype]
+
+
+def _w_scale(scale: torch.Tensor, E: int, rows: int, what: str) -> tuple[torch.Tensor, int]:
+    """Normalise a weight scale to [E, 1] (per-tensor, mode 1) or [E, rows] (mode 2)."""
+    if scale.numel() == E:
+        return scale.reshape(E, 1), 1
+    if scale.numel() == E * rows:
+        return scale.reshape(E, rows), 2
+    raise ValueError(f"{what} must have E={E} (per-tensor) or E*{rows} (per-channel) elements, "
+                     f"got shape {tuple(scale.shape)}")
+
+
+def _a_mode(a_dtype: torch.dtype, a_scale: torch.Tensor | None, fp8: bool, what: str) -> int:
+    if not fp8:
+        return 0
+    if a_dtype == FP8:
+        if a_scale is None:
+            raise ValueError(f"fp8 input needs a static {what}")
+        return 1
+    return 3 if a_scale is None else 2
+
+
+def _launch_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, n_out: int, k_in: int,
+                 a_scale: torch.Tensor | None, w_scale: torch.Tensor | None, w_mode: int,
+                 a_mode: int, topk_weights: torch.Tensor, align: tuple, num_valid: int,
+                 a_row_div: int, fuse_silu: bool, mul_routed: bool, cfg: dict[str, Any]) -> None:
+    sorted_ids, expert_ids, num_post = align
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    num_m_blocks = expert_ids.numel()
+    grid = (num_m_blocks * triton.cdiv(n_out, bn),)
+    dummy = topk_weights  # any tensor for unused pointers
+    ws = w_scale if w_scale is not None else dummy
+    moe_gemm_kernel[grid](
+        a, w, c, a_scale if a_scale is not None else dummy, ws, topk_weights,
+        sorted_ids, expert_ids, num_post,
+        n_out, k_in, num_valid, num_m_blocks,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
+        c.stride(0), c.stride(1),
+        ws.stride(0) if w_mode else 0, (ws.stride(1) if w_mode == 2 else 0),
+        A_ROW_DIV=a_row_div, FUSE_SILU=fuse_silu, MUL_ROUTED=mul_routed,
+        A_MODE=a_mode, W_SCALE=w_mode, EVEN_K=k_in % cfg["BLOCK_K"] == 0,
+        SWAP_AB=cfg["SWAP_AB"], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"],
+        GROUP_M=cfg["GROUP_M"], FP8_PREROUND=a_mode >= 2 and _INTERPRET,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, fp8: Fp8Scales | None = None,
+              apply_router_weight_on_input: bool = False, out: torch.Tensor | None = None,
+              config: dict[str, Any] | None = None) -> torch.Tensor:
+    """MoE expert computation: out[m] = sum_j w_j * W2[e_j] (silu(W1g[e_j] x_m) * W1u[e_j] x_m).
+
+    hidden_states [M, K] bf16/fp16/fp32 (or fp8 with fp8.a1_scale); w1 [E, 2N, K] (gate rows
+    0..N-1, up rows N..2N-1); w2 [E, K, N]; topk_weights [M, topk] float32; topk_ids [M, topk]
+    int32/int64. Returns [M, K] in hidden_states' dtype (bf16 for fp8 input). `config`
+    overrides the table/heuristic choice (tuner, tests).
+    """
+    if hidden_states.dim() != 2 or w1.dim() != 3 or w2.dim() != 3:
+        raise ValueError("expected hidden [M, K], w1 [E, 2N, K], w2 [E, K, N]")
+    M, K = hidden_states.shape
+    E, two_n, K1 = w1.shape
+    N = two_n // 2
+    if K1 != K or two_n % 2 or tuple(w2.shape) != (E, K, N):
+        raise ValueError(f"shape mismatch: hidden {tuple(hidden_states.shape)}, "
+                         f"w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != M:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} / topk_weights "
+                         f"{tuple(topk_weights.shape)} must both be [M={M}, topk]")
+    topk = topk_ids.shape[1]
+    if apply_router_weight_on_input and topk != 1:
+        raise ValueError("apply_router_weight_on_input needs topk == 1")
+    use_fp8 = fp8 is not None
+    if use_fp8 != (w1.dtype == FP8) or w2.dtype != w1.dtype:
+        raise TypeError(f"w1/w2 dtypes {w1.dtype}/{w2.dtype} and fp8={fp8 is not None} disagree")
+    if not use_fp8 and hidden_states.dtype != w1.dtype:
+        raise TypeError(f"hidden {hidden_states.dtype} != weights {w1.dtype}")
+    out_dtype = torch.bfloat16 if hidden_states.dtype == FP8 else hidden_states.dtype
+    if out is not None and (tuple(out.shape) != (M, K) or out.dtype != out_dtype):
+        raise ValueError(f"out must be [{M}, {K}] {out_dtype}")
+    if out is None:
+        out = torch.empty((M, K), dtype=out_dtype, device=hidden_states.device)
+    if M == 0:
+        return out
+    if topk_weights.dtype != torch.float32:
+        topk_weights = topk_weights.float()
+    topk_weights = topk_weights.contiguous()
+
+    cfg = config or configs.get_config(M, E, N, K, topk, dtype_name(w1.dtype))
+    down = configs.down_config(cfg)
+    align = moe_align(topk_ids, E, cfg["BLOCK_M"])
+    T = M * topk
+    dev = hidden_states.device
+    w1s = w2s = a1s = a2s = None
+    w1_mode = w2_mode = 0
+    if use_fp8:
+        w1s, w1_mode = _w_scale(fp8.w1_scale, E, 2 * N, "w1_scale")
+        w2s, w2_mode = _w_scale(fp8.w2_scale, E, K, "w2_scale")
+        a1s, a2s = fp8.a1_scale, fp8.a2_scale
+    act = torch.empty((T, N), dtype=out_dtype, device=dev)            # [T, N]
+    _launch_gemm(hidden_states, w1, act, N, K, a1s, w1s, w1_mode,
+                 _a_mode(hidden_states.dtype, a1s, use_fp8, "a1_scale"), topk_weights, align,
+                 T, topk, True, apply_router_weight_on_input, cfg)
+    c2 = out if topk == 1 else torch.empty((T, K), dtype=out_dtype, device=dev)  # [T, K]
+    _launch_gemm(act, w2, c2, K, N, a2s, w2s, w2_mode,
+                 _a_mode(act.dtype, a2s, use_fp8, "a2_scale"), topk_weights, align,
+                 T, 1, False, not apply_router_weight_on_input, down)
+    if topk > 1:
+        bk = min(1024, triton.next_power_of_2(K))
+        topk_sum_kernel[(M, triton.cdiv(K, bk))](
+            c2, out, K, c2.stride(0), out.stride(0), TOPK=topk, BLOCK_K=bk, num_warps=4)
+    return out

@@ -1,0 +1,75 @@
+"""Float64 torch reference of the whole MoE layer and random-input helpers for the tests."""
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+
+
+def moe_reference(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_w: torch.Tensor,
+                  topk_ids: torch.Tensor, w1_scale: torch.Tensor | None = None,
+                  w2_scale: torch.Tensor | None = None, a1_scale: torch.Tensor | None = None,
+                  on_input: bool = False, quant_acts: str | None = None,
+                  a2_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """out[m] = sum_j w_mj * W2[e] (silu(W1g[e] x) * W1u[e] x) in float64. FP8 weights are
+    dequantized with their (per-tensor [E] or per-channel) scales; fp8 x uses a1_scale.
+    quant_acts='static'|'dynamic' also rounds x and the SiLU output through fp8 the way the
+    kernel does (static: a1/a2 scale; dynamic: per-token absmax / 448)."""
+    E = w1.shape[0]
+    W1 = w1.double().cpu()
+    W2 = w2.double().cpu()
+    if w1_scale is not None:
+        W1 = W1 * w1_scale.double().cpu().reshape(E, -1, 1)
+        W2 = W2 * w2_scale.double().cpu().reshape(E, -1, 1)
+    X = x.double().cpu()
+    if x.dtype == FP8:
+        X = X * a1_scale.double().cpu()
+    N = W1.shape[1] // 2
+    tw = topk_w.double().cpu()
+    ids = topk_ids.long().cpu()
+    out = torch.zeros(X.shape, dtype=torch.float64)
+    for m in range(X.shape[0]):
+        for j in range(ids.shape[1]):
+            e = ids[m, j]
+            xq = _fake_quant(X[m], quant_acts, a1_scale)
+            h = W1[e] @ (xq * tw[m, j] if on_input else xq)           # [2N]
+            a = _fake_quant(torch.nn.functional.silu(h[:N]) * h[N:], quant_acts, a2_scale)
+            y = W2[e] @ a                                             # [K]
+            out[m] += y if on_input else tw[m, j] * y
+    return out
+
+
+def _fake_quant(v: torch.Tensor, mode: str | None, scale: torch.Tensor | None) -> torch.Tensor:
+    """Round a float64 vector through float8_e4m3fn with a static or per-token scale."""
+    if mode is None:
+        return v
+    s = scale.double().cpu() if mode == "static" else v.abs().max().clamp(min=1e-10) / 448.0
+    return (v / s).clamp(-448, 448).to(FP8).double() * s
+
+
+def routing(M: int, E: int, topk: int, gen: torch.Generator, device: str = "cpu",
+            ids_dtype: torch.dtype = torch.int32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax-of-random-logits top-k routing: weights [M, topk] f32, ids [M, topk]."""
+    logits = torch.randn(M, E, generator=gen)
+    w, ids = torch.softmax(logits, -1).topk(topk, dim=-1)
+    return w.float().to(device), ids.to(ids_dtype).to(device)
+
+
+def quant_fp8(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize [E, R, C] weights to fp8: scale [E] (per-tensor) or [E, R] (per-channel)."""
+    amax = w.abs().amax(dim=2) if per_channel else w.abs().flatten(1).amax(dim=1)
+    scale = (amax / 448.0).clamp(min=1e-8).float()
+    s = scale.reshape(w.shape[0], -1, 1)
+    return (w / s).clamp(-448, 448).to(FP8), scale
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| (NaN anywhere in out gives NaN)."""
+    return float((out.double().cpu() - ref).norm() / ref.norm())
+
+
+def act_amax(x: torch.Tensor, w1: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """max |silu(gate) * up| over the routed (token, expert) pairs: a sane static a2 scale * 448."""
+    N = w1.shape[1] // 2
+    h = torch.einsum("mk,mjnk->mjn", x.double(), w1.double()[ids.long()])   # [M, topk, 2N]
+    return (torch.nn.functional.silu(h[..., :N]) * h[..., N:]).abs().max()
