@@ -14,13 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import jit, launch
+
 
 def max_padded_len(num_slots: int, num_experts: int, block_m: int) -> int:
     """Worst-case padded length: each of at most min(T, E) hit experts adds < BLOCK_M pad."""
     return num_slots + min(num_slots, num_experts) * (block_m - 1)
 
 
-@triton.jit(do_not_specialize=["num_valid"])
+@jit(do_not_specialize=["num_valid"])
 def moe_align_kernel(
     # pointers
     ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
@@ -85,8 +87,8 @@ def moe_align(
     num_post = torch.empty(1, dtype=torch.int32, device=dev)
     e_pad = triton.next_power_of_2(max(num_experts, 2))
     block_t = max(16, min(256, 8192 // e_pad))
-    moe_align_kernel[(1,)](
-        ids, sorted_ids, expert_ids, num_post,
+    launch(
+        moe_align_kernel, (1,), ids, sorted_ids, expert_ids, num_post,
         num_slots, num_experts,
         E_PAD=e_pad, BLOCK_M=block_m, BLOCK_T=block_t, num_warps=8 if e_pad >= 128 else 4,
     )

@@ -14,6 +14,7 @@ import triton
 
 from kernels import configs
 from kernels.align import moe_align
+from kernels.launch import launch
 from kernels.moe_gemm import moe_gemm_kernel, topk_sum_kernel
 
 FP8 = torch.float8_e4m3fn
@@ -68,8 +69,8 @@ def _launch_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, n_out: int, 
     grid = (num_m_blocks * triton.cdiv(n_out, bn),)
     dummy = topk_weights  # any tensor for unused pointers
     ws = w_scale if w_scale is not None else dummy
-    moe_gemm_kernel[grid](
-        a, w, c, a_scale if a_scale is not None else dummy, ws, topk_weights,
+    launch(
+        moe_gemm_kernel, grid, a, w, c, a_scale if a_scale is not None else dummy, ws, topk_weights,
         sorted_ids, expert_ids, num_post,
         n_out, k_in, num_valid, num_m_blocks,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
@@ -145,6 +146,6 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                  T, 1, False, not apply_router_weight_on_input, down)
     if topk > 1:
         bk = min(1024, triton.next_power_of_2(K))
-        topk_sum_kernel[(M, triton.cdiv(K, bk))](
-            c2, out, K, c2.stride(0), out.stride(0), TOPK=topk, BLOCK_K=bk, num_warps=4)
+        launch(topk_sum_kernel, (M, triton.cdiv(K, bk)),
+               c2, out, K, c2.stride(0), out.stride(0), TOPK=topk, BLOCK_K=bk, num_warps=4)
     return out

@@ -21,6 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.launch import jit
+
 FP8_MAX = 448.0
 
 
@@ -49,7 +51,7 @@ def _mma(acc, a, w, SWAP_AB: tl.constexpr):
     return acc
 
 
-@triton.jit(do_not_specialize=["num_valid", "num_m_blocks"])
+@jit(do_not_specialize=["num_valid", "num_m_blocks"])
 def moe_gemm_kernel(
     # pointers
     a_ptr, w_ptr, c_ptr, a_scale_ptr, w_scale_ptr, topk_w_ptr,
@@ -166,7 +168,7 @@ def moe_gemm_kernel(
     tl.store(c_ptrs, res.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_n[None, :] < N))
 
 
-@triton.jit
+@jit()
 def topk_sum_kernel(
     # pointers
     c_ptr, out_ptr,

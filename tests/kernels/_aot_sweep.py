@@ -1,0 +1,42 @@
+"""Subprocess helper (TRITON_INTERPRET=0): compile our MoE kernels for sm_90 on CPU while M
+sweeps, print the jit_monitor snapshot as JSON. argv: M values after warm-up at argv[1]."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from kernels import aot, jit_monitor  # noqa: E402
+from kernels.fused_moe import Fp8Scales, fused_moe  # noqa: E402
+from kernels.launch import record_launches  # noqa: E402
+
+
+def run(M: int, fp8: bool) -> None:
+    E, N, K, topk = 4, 64, 64, 2
+    cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=3,
+               SWAP_AB=True)
+    wdt = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    x = torch.empty(M, K, dtype=torch.bfloat16)
+    w1, w2 = torch.empty(E, 2 * N, K, dtype=wdt), torch.empty(E, K, N, dtype=wdt)
+    tw, ids = torch.empty(M, topk), torch.zeros(M, topk, dtype=torch.int32)
+    scales = Fp8Scales(torch.ones(E), torch.ones(E, K)) if fp8 else None
+    with record_launches() as launches:
+        fused_moe(x, w1, w2, tw, ids, fp8=scales, config=cfg)
+    aot.compile_launches(launches)
+
+
+if __name__ == "__main__":
+    fp8 = sys.argv[1] == "fp8"
+    ms = [int(v) for v in sys.argv[2:]]
+    jit_monitor.install()
+    jit_monitor.set_phase("warmup")
+    run(ms[0], fp8)
+    jit_monitor.set_phase("serving")
+    for m in ms[1:]:
+        run(m, fp8)
+    snap = {"|".join(k): v for k, v in jit_monitor.snapshot().items()}
+    print(json.dumps(snap))
