@@ -1,0 +1,95 @@
+"""The FastAPI application: lifespan (engine start/stop), health, version, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from service import __version__
+from service.engine import EngineHandle
+from service.errors import install_error_handlers
+from service.middleware import AuthMiddleware, BodyLimitMiddleware
+from service.openai_api import router as openai_router
+from service.settings import Settings
+from service.state import ServerState
+
+logger = logging.getLogger(__name__)
+ENGINE_WATCH_INTERVAL_S = 1.0
+
+
+def _request_exit(state: ServerState, why: str) -> None:
+    """Ask the process to stop with a non-zero exit code (an orchestrator restarts it)."""
+    logger.error("%s: shutting down with exit code 1", why)
+    state.exit_code = 1
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+async def _start_and_watch_engine(state: ServerState) -> None:
+    """Start the engine, then poll it; if it dies, fail health and exit non-zero."""
+    try:
+        await state.engine.start()
+    except Exception:  # noqa: BLE001 - logged by start(); health stays 503
+        _request_exit(state, "engine failed to start")
+        return
+    while not state.shutting_down:
+        await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
+        if not state.shutting_down and not state.engine.healthy:
+            _request_exit(state, "engine core died")
+            return
+
+
+def create_app(settings: Settings, model_path: str) -> FastAPI:
+    """Build the app; the engine starts in the background when the app starts."""
+    state = ServerState.create(settings, EngineHandle(settings, model_path))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        watcher = asyncio.create_task(_start_and_watch_engine(state))
+        try:
+            yield
+        finally:
+            state.shutting_down = True
+            state.admission.close()
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+            state.engine.shutdown()
+
+    app = FastAPI(title="moe-serve", version=__version__, lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+    app.include_router(openai_router)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.engine.healthy and not state.shutting_down:
+            return JSONResponse({"status": "ok"})
+        status = "starting" if not (state.engine.dead or state.engine.start_error) else "dead"
+        if state.shutting_down:
+            status = "shutting_down"
+        return JSONResponse({"status": status}, status_code=503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        try:
+            import vllm
+
+            vllm_version = vllm.__version__
+        except ImportError:
+            vllm_version = None
+        return {"version": __version__, "vllm": vllm_version, "model": settings.model_name,
+                "moe_kernels": settings.moe_kernels}
+
+    @app.get("/metrics")
+    async def metrics(_: Request) -> Response:
+        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(AuthMiddleware, api_keys=settings.api_keys, metrics_key=settings.metrics_api_key)
+    return app

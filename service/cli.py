@@ -1,0 +1,101 @@
+"""`moe-serve` / `python -m service`: parse flags (env vars as defaults), build the model, run uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+from service.settings import Settings, SettingsError, env_default
+
+
+def _engine_arg(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--engine-arg expects KEY=VALUE, got {text!r}")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key.replace("-", "_"), value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    e = env_default
+    p = argparse.ArgumentParser(prog="moe-serve", description="OpenAI-compatible server for MoE models on vLLM. "
+                                "Every flag also reads MOE_SERVE_<FLAG> from the environment.")
+    p.add_argument("--model", default=e("model"), help="local HF model dir or hub id (default: embedded tiny Mixtral)")
+    p.add_argument("--served-model-name", default=e("served_model_name"))
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=e("tensor_parallel_size"),
+                   help="default: all visible GPUs (at most 8); 1 on CPU")
+    p.add_argument("--dtype", default=e("dtype", "auto"))
+    p.add_argument("--max-model-len", type=int, default=e("max_model_len"))
+    p.add_argument("--quantization", default=e("quantization"))
+    p.add_argument("--gpu-memory-utilization", type=float, default=e("gpu_memory_utilization"),
+                   help="fraction of GPU memory for weights+KV (default 0.9; on CPU a fixed 512 MiB KV cache)")
+    p.add_argument("--max-num-seqs", type=int, default=e("max_num_seqs"))
+    p.add_argument("--moe-kernels", choices=["optimized", "vllm"], default=e("moe_kernels", "optimized"),
+                   help="optimized: moe-serve's Triton MoE kernels; vllm: stock vLLM (for A/B)")
+    p.add_argument("--host", default=e("host", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(e("port", 8000)))
+    p.add_argument("--api-key", action="append", default=None,
+                   help="required bearer key on /v1/* (repeat for several; env MOE_SERVE_API_KEY, comma-separated)")
+    p.add_argument("--metrics-api-key", default=e("metrics_api_key"))
+    p.add_argument("--engine-arg", action="append", type=_engine_arg, default=[], metavar="KEY=VALUE",
+                   help="extra vLLM AsyncEngineArgs field (value parsed as JSON if it can be), repeatable")
+    p.add_argument("--max-concurrent-requests", type=int, default=int(e("max_concurrent_requests", 256)))
+    p.add_argument("--max-queued-requests", type=int, default=int(e("max_queued_requests", 1024)))
+    p.add_argument("--max-prompt-tokens-in-flight", type=int, default=e("max_prompt_tokens_in_flight"))
+    p.add_argument("--max-request-bytes", type=int, default=int(e("max_request_bytes", 4 * 1024 * 1024)))
+    p.add_argument("--max-n", type=int, default=int(e("max_n", 16)))
+    p.add_argument("--max-tokens-limit", type=int, default=e("max_tokens_limit"))
+    p.add_argument("--max-stop-sequences", type=int, default=int(e("max_stop_sequences", 8)))
+    p.add_argument("--drain-timeout", type=float, default=float(e("drain_timeout", 30.0)))
+    p.add_argument("--log-level", default=e("log_level", "info"))
+    return p
+
+
+def settings_from_args(argv: list[str] | None = None) -> Settings:
+    args = build_parser().parse_args(argv)
+    keys = args.api_key or [k for k in (env_default("api_key") or "").split(",") if k]
+    opt_int = lambda v: None if v in (None, "") else int(v)  # noqa: E731 - env values arrive as strings
+    return Settings(
+        model=args.model, served_model_name=args.served_model_name,
+        tensor_parallel_size=opt_int(args.tensor_parallel_size), dtype=args.dtype,
+        max_model_len=opt_int(args.max_model_len), quantization=args.quantization,
+        gpu_memory_utilization=None if args.gpu_memory_utilization in (None, '') else float(args.gpu_memory_utilization), max_num_seqs=opt_int(args.max_num_seqs),
+        moe_kernels=args.moe_kernels, host=args.host, port=args.port, api_keys=tuple(keys),
+        metrics_api_key=args.metrics_api_key, engine_args=dict(args.engine_arg),
+        max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
+        max_prompt_tokens_in_flight=opt_int(args.max_prompt_tokens_in_flight),
+        max_request_bytes=args.max_request_bytes, max_n=args.max_n,
+        max_tokens_limit=opt_int(args.max_tokens_limit), max_stop_sequences=args.max_stop_sequences,
+        drain_timeout_s=args.drain_timeout, log_level=args.log_level,
+    ).validated()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        settings = settings_from_args(argv)
+    except SettingsError as exc:
+        print(f"moe-serve: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from service.app import create_app
+    from service.embedded_model import ensure_embedded_model
+    from service.engine import default_engine_env
+
+    default_engine_env()
+    model_path = settings.model or str(ensure_embedded_model())
+    app = create_app(settings, model_path)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                timeout_graceful_shutdown=settings.drain_timeout_s, access_log=False)
+    return app.state.server.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""The engine handle: one vLLM `AsyncLLM` (a.k.a. AsyncLLMEngine), started in the background.
+
+The HTTP server comes up first and answers `/health` with 503 until `start()` has
+finished; requests then go through `generate()`, which yields vLLM `RequestOutput`s
+and aborts the engine request if the caller stops iterating (client disconnect).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from service.settings import Settings, visible_gpu_count
+
+logger = logging.getLogger(__name__)
+
+
+class EngineNotReady(RuntimeError):
+    """The engine is still starting (or failed to start)."""
+
+
+class EngineClientError(ValueError):
+    """vLLM rejected the request as invalid (a 400 for the client)."""
+
+
+class EngineDead(RuntimeError):
+    """The engine core died; the server cannot serve any more."""
+
+
+def _is_client_error(exc: BaseException) -> bool:
+    """vLLM 0.26 raises ValueError subclasses, 0.32 `VLLMClientError`, for bad requests."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return "VLLMClientError" in names or "VLLMValidationError" in names or isinstance(exc, ValueError)
+
+
+def _is_engine_dead(exc: BaseException) -> bool:
+    return any(cls.__name__ == "EngineDeadError" for cls in type(exc).__mro__)
+
+
+def build_engine_args(settings: Settings, model_path: str) -> Any:
+    """Translate settings into vLLM `AsyncEngineArgs` (pass-through args win)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kwargs: dict[str, Any] = {
+        "model": model_path,
+        "served_model_name": [settings.model_name],
+        "tensor_parallel_size": settings.resolved_tensor_parallel_size(),
+        "dtype": settings.dtype,
+        "disable_log_stats": False,
+    }
+    if settings.gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    elif visible_gpu_count() == 0:
+        # On CPU the "gpu" fraction is of host RAM and fails when other processes use
+        # memory; a fixed KV-cache budget starts reliably.
+        kwargs["kv_cache_memory_bytes"] = settings.cpu_kv_cache_bytes
+    else:
+        kwargs["gpu_memory_utilization"] = 0.9
+    if settings.max_model_len is not None:
+        kwargs["max_model_len"] = settings.max_model_len
+    if settings.quantization:
+        kwargs["quantization"] = settings.quantization
+    if settings.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = settings.max_num_seqs
+    kwargs.update(settings.engine_args)
+    return AsyncEngineArgs(**kwargs)
+
+
+class EngineHandle:
+    """Owns the `AsyncLLM`: start, generate, abort, health, shutdown."""
+
+    def __init__(self, settings: Settings, model_path: str) -> None:
+        self.settings = settings
+        self.model_path = model_path
+        self.engine: Any = None
+        self.tokenizer: Any = None
+        self.max_model_len: int = 0
+        self.start_error: BaseException | None = None
+        self.startup_seconds: float | None = None
+        self.ready = asyncio.Event()
+        self.dead = False
+
+    async def start(self) -> None:
+        """Build the engine (blocking work runs in a thread); set `ready` or `start_error`."""
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        began = time.perf_counter()
+        try:
+            args = build_engine_args(self.settings, self.model_path)
+            logger.info("starting vLLM engine: model=%s tp=%s", self.model_path, args.tensor_parallel_size)
+            # Built in a thread so /health answers 503 meanwhile; AsyncLLM starts its output
+            # handler lazily on the first request when built outside the event loop.
+            self.engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+            self.tokenizer = self.engine.get_tokenizer()
+            self.max_model_len = int(self.engine.model_config.max_model_len)
+        except BaseException as exc:  # noqa: BLE001 - reported via /health and the exit code
+            self.start_error = exc
+            logger.exception("engine failed to start")
+            raise
+        self.startup_seconds = time.perf_counter() - began
+        logger.info("engine ready in %.1f s (max_model_len=%d)", self.startup_seconds, self.max_model_len)
+        self.ready.set()
+
+    @property
+    def healthy(self) -> bool:
+        """True when the engine is up and its core has not died."""
+        if not self.ready.is_set() or self.dead or self.engine is None:
+            return False
+        if getattr(self.engine, "errored", False):
+            self.dead = True
+            return False
+        return True
+
+    def num_unfinished_requests(self) -> int:
+        """Requests the engine still tracks (0 when idle)."""
+        if self.engine is None:
+            return 0
+        return int(self.engine.get_num_unfinished_requests())
+
+    async def generate(
+        self, prompt_token_ids: list[int], sampling_params: Any, request_id: str
+    ) -> AsyncIterator[Any]:
+        """Yield `RequestOutput`s; closing the iterator early aborts the engine request."""
+        if not self.healthy:
+            raise EngineDead("engine is not running") if self.dead else EngineNotReady("engine is starting")
+        from vllm.inputs import TokensPrompt
+
+        stream = self.engine.generate(TokensPrompt(prompt_token_ids=prompt_token_ids), sampling_params, request_id)
+        try:
+            async for output in stream:
+                yield output
+        except Exception as exc:
+            if _is_engine_dead(exc) or getattr(self.engine, "errored", False):
+                self.dead = True
+                raise EngineDead(str(exc) or "engine core died") from exc
+            if _is_client_error(exc):
+                raise EngineClientError(str(exc)) from exc
+            raise
+        finally:
+            await stream.aclose()
+
+    async def abort(self, request_id: str) -> None:
+        if self.engine is not None:
+            await self.engine.abort(request_id)
+
+    def shutdown(self) -> None:
+        """Stop the engine core and its workers."""
+        if self.engine is not None:
+            logger.info("shutting down engine")
+            self.engine.shutdown()
+            self.engine = None
+
+
+def default_engine_env() -> None:
+    """Environment defaults vLLM needs here (set only where the user has not)."""
+    # vLLM 0.26 on the H200 hung at engine start without spawn (DESIGN.md).
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")

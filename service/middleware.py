@@ -1,0 +1,91 @@
+"""Pure-ASGI middleware: API-key check on /v1/* (and /metrics) and a request-body size cap."""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.errors import error_body
+
+
+async def _send_error(send: Send, status: int, message: str, code: str, headers: list | None = None) -> None:
+    body = json.dumps(error_body(status, message, code=code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())] + (headers or [])})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _bearer(scope: Scope) -> bytes | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            return token.strip() if scheme.lower() == b"bearer" else None
+    return None
+
+
+def key_matches(presented: bytes | None, keys: tuple[bytes, ...]) -> bool:
+    """Constant-time compare against every key (no early exit on the first match)."""
+    ok = False
+    for key in keys:
+        ok |= hmac.compare_digest(presented or b"", key)
+    return ok and presented is not None
+
+
+class AuthMiddleware:
+    """401 unless `Authorization: Bearer <key>` matches; /v1/* with `api_keys`, /metrics with `metrics_key`."""
+
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], metrics_key: str | None) -> None:
+        self.app = app
+        self.api_keys = tuple(k.encode() for k in api_keys)
+        self.metrics_keys = (metrics_key.encode(),) if metrics_key else ()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            keys = self.api_keys if path.startswith("/v1/") else self.metrics_keys if path == "/metrics" else ()
+            if keys and not key_matches(_bearer(scope), keys):
+                await _send_error(send, 401, "invalid or missing API key (use 'Authorization: Bearer <key>')",
+                                  "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 for request bodies over `max_bytes` (by Content-Length, or while streaming in)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await _send_error(send, 413, f"request body is larger than {self.max_bytes} bytes",
+                                  "request_too_large")
+                return
+        seen = 0
+        too_large = False
+
+        async def limited_receive() -> Message:
+            nonlocal seen, too_large
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    too_large = True
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            if not too_large:  # the app's answer to a truncated body is replaced by the 413
+                await send(message)
+
+        await self.app(scope, limited_receive, guarded_send)
+        if too_large:
+            await _send_error(send, 413, f"request body is larger than {self.max_bytes} bytes", "request_too_large")

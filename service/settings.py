@@ -1,0 +1,101 @@
+"""One validated settings object for the server, filled from CLI flags and env vars."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+MoeKernels = Literal["optimized", "vllm"]
+MAX_TENSOR_PARALLEL = 8
+
+
+class SettingsError(ValueError):
+    """A setting is out of range or inconsistent; the message names the flag."""
+
+
+def visible_gpu_count() -> int:
+    """Number of CUDA devices this process can see (0 on CPU-only machines)."""
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - a broken CUDA install means "no GPU" here
+        return 0
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the server needs to start. Validate with `validated()`."""
+
+    model: str | None = None  # None: the embedded tiny Mixtral
+    served_model_name: str | None = None
+    tensor_parallel_size: int | None = None  # None: all visible GPUs (max 8), 1 on CPU
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    quantization: str | None = None
+    gpu_memory_utilization: float | None = None  # None: 0.9 on GPU; a fixed KV budget on CPU
+    cpu_kv_cache_bytes: int = 512 * 1024 * 1024
+    max_num_seqs: int | None = None
+    moe_kernels: MoeKernels = "optimized"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()
+    metrics_api_key: str | None = None
+    engine_args: dict[str, Any] = field(default_factory=dict)  # pass-through to AsyncEngineArgs
+    # Admission control and input limits.
+    max_concurrent_requests: int = 256
+    max_queued_requests: int = 1024
+    max_prompt_tokens_in_flight: int | None = None
+    max_request_bytes: int = 4 * 1024 * 1024
+    max_n: int = 16
+    max_tokens_limit: int | None = None  # cap on max_tokens per request (None: context length)
+    max_stop_sequences: int = 8
+    request_timeout_s: float | None = None
+    drain_timeout_s: float = 30.0
+    log_level: str = "info"
+    access_log_json: bool = False
+    log_prompts: bool = False
+
+    @property
+    def model_name(self) -> str:
+        """The name clients must send in `model`."""
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model or "moe-serve-tiny-mixtral"
+
+    def validated(self) -> "Settings":
+        """Return self if every field is in range, else raise SettingsError."""
+        tp = self.tensor_parallel_size
+        if tp is not None and not 1 <= tp <= MAX_TENSOR_PARALLEL:
+            raise SettingsError(f"--tensor-parallel-size must be in 1..{MAX_TENSOR_PARALLEL}, got {tp}")
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise SettingsError("--gpu-memory-utilization must be in (0, 1]")
+        if not 0 <= self.port <= 65535:
+            raise SettingsError(f"--port must be in 0..65535, got {self.port}")
+        if self.max_model_len is not None and self.max_model_len < 16:
+            raise SettingsError("--max-model-len must be >= 16")
+        if self.moe_kernels not in ("optimized", "vllm"):
+            raise SettingsError(f"--moe-kernels must be 'optimized' or 'vllm', got {self.moe_kernels!r}")
+        for name in ("max_concurrent_requests", "max_queued_requests", "max_request_bytes", "max_n",
+                     "max_stop_sequences"):
+            if getattr(self, name) < 1 and name != "max_queued_requests":
+                raise SettingsError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.max_queued_requests < 0:
+            raise SettingsError("--max-queued-requests must be >= 0")
+        if any(not key for key in self.api_keys):
+            raise SettingsError("API keys must be non-empty")
+        if self.drain_timeout_s < 0:
+            raise SettingsError("--drain-timeout must be >= 0")
+        return self
+
+    def resolved_tensor_parallel_size(self) -> int:
+        """TP size to start with: the flag, else all visible GPUs (<= 8), else 1."""
+        if self.tensor_parallel_size is not None:
+            return self.tensor_parallel_size
+        return max(1, min(visible_gpu_count(), MAX_TENSOR_PARALLEL))
+
+
+def env_default(name: str, default: Any = None) -> Any:
+    """`MOE_SERVE_<NAME>` from the environment, or `default`."""
+    return os.environ.get("MOE_SERVE_" + name.upper().replace("-", "_"), default)

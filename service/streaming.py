@@ -1,0 +1,67 @@
+"""SSE framing, and racing work against a client disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import anyio
+from fastapi import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Send
+
+T = TypeVar("T")
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the response was ready."""
+
+
+def sse_event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A `text/event-stream` response that always closes its generator (so aborts run)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            with anyio.CancelScope(shield=True):  # cleanup must run even when the stream was cancelled
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                await self._on_close()  # runs even if the stream never started (client gone)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; if the client disconnects first, cancel it and raise ClientGone."""
+    work_task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work_task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if work_task in done:
+        return work_task.result()
+    work_task.cancel()
+    await asyncio.gather(work_task, return_exceptions=True)
+    raise ClientGone()
