@@ -16,25 +16,32 @@ def moe_reference(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_w: t
     quant_acts='static'|'dynamic' also rounds x and the SiLU output through fp8 the way the
     kernel does (static: a1/a2 scale; dynamic: per-token absmax / 448)."""
     E = w1.shape[0]
-    W1 = w1.double().cpu()
-    W2 = w2.double().cpu()
-    if w1_scale is not None:
-        W1 = W1 * w1_scale.double().cpu().reshape(E, -1, 1)
-        W2 = W2 * w2_scale.double().cpu().reshape(E, -1, 1)
-    X = x.double().cpu()
+    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized float64 weights of one expert (on x's device), converted once."""
+        if e not in cache or x.is_cuda:  # on the GPU: no cache (DeepSeek experts are big)
+            a, b = w1[e].double(), w2[e].double()
+            if w1_scale is not None:
+                a = a * w1_scale.double().reshape(E, -1, 1)[e]
+                b = b * w2_scale.double().reshape(E, -1, 1)[e]
+            cache[e] = (a, b)
+        return cache[e]
+
+    X = x.double()
     if x.dtype == FP8:
-        X = X * a1_scale.double().cpu()
-    N = W1.shape[1] // 2
-    tw = topk_w.double().cpu()
-    ids = topk_ids.long().cpu()
-    out = torch.zeros(X.shape, dtype=torch.float64)
+        X = X * a1_scale.double()
+    N = w1.shape[1] // 2
+    tw = topk_w.double()
+    ids = topk_ids.long().tolist()
+    out = torch.zeros(X.shape, dtype=torch.float64, device=X.device)
     for m in range(X.shape[0]):
-        for j in range(ids.shape[1]):
-            e = ids[m, j]
+        for j in range(len(ids[m])):
+            W1, W2 = expert(ids[m][j])
             xq = _fake_quant(X[m], quant_acts, a1_scale)
-            h = W1[e] @ (xq * tw[m, j] if on_input else xq)           # [2N]
+            h = W1 @ (xq * tw[m, j] if on_input else xq)           # [2N]
             a = _fake_quant(torch.nn.functional.silu(h[:N]) * h[N:], quant_acts, a2_scale)
-            y = W2[e] @ a                                             # [K]
+            y = W2 @ a                                             # [K]
             out[m] += y if on_input else tw[m, j] * y
     return out
 
@@ -43,7 +50,7 @@ def _fake_quant(v: torch.Tensor, mode: str | None, scale: torch.Tensor | None) -
     """Round a float64 vector through float8_e4m3fn with a static or per-token scale."""
     if mode is None:
         return v
-    s = scale.double().cpu() if mode == "static" else v.abs().max().clamp(min=1e-10) / 448.0
+    s = scale.double().to(v.device) if mode == "static" else v.abs().max().clamp(min=1e-10) / 448.0
     return (v / s).clamp(-448, 448).to(FP8).double() * s
 
 
@@ -65,7 +72,7 @@ def quant_fp8(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.T
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| (NaN anywhere in out gives NaN)."""
-    return float((out.double().cpu() - ref).norm() / ref.norm())
+    return float((out.double().to(ref.device) - ref).norm() / ref.norm())
 
 
 def act_amax(x: torch.Tensor, w1: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

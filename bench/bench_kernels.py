@@ -1,0 +1,407 @@
+"""Kernel benchmark: our Triton fused MoE vs vLLM's fused_experts on the H200 (one script).
+
+    python bench/bench_kernels.py --correctness --sass --compiles --out $OUT
+    python bench/bench_kernels.py --tune --tune-dir kernels/configs
+    python bench/bench_kernels.py --bench --untuned --out $OUT
+    TRITON_INTERPRET=1 python bench/bench_kernels.py --smoke --out /tmp/smoke   (CPU)
+Each part is isolated (a failure prints its traceback and the others go on); results go to
+--out as results.json + results.md; a short table is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests" / "kernels")]
+
+import torch  # noqa: E402
+
+from shapes import M_LIST, SMOKE, TUNED, UNTUNED  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+RESULTS: dict[str, Any] = {}
+
+
+def log(*a: Any) -> None:
+    print(*a, flush=True)
+
+
+def copy_ceiling() -> float:
+    """Device copy bandwidth in bytes/s (read + write) of a 1 GiB device-to-device copy."""
+    if not CUDA:
+        return float("nan")
+    from kernels.tune import time_graph
+
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
+    b = torch.empty_like(a)
+    us = time_graph(lambda i: b.copy_(a), 1, replays=10)
+    return 2 * a.numel() / (us * 1e-6)
+
+
+def _problem(shape, M, dtype, n_sets, weights=None):
+    from kernels.tune import make_problem
+
+    E, N, K, topk = shape
+    return make_problem(E, N, K, topk, M, dtype, n_sets, DEV, seed=M, weights=weights)
+
+
+# ----------------------------------------------------------------------------------------
+def part_correctness(shapes: dict, ms: tuple, smoke: bool) -> list[dict]:
+    from kernels import configs
+    from kernels.fused_moe import Fp8Scales, fused_moe
+    from reference import act_amax, moe_reference, quant_fp8, rel_err
+
+    rows = []
+    fdt = torch.float16 if smoke else torch.bfloat16  # interpreter: bf16 tl.dot is garbage
+    for name, (E, N, K, topk) in shapes.items():
+        g = torch.Generator(device=DEV).manual_seed(1)
+        w1 = torch.randn(E, 2 * N, K, device=DEV, generator=g) * K ** -0.5
+        w2 = torch.randn(E, K, N, device=DEV, generator=g) * N ** -0.5
+        q = {pc: (quant_fp8(w1, pc), quant_fp8(w2, pc)) for pc in (False, True)}
+        for M in ms:
+            x = torch.randn(M, K, device=DEV, generator=g).to(fdt)
+            tw, ids = torch.softmax(torch.randn(M, E, device=DEV, generator=g), -1).topk(topk)
+            ids = ids.to(torch.int32)
+            base = configs.get_config(M, E, N, K, topk, "bf16")
+            for swap in (False, True):
+                cfg = {**base, "SWAP_AB": swap, "BLOCK_M": 16 if swap else base["BLOCK_M"],
+                       "BLOCK_N": max(64, base["BLOCK_N"]) if swap else base["BLOCK_N"]}
+                cfg["DOWN"] = {**base["DOWN"], "SWAP_AB": swap,
+                               "BLOCK_N": max(64, base["DOWN"]["BLOCK_N"]) if swap else
+                               base["DOWN"]["BLOCK_N"]}
+                variants = [("bf16" if not smoke else "fp16", None)]
+                for pc in (False, True):
+                    for static in (False, True):
+                        variants.append((f"fp8-{'chan' if pc else 'tensor'}-"
+                                         f"{'static' if static else 'dyn'}", (pc, static)))
+                for vname, spec in variants:
+                    try:
+                        if spec is None:
+                            ww1, ww2 = w1.to(fdt), w2.to(fdt)
+                            out = fused_moe(x, ww1, ww2, tw, ids, config=cfg)
+                            ref = moe_reference(x, ww1, ww2, tw, ids)
+                            tol = 2e-2
+                        else:
+                            pc, static = spec
+                            (q1, s1), (q2, s2) = q[pc]
+                            a1 = (x.float().abs().max() / 448).reshape(()) if static else None
+                            a2 = None
+                            if static:
+                                deq = q1.float() * s1.reshape(E, -1, 1)
+                                a2 = (act_amax(x.float(), deq, ids) / 448).float().reshape(())
+                            out = fused_moe(x, q1, q2, tw, ids, fp8=Fp8Scales(s1, s2, a1, a2),
+                                            config=cfg)
+                            ref = moe_reference(x, q1, q2, tw, ids, s1, s2)
+                            tol = 0.12
+                        err = rel_err(out, ref)
+                        ok = err < tol
+                    except Exception as e:  # noqa: BLE001
+                        traceback.print_exc()
+                        err, ok = float("nan"), False
+                        vname += f" ({type(e).__name__})"
+                    rows.append(dict(shape=name, M=M, swap=swap, variant=vname, rel_err=err,
+                                     ok=ok))
+                    log(f"[correctness] {name} M={M} swap={swap} {vname}: {err:.2e} "
+                        f"{'PASS' if ok else 'FAIL'}")
+        del w1, w2, q
+    return rows
+
+
+# ----------------------------------------------------------------------------------------
+def part_sass(out_dir: Path) -> list[dict]:
+    """Compile swapped / unswapped small-M bf16 and fp8 variants for sm_90; grep the SASS."""
+    from kernels import aot
+    from kernels.fused_moe import Fp8Scales, fused_moe
+    from kernels.launch import record_launches
+
+    rows = []
+    E, N, K, topk = TUNED["Mixtral-8x7B/TP8"]
+    M = 4
+    for dt in ("bf16", "fp8"):
+        for swap in (False, True):
+            cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4,
+                       num_stages=4, SWAP_AB=swap)
+            wdt = torch.bfloat16 if dt == "bf16" else torch.float8_e4m3fn
+            x = torch.empty(M, K, dtype=torch.bfloat16)
+            w1, w2 = torch.empty(E, 2 * N, K, dtype=wdt), torch.empty(E, K, N, dtype=wdt)
+            tw, ids = torch.empty(M, topk), torch.zeros(M, topk, dtype=torch.int32)
+            fp8 = Fp8Scales(torch.ones(E), torch.ones(E), torch.ones(()), None) \
+                if dt == "fp8" else None
+            with record_launches() as launches:
+                fused_moe(x, w1, w2, tw, ids, fp8=fp8, config=cfg)
+            for i, (name, ck) in enumerate(aot.compile_launches(launches, cache={})):
+                if name != "moe_gemm_kernel":
+                    continue
+                text = aot.sass(ck)
+                gemm = "gemm1" if i == 1 else "gemm2"
+                (out_dir / f"sass_{dt}_{'swap' if swap else 'noswap'}_{gemm}.sass").write_text(text)
+                kind = aot.mma_kind(text)
+                expect = ("QGMMA" if dt == "fp8" else "HGMMA") if swap else "HMMA"
+                rows.append(dict(dtype=dt, swap=swap, gemm=gemm, mma=kind, ok=kind == expect))
+                log(f"[sass] {dt} swap={swap} {gemm}: {kind} (expected {expect})")
+    return rows
+
+
+def part_sass_subprocess(out_dir: Path) -> list[dict]:
+    """--sass under the interpreter: re-run this script with TRITON_INTERPRET=0 (compile only)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    sub = out_dir / "sass"
+    sub.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run([sys.executable, __file__, "--sass", "--out", str(sub)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    log(r.stdout[-3000:], r.stderr[-2000:] if r.returncode else "")
+    return json.loads((sub / "results.json").read_text()).get("sass", [])
+
+
+# ----------------------------------------------------------------------------------------
+def _vllm():
+    """(fused_experts, fp8_w8a8_moe_quant_config) from vLLM, or None when not importable."""
+    try:
+        from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+        from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+        return fused_experts, fp8_w8a8_moe_quant_config
+    except Exception as e:  # noqa: BLE001
+        log(f"[bench] vLLM not importable ({type(e).__name__}: {e}); measuring ours only")
+        return None
+
+
+def _time_vllm(vl, prob: dict, replays: int) -> float:
+    from kernels.tune import time_graph
+
+    fused_experts, qcfg = vl
+    w1, w2, s1, s2 = prob["weights"]
+    quant = None
+    if prob["fp8"] is not None:
+        quant = qcfg(w1_scale=s1, w2_scale=s2, a1_scale=prob["fp8"].a1_scale,
+                     a2_scale=prob["fp8"].a2_scale)
+
+    def call(i: int) -> None:
+        x, tw, ids = prob["sets"][i]
+        fused_experts(x, w1, w2, tw, ids, quant_config=quant)
+    return time_graph(call, len(prob["sets"]), replays)
+
+
+def part_bench(shapes: dict, ms: tuple, dtypes: tuple, ceiling: float, n_sets: int,
+               replays: int, tag: str) -> list[dict]:
+    from kernels.tune import time_ours
+
+    vl = _vllm()
+    rows = []
+    for name, shape in shapes.items():
+        E, N, K, topk = shape
+        for dt in dtypes:
+            weights = None
+            for M in ms:
+                row = dict(part=tag, shape=name, dtype=dt, M=M)
+                try:
+                    prob = _problem(shape, M, dt, n_sets, weights)
+                    weights = prob["weights"]
+                    ebytes = (3 * N * K) * (1 if dt == "fp8" else 2)
+                    hit = sum(len(torch.unique(ids)) for _, _, ids in prob["sets"]) / n_sets
+                    row["ours_us"] = time_ours(prob, None, replays)
+                    row["gbytes_hit"] = hit * ebytes / 1e9
+                    row["ours_bw_frac"] = hit * ebytes / (row["ours_us"] * 1e-6) / ceiling
+                    if vl is not None:
+                        try:
+                            row["vllm_us"] = _time_vllm(vl, prob, replays)
+                            row["speedup"] = row["vllm_us"] / row["ours_us"]
+                            row["vllm_bw_frac"] = hit * ebytes / (row["vllm_us"] * 1e-6) / ceiling
+                        except Exception as e:  # noqa: BLE001
+                            row["vllm_error"] = f"{type(e).__name__}: {e}"[:200]
+                            if not CUDA:
+                                vl = None
+                    del prob
+                except Exception as e:  # noqa: BLE001
+                    traceback.print_exc()
+                    row["error"] = f"{type(e).__name__}: {e}"[:200]
+                rows.append(row)
+                log(f"[{tag}] " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                                           for k, v in row.items() if k != "part"))
+            del weights
+            if CUDA:
+                torch.cuda.empty_cache()
+    return rows
+
+
+def part_compiles(shape: tuple, dtype: str, max_m: int) -> dict:
+    """Compiles (jit_monitor) while M sweeps 1..max_m after warm-up, ours and vLLM's."""
+    from kernels import jit_monitor
+    from kernels.fused_moe import fused_moe
+    from kernels.warmup import warmup
+
+    E, N, K, topk = shape
+    jit_monitor.install()
+    res: dict[str, Any] = {"shape": shape, "dtype": dtype, "max_m": max_m,
+                           "interpreter": os.environ.get("TRITON_INTERPRET") == "1"}
+    prob = _problem(shape, max_m, dtype, 1)
+    x, tw, ids = prob["sets"][0]
+    w1, w2 = prob["weights"][:2]
+    jit_monitor.set_phase("warmup")
+    res["ours_variants"] = warmup(E, N, K, topk, torch.bfloat16, max_m, "per_tensor" if dtype == "fp8"
+                                  else None, DEV, static_act=True, verbose=False)
+    before = jit_monitor.snapshot()
+    jit_monitor.set_phase("serving")
+    for m in range(1, max_m + 1):
+        fused_moe(x[:m], w1, w2, tw[:m], ids[:m], fp8=prob["fp8"])
+    snap = jit_monitor.snapshot()
+    res["ours_serving_compiles"] = sum(v for (k, ph, kd), v in snap.items()
+                                       if ph == "serving" and kd == "compile")
+    res["ours_warmup_compiles"] = sum(v for (k, ph, kd), v in before.items() if kd == "compile")
+    vl = _vllm() if CUDA else None
+    if vl is not None:
+        fused_experts, qcfg = vl
+        quant = None
+        if prob["fp8"] is not None:
+            quant = qcfg(w1_scale=prob["weights"][2], w2_scale=prob["weights"][3],
+                         a1_scale=prob["fp8"].a1_scale, a2_scale=prob["fp8"].a2_scale)
+        jit_monitor.set_phase("vllm_warmup")
+        m = 1
+        while m <= max_m:
+            fused_experts(x[:m], w1, w2, tw[:m], ids[:m], quant_config=quant)
+            m *= 2
+        jit_monitor.set_phase("vllm_serving")
+        for m in range(1, max_m + 1):
+            fused_experts(x[:m], w1, w2, tw[:m], ids[:m], quant_config=quant)
+        snap = jit_monitor.snapshot()
+        res["vllm_serving_compiles"] = sum(v for (k, ph, kd), v in snap.items()
+                                           if ph == "vllm_serving" and kd == "compile")
+        res["vllm_serving_by_kernel"] = {k: v for (k, ph, kd), v in snap.items()
+                                         if ph == "vllm_serving" and kd == "compile"}
+    jit_monitor.set_phase("warmup")
+    log(f"[compiles] {res}")
+    return res
+
+
+def part_tune(shapes: dict, dtypes: tuple, out: str, budget: float) -> None:
+    from kernels import tune
+
+    args = sum((["--shape", ",".join(map(str, s))] for s in shapes.values()), [])
+    args += sum((["--dtype", d] for d in dtypes), []) + ["--out", out, "--budget-s", str(budget)]
+    tune.main(args)
+
+
+# ----------------------------------------------------------------------------------------
+def _md_table(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(fmt(r.get(k, "")) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _save(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    md = [f"# bench_kernels ({time.strftime('%Y-%m-%d %H:%M')}, "
+          f"{torch.cuda.get_device_name() if CUDA else 'cpu'})"]
+    for k, v in RESULTS.items():
+        md.append(f"\n## {k}\n")
+        md.append(_md_table(v) if isinstance(v, list) else f"```\n{json.dumps(v, default=str)}\n```")
+    (out / "results.md").write_text("\n".join(md) + "\n")
+
+
+def _run(name: str, fn, *a, **kw) -> None:
+    t0 = time.perf_counter()
+    log(f"==== {name} ====")
+    try:
+        RESULTS[name] = fn(*a, **kw)
+    except Exception as e:  # noqa: BLE001  one failing part must not kill the others
+        traceback.print_exc()
+        RESULTS[name] = {"error": f"{type(e).__name__}: {e}"}
+    log(f"==== {name} done in {time.perf_counter() - t0:.1f}s ====")
+
+
+def _summary() -> None:
+    log("\n===== summary =====")
+    for r in RESULTS.get("correctness", []) if isinstance(RESULTS.get("correctness"), list) else []:
+        if not r["ok"]:
+            log(f"FAIL correctness {r}")
+    corr = RESULTS.get("correctness")
+    if isinstance(corr, list):
+        log(f"correctness: {sum(r['ok'] for r in corr)}/{len(corr)} PASS, "
+            f"max err {max((r['rel_err'] for r in corr), default=0):.2e}")
+    if isinstance(RESULTS.get("sass"), list):
+        for r in RESULTS["sass"]:
+            log(f"sass {r['dtype']} swap={r['swap']} {r['gemm']}: {r['mma']} "
+                f"{'OK' if r['ok'] else 'UNEXPECTED'}")
+    for part in ("bench", "untuned"):
+        rows = RESULTS.get(part)
+        if isinstance(rows, list):
+            log(f"{part}: shape dtype M ours_us vllm_us speedup ours_bw")
+            for r in rows:
+                log(f"  {r['shape']:22s} {r['dtype']:5s} {r['M']:5d} "
+                    f"{r.get('ours_us', float('nan')):9.1f} {r.get('vllm_us', float('nan')):9.1f}"
+                    f" {r.get('speedup', float('nan')):6.2f} {r.get('ours_bw_frac', float('nan')):5.2f}")
+    if "compiles" in RESULTS:
+        log(f"compiles: {RESULTS['compiles']}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    for part in ("correctness", "sass", "tune", "bench", "compiles", "untuned", "smoke"):
+        ap.add_argument(f"--{part}", action="store_true")
+    ap.add_argument("--out", default="bench/out")
+    ap.add_argument("--tune-dir", default=str(ROOT / "kernels" / "configs"))
+    ap.add_argument("--tune-budget-s", type=float, default=65.0)
+    ap.add_argument("--shapes", default=None, help="comma list of names from bench/shapes.py")
+    ap.add_argument("--ms", default=None, help="M list for --bench")
+    ap.add_argument("--dtypes", default="bf16,fp8")
+    ap.add_argument("--sets", type=int, default=8, help="input sets rotated per graph")
+    ap.add_argument("--replays", type=int, default=20)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dtypes = tuple(args.dtypes.split(","))
+    shapes = TUNED if not args.shapes else {k: v for k, v in {**TUNED, **UNTUNED}.items()
+                                             if k in args.shapes.split(",")}
+    ms = tuple(int(m) for m in args.ms.split(",")) if args.ms else M_LIST
+    t0 = time.perf_counter()
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1" and not CUDA:
+            log("--smoke on CPU needs TRITON_INTERPRET=1")
+            return 2
+        _run("correctness", part_correctness, SMOKE, (1, 5), smoke=True)
+        _run("sass", part_sass_subprocess, out)
+        _run("bench", part_bench, SMOKE, (1, 4), dtypes, float("nan"), 2, 3, "bench")
+        _run("compiles", part_compiles, SMOKE["tiny-a"], "fp8", 12)
+        _run("untuned", part_bench, {"tiny-b": SMOKE["tiny-b"]}, (2,), ("bf16",), float("nan"),
+             2, 3, "untuned")
+        _run("tune", part_tune, {"tiny-a": SMOKE["tiny-a"]}, ("bf16",), str(out / "configs"), 5.0)
+    else:
+        if args.bench or args.untuned:
+            _run("ceiling", lambda: {"copy_bytes_per_s": copy_ceiling()})
+        ceiling = (RESULTS.get("ceiling") or {}).get("copy_bytes_per_s", float("nan"))
+        if args.correctness:
+            _run("correctness", part_correctness, shapes, (1, 7, 33), smoke=False)
+        if args.sass:
+            _run("sass", part_sass, out)
+        if args.compiles:
+            _run("compiles", part_compiles, TUNED["Mixtral-8x7B/TP8"], "bf16", 512)
+        if args.tune:
+            _run("tune", part_tune, shapes, dtypes, args.tune_dir, args.tune_budget_s)
+        if args.bench:
+            _run("bench", part_bench, shapes, ms, dtypes, ceiling, args.sets, args.replays,
+                 "bench")
+        if args.untuned:
+            _run("untuned", part_bench, UNTUNED, (1, 8, 64, 512), dtypes, ceiling, args.sets,
+                 args.replays, "untuned")
+    _save(out)
+    _summary()
+    log(f"total {time.perf_counter() - t0:.0f}s; results in {out}/results.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
