@@ -70,7 +70,7 @@ async def generate_deltas(engine: EngineHandle, jobs: list[PromptJob], n: int,
         try:
             async for out in engine.generate(job.prompt_ids, job.params, job.request_id):
                 for o in out.outputs:
-                    observer.on_tokens(o.index, len(o.token_ids))
+                    observer.on_tokens(o.index, len(o.token_ids), o.finish_reason)
                     yield Delta(o.index, o.text, len(o.token_ids), o.finish_reason)
         except (EngineClientError, EngineNotReady, EngineDead) as exc:
             raise as_api_error(exc) from exc
@@ -86,7 +86,7 @@ async def generate_deltas(engine: EngineHandle, jobs: list[PromptJob], n: int,
             elif isinstance(item, BaseException):
                 raise as_api_error(item) from item
             else:
-                observer.on_tokens(item.choice, item.num_tokens)
+                observer.on_tokens(item.choice, item.num_tokens, item.finish_reason)
                 yield item
     finally:
         for task in tasks:

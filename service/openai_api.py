@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from service.errors import APIError, sse_error_event
-from service.metrics import RequestObserver
+from service.metrics import RequestObserver, status_for_http
 from service.generation import Delta, PromptJob, as_api_error, generate_deltas
 from service.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from service.responses import ResponseFormat
@@ -102,9 +102,13 @@ async def _serve(state: ServerState, request: Request, body: SamplingFields, fmt
                  jobs: list[PromptJob], echoes: list[str]) -> Response:
     """Admit, run and answer (stream or JSON) one validated request."""
     prompt_tokens = sum(len(job.prompt_ids) for job in jobs)
-    ticket = await until_disconnect(request, state.admission.acquire(prompt_tokens))
-    observer = state.metrics.start()
-    observer.prompt_tokens = prompt_tokens
+    observer = state.metrics.start(prompt_tokens)
+    try:
+        ticket = await until_disconnect(request, state.admission.acquire(prompt_tokens))
+    except BaseException as exc:
+        observer.finish(status_for_http(exc.status) if isinstance(exc, APIError) else "aborted")
+        raise
+    observer.admitted()
     deltas = generate_deltas(state.engine, jobs, body.n, observer)
 
     async def close(status: str) -> None:

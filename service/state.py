@@ -27,13 +27,14 @@ class ServerState:
     @classmethod
     def create(cls, settings: Settings, engine: EngineHandle) -> "ServerState":
         registry = CollectorRegistry()
+        admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests,
+                              settings.max_prompt_tokens_in_flight)
         return cls(
             settings=settings,
             engine=engine,
             registry=registry,
-            metrics=ServiceMetrics(registry, settings.model_name),
-            admission=Admission(settings.max_concurrent_requests, settings.max_queued_requests,
-                                settings.max_prompt_tokens_in_flight),
+            metrics=ServiceMetrics(registry, settings.model_name, queued=lambda: admission.queued),
+            admission=admission,
         )
 
     def engine_unavailable(self) -> Exception:
