@@ -1,0 +1,95 @@
+"""Run one scenario against one server with either engine, then write the report."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from loadtest import prom
+from loadtest.records import RECORDS_FILE
+from loadtest.report import write_report
+from loadtest.scenarios import Options, Scenario, build
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
+
+
+@dataclass
+class Target:
+    host: str
+    model: str
+    api_key: str = ""
+    metrics_api_key: str = ""
+    label: str = ""
+
+
+def locust_command(sc: Scenario, t: Target, out: Path) -> list[str]:
+    """The headless `locust` command line for scenario `sc` (CSV prefix out/locust)."""
+    o = sc.options
+    return [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", t.host,
+            "--csv", str(out / "locust"), "--csv-full-history", "--only-summary", "--loglevel", "WARNING",
+            "--lt-scenario", sc.name, "--lt-model", t.model, "--lt-api-key", t.api_key,
+            "--lt-max-users", str(o.max_users), "--lt-step-seconds", str(o.step_seconds),
+            "--lt-max-tokens", str(o.max_tokens), "--lt-prompt-words", str(o.prompt_words),
+            "--lt-seed", str(o.seed), "--lt-records", str(out / RECORDS_FILE)]
+
+
+def _run_locust(sc: Scenario, t: Target, out: Path, grace_s: float) -> int:
+    cmd = locust_command(sc, t, out)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    with open(out / "locust.log", "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            return proc.wait(timeout=sc.duration + grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+            return -9
+
+
+def _command_line() -> str:
+    """How this process was started, as `python -m loadtest ...` where it was."""
+    argv = list(sys.argv)
+    if argv and argv[0].endswith(("loadtest/__main__.py", "loadtest/cli.py")):
+        return shlex.join(["python", "-m", "loadtest", *argv[1:]])
+    return shlex.join(argv) if argv else ""
+
+
+def run(scenario: str, options: Options, target: Target, out: Path, engine: str = "locust",
+        grace_s: float = 60.0, plots: bool = True) -> dict:
+    """Scrape /metrics, run the load, scrape again, write the report into `out`; returns the report."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RECORDS_FILE).unlink(missing_ok=True)
+    sc = build(scenario, options)
+    meta = {"scenario": sc.describe(), "host": target.host, "model": target.model, "engine": engine,
+            "label": target.label, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "command": _command_line()}
+    (out / "meta.json").write_text(json.dumps(meta, indent=2))
+    key = target.metrics_api_key or target.api_key
+    before = prom.scrape(target.host, key)
+    if before is not None:
+        (out / "metrics_before.prom").write_text(before)
+    print(f"[loadtest] {sc.name} on {target.host} with {engine}: {len(sc.stages)} stages, "
+          f"{sc.duration:.0f} s", flush=True)
+    if engine == "locust":
+        rc = _run_locust(sc, target, out, grace_s)
+        print(f"[loadtest] locust exited with {rc} (1 = some requests failed)", flush=True)
+    elif engine == "asyncio":
+        from loadtest.async_engine import run_async
+
+        run_async(sc, target.host, target.model, target.api_key, out / RECORDS_FILE)
+    else:
+        raise ValueError(f"unknown engine {engine!r}")
+    after = prom.scrape(target.host, key)
+    if after is not None:
+        (out / "metrics_after.prom").write_text(after)
+    report = write_report(out, plots=plots)
+    print(f"[loadtest] report: {out / 'report.md'}", flush=True)
+    return report
