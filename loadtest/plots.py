@@ -25,13 +25,20 @@ def _active(stages: list[dict]) -> list[dict]:
     return [s for s in stages if s["users"] > 0 and s["requests"] > 0]
 
 
+def _users_axis(ax, x: list[int]) -> None:
+    ax.set_xscale("log", base=2)
+    ticks = sorted(set(x))
+    ax.set_xticks(ticks, [str(v) for v in ticks])
+    ax.minorticks_off()
+
+
 def ttft_vs_users(stages: list[dict], title: str, path: Path) -> None:
     fig, ax = plt.subplots(**_FIG)
     rows = _active(stages)
     x = [s["users"] for s in rows]
     for key, label in (("ttft_p50_ms", "p50"), ("ttft_p90_ms", "p90"), ("ttft_p99_ms", "p99")):
         ax.plot(x, [s[key] for s in rows], marker="o", label=f"TTFT {label}")
-    ax.set_xscale("log", base=2)
+    _users_axis(ax, x)
     ax.set(xlabel="concurrent users", ylabel="TTFT (ms)", title=title)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -43,7 +50,7 @@ def throughput_vs_users(stages: list[dict], title: str, path: Path) -> None:
     rows = _active(stages)
     x = [s["users"] for s in rows]
     ax.plot(x, [s["output_tok_s"] for s in rows], marker="o", color="tab:green", label="output tok/s")
-    ax.set_xscale("log", base=2)
+    _users_axis(ax, x)
     ax.set(xlabel="concurrent users", ylabel="output tokens / s", title=title)
     ax2 = ax.twinx()
     ax2.plot(x, [s["req_s"] for s in rows], marker="s", color="tab:gray", linestyle="--", label="requests / s")
