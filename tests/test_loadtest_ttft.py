@@ -1,6 +1,6 @@
 """The TTFT the load test records is the time to the first *content* chunk.
 
-A stub OpenAI server (a few lines of ASGI under uvicorn, in a thread) sends an empty role
+A stub OpenAI server (a few lines of ASGI under uvicorn, in its own process) sends an empty role
 chunk at once, waits FIRST_DELAY_S, then streams `max_tokens` chunks GAP_S apart.
 """
 
@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
-import uvicorn
 
 from loadtest.runner import Target, run
 from loadtest.scenarios import Options
-from tests.server_proc import free_port
+from tests.server_proc import REPO, free_port
 
 FIRST_DELAY_S = 0.3
 GAP_S = 0.01
@@ -57,18 +58,26 @@ async def stub_app(scope, receive, send) -> None:
 
 
 @pytest.fixture(scope="module")
-def stub_url() -> Iterator[str]:
+def stub_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(stub_app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+    log = open(tmp_path_factory.mktemp("stub") / "stub.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "tests.test_loadtest_ttft:stub_app", "--port",
+                             str(port), "--log-level", "warning"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started, "stub server did not start"
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(url + "/health", timeout=1)
+            break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail("stub server did not start")
+    yield url
+    proc.terminate()
+    proc.wait(10)
+    log.close()
 
 
 @pytest.mark.parametrize("engine", ["locust", "asyncio"])
@@ -81,8 +90,9 @@ def test_ttft_is_time_to_first_content_chunk(stub_url: str, engine: str, tmp_pat
     decode_s = (MAX_TOKENS - 1) * GAP_S
     for r in ok:
         assert FIRST_DELAY_S <= r["ttft"] < FIRST_DELAY_S + 0.1, r
-        assert 0.8 * GAP_S <= r["itl"] < GAP_S + 0.02, r  # the first chunk may land late, shrinking the mean gap
-        assert FIRST_DELAY_S + decode_s <= r["e2e"] < FIRST_DELAY_S + decode_s + 0.2, r
+        # the first chunk may land late (shrinking the mean gap); a shared CI core may stretch it
+        assert 0.8 * GAP_S <= r["itl"] < 3 * GAP_S, r
+        assert FIRST_DELAY_S + decode_s <= r["e2e"] < FIRST_DELAY_S + decode_s + 0.3, r
         assert r["output_tokens"] == MAX_TOKENS
     for stage in report["stages"]:
         assert FIRST_DELAY_S * 1000 <= stage["ttft_p50_ms"] < (FIRST_DELAY_S + 0.1) * 1000
