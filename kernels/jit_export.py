@@ -158,6 +158,10 @@ class WorkerReport:
         self._dirty = False
         self._thread: threading.Thread | None = None
 
+    def set_dir(self, runtime_dir: str | Path | None) -> None:
+        """Start writing to runtime_dir (None: keep the report in memory only)."""
+        self.dir = Path(runtime_dir) if runtime_dir else None
+
     @property
     def path(self) -> Path | None:
         return None if self.dir is None else self.dir / f"{_PREFIX}{os.getpid()}.json"
@@ -194,7 +198,7 @@ class WorkerReport:
             tmp = path.with_suffix(f".tmp{threading.get_ident()}")
             tmp.write_text(text)
             os.replace(tmp, path)
-        except OSError:
+        except Exception:  # noqa: BLE001
             pass
 
     def _ensure_thread(self) -> None:

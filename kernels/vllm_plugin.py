@@ -199,7 +199,7 @@ def _on_worker_init(worker: Any) -> None:
     sched = getattr(cfg, "scheduler_config", None)
     _max_tokens = getattr(sched, "max_num_batched_tokens", None)
     rep = report()
-    rep.dir = _runtime_dir()
+    rep.set_dir(_runtime_dir())
     rep.update(rank=getattr(worker, "rank", None), local_rank=getattr(worker, "local_rank", None),
                worker_class=f"{cls.__module__}.{cls.__qualname__}", kernel_info=_kernel_info(cfg),
                max_num_batched_tokens=_max_tokens, vllm_version=_vllm_version())
@@ -247,26 +247,45 @@ def _wrap_warmup(cls: type) -> None:
 
     @functools.wraps(orig)
     def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        from kernels import jit_monitor
-
-        if os.environ.get(TEST_KERNEL_ENV) == "1":
-            compile_probe_kernel(7)
-        if mode() == "optimized":
-            warm_pending()
+        _guarded("pre-warm-up", _before_vllm_warmup)
         result = orig(self, *args, **kwargs)
-        if mode() == "optimized":
-            warm_pending()  # shapes first seen during vLLM's own warm-up / graph capture
-        jit_monitor.set_phase("serving")
-        report().update(phase="serving")
-        _save_jit()
-        logger.info("moe-serve plugin: rank %s ready, Triton JIT phase -> serving", report().data.get("rank"))
-        if os.environ.get(TEST_KERNEL_ENV) == "1":
-            compile_probe_kernel(16)  # new divisibility class of n: one serving-phase compile
+        _guarded("post-warm-up", _after_vllm_warmup)
         return result
 
     compile_or_warm_up_model.__moe_serve__ = True
     setattr(cls, WARMUP_METHOD, compile_or_warm_up_model)
     _hooks.append(f"{cls.__qualname__}.{WARMUP_METHOD}")
+
+
+def _guarded(what: str, fn: Callable[[], None]) -> None:
+    """Run a plugin step; log and record failures instead of killing the worker."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001
+        logger.error("moe-serve plugin: %s step failed: %r", what, exc)
+        report().data.setdefault("hook_errors", {})[what] = repr(exc)
+        report().save()
+
+
+def _before_vllm_warmup() -> None:
+    if os.environ.get(TEST_KERNEL_ENV) == "1":
+        compile_probe_kernel(7)
+    if mode() == "optimized":
+        warm_pending()
+
+
+def _after_vllm_warmup() -> None:
+    """vLLM's warm-up / CUDA-graph capture is done: our last shapes, then phase -> serving."""
+    from kernels import jit_monitor
+
+    if mode() == "optimized":
+        warm_pending()  # shapes first seen during vLLM's own warm-up / graph capture
+    jit_monitor.set_phase("serving")
+    report().update(phase="serving")
+    _save_jit()
+    logger.info("moe-serve plugin: rank %s ready, Triton JIT phase -> serving", report().data.get("rank"))
+    if os.environ.get(TEST_KERNEL_ENV) == "1":
+        compile_probe_kernel(16)  # new divisibility class of n: one serving-phase compile
 
 
 # ----------------------------------------------------------------------------- warm-up
