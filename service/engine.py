@@ -67,6 +67,9 @@ def build_engine_args(settings: Settings, model_path: str) -> Any:
     if settings.max_num_seqs is not None:
         kwargs["max_num_seqs"] = settings.max_num_seqs
     kwargs.update(settings.engine_args)
+    from kernels import backend_policy
+
+    backend_policy.apply(kwargs, settings.moe_kernels, model_path)  # an explicit moe_backend wins
     return AsyncEngineArgs(**kwargs)
 
 
@@ -89,6 +92,7 @@ class EngineHandle:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         began = time.perf_counter()
+        os.environ["MOE_SERVE_MOE_KERNELS"] = self.settings.moe_kernels  # read by the plugin in every worker
         try:
             args = build_engine_args(self.settings, self.model_path)
             logger.info("starting vLLM engine: model=%s tp=%s", self.model_path, args.tensor_parallel_size)

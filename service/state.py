@@ -27,6 +27,10 @@ class ServerState:
     @classmethod
     def create(cls, settings: Settings, engine: EngineHandle) -> "ServerState":
         registry = CollectorRegistry()
+        # vLLM workers report (plugin state, Triton JIT compiles) into files in this dir.
+        from kernels.jit_export import WorkerCollector, prepare_runtime_dir
+
+        registry.register(WorkerCollector(prepare_runtime_dir()))
         admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests,
                               settings.max_prompt_tokens_in_flight)
         return cls(
