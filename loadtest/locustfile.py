@@ -15,7 +15,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import gevent  # noqa: E402
 from gevent import GreenletExit  # noqa: E402
+from locust import stats as locust_stats  # noqa: E402
 from locust import FastHttpUser, LoadTestShape, constant, events, task  # noqa: E402
 
 from loadtest.records import RecordWriter, make_record  # noqa: E402
@@ -57,8 +59,12 @@ def _open_records(environment, **_kw) -> None:
 
 @events.quitting.add_listener
 def _close_records(environment, **_kw) -> None:
+    """Users have stopped: close the records, and let Locust's periodic CSV writer run once
+    more (it does not write at shutdown, so the CSVs could miss the last second)."""
     if _state.get("writer"):
         _state["writer"].close()
+    if environment.parsed_options.csv_prefix:
+        gevent.sleep(1.5 * locust_stats.CSV_STATS_INTERVAL_SEC + 0.2)
 
 
 class StepShape(LoadTestShape):
