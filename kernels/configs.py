@@ -7,7 +7,10 @@ dir in $MOE_SERVE_KERNEL_CONFIG_DIR, searched first). Content::
            "num_stages": 4, "SWAP_AB": true, "DOWN": {...same keys but BLOCK_M...}}, ...}
 
 The top-level entry is GEMM1 (gate/up); "DOWN" (optional) overrides it for GEMM2. Both share
-BLOCK_M (one alignment). M is mapped to the smallest bucket >= M (else the largest), so the
+BLOCK_M (one alignment). Optional keys: "SPLIT_K" (default 1; K-splits reduced with fp32
+atomics, GEMM1's and DOWN's independent) and "FUSE_GU" (GEMM1 only, default true: one program
+computes both the gate and the up tile; false: 2N/BLOCK_N programs). GEMM1 with SPLIT_K > 1 or
+FUSE_GU false writes the fp32 pre-activation and GEMM2 applies SiLU-and-mul on load. M is mapped to the smallest bucket >= M (else the largest), so the
 set of configs, hence of compiled variants, is finite.
 """
 from __future__ import annotations
@@ -20,6 +23,8 @@ from typing import Any
 
 M_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SWAP_AB")
+OPTIONAL = {"SPLIT_K": 1, "FUSE_GU": True}   # absent in older files: today's fused path
+MAX_SPLIT_K = 16
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 NUM_SMS_DEFAULT = 132  # H100/H200 SXM
 
@@ -54,14 +59,20 @@ def validate(cfg: Config) -> Config:
     if missing:
         raise ValueError(f"config {cfg} lacks {missing}")
     out = {k: (bool(cfg[k]) if k == "SWAP_AB" else int(cfg[k])) for k in KEYS}
+    out["SPLIT_K"] = int(cfg.get("SPLIT_K", 1))
+    out["FUSE_GU"] = bool(cfg.get("FUSE_GU", True))
     for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
         v = out[k]
         if v < 16 or v & (v - 1):
             raise ValueError(f"{k}={v} must be a power of two >= 16")
+    sk = out["SPLIT_K"]
+    if sk < 1 or sk & (sk - 1) or sk > MAX_SPLIT_K:
+        raise ValueError(f"SPLIT_K={sk} must be a power of two in 1..{MAX_SPLIT_K}")
     down = cfg.get("DOWN")
     if down:
-        d = validate({**out, **{k: v for k, v in down.items() if k != "BLOCK_M"}})
-        out["DOWN"] = {k: d[k] for k in KEYS if k != "BLOCK_M"}
+        d = validate({**{k: out[k] for k in KEYS}, "SPLIT_K": 1,
+                      **{k: v for k, v in down.items() if k not in ("BLOCK_M", "FUSE_GU")}})
+        out["DOWN"] = {k: d[k] for k in KEYS + ("SPLIT_K",) if k != "BLOCK_M"}
     return out
 
 
@@ -74,11 +85,25 @@ def _tile_n(n_out: int, active_blocks: int, allow_small: bool, num_sms: int) -> 
     return choices[-1]
 
 
+def split_k_for(programs: int, k_tiles: int, target: int, min_tiles: int = 2) -> int:
+    """Smallest power-of-two SPLIT_K giving >= target programs, keeping >= min_tiles K tiles
+    per split (each program must still stream a pipeline's worth of weight)."""
+    s = 1
+    while programs * s < target and s * 2 <= MAX_SPLIT_K and k_tiles >= 2 * s * min_tiles:
+        s *= 2
+    return s
+
+
 def default_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
                    num_sms: int = NUM_SMS_DEFAULT) -> Config:
     """Heuristic config for bucket M. Decode is weight-bandwidth bound: choose tiles that
     give >= ~1 wave of programs over the SMs, swap AB while BLOCK_M < 64 (weight rows in
-    wgmma's M slot), deep pipelines at small M; large M uses 128-wide tiles."""
+    wgmma's M slot), deep pipelines at small M; large M uses 128-wide tiles.
+
+    Small M: when GEMM1's fused gate+up grid (hit experts x N/BLOCK_N) is under ~2 programs
+    per SM, un-fuse gate/up (2N/BLOCK_N programs, each half the bytes) and split K until the
+    grid reaches ~2 x num_sms; GEMM2 likewise splits K (its reduction dim N) when
+    hit experts x K/BLOCK_N is short."""
     fp8 = dtype.startswith("fp8")
     slots = M * topk
     tokens_per_expert = slots / E
@@ -97,10 +122,24 @@ def default_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
     bn2 = _tile_n(K, active_blocks, not swap, num_sms)
     if block_m >= 128:
         bn1 = bn2 = 128
-    cfg = {**gate, "BLOCK_N": bn1, "SWAP_AB": swap}
+    cfg = {**gate, "BLOCK_N": bn1, "SWAP_AB": swap, "SPLIT_K": 1, "FUSE_GU": True}
     down_bk = min(bk, max(16, 1 << (N - 1).bit_length()))
-    cfg["DOWN"] = {"BLOCK_N": bn2, "BLOCK_K": down_bk, "GROUP_M": gate["GROUP_M"],
-                   "num_warps": gate["num_warps"], "num_stages": stages, "SWAP_AB": swap}
+    down = {"BLOCK_N": bn2, "BLOCK_K": down_bk, "GROUP_M": gate["GROUP_M"],
+            "num_warps": gate["num_warps"], "num_stages": stages, "SWAP_AB": swap, "SPLIT_K": 1}
+    target = 2 * num_sms
+    if block_m < 64:
+        p1 = active_blocks * -(-N // bn1)
+        if p1 < target:
+            bn1 = 64 if swap else bn1
+            cfg["BLOCK_N"] = bn1
+            cfg["FUSE_GU"] = False
+            p1 = active_blocks * -(-2 * N // bn1)
+            cfg["SPLIT_K"] = split_k_for(p1, -(-K // cfg["BLOCK_K"]), target)
+        p2 = active_blocks * -(-K // bn2)
+        down["SPLIT_K"] = split_k_for(p2, -(-N // down_bk), target)
+        if down["SPLIT_K"] > 1:   # split reductions: fewer stages per program suffice
+            down["num_stages"] = min(stages, 3)
+    cfg["DOWN"] = down
     return validate(cfg)
 
 
@@ -140,5 +179,5 @@ def buckets_for(E: int, N: int, K: int, dtype: str, device: str | None = None) -
 
 
 def down_config(cfg: Config) -> Config:
-    """GEMM2's config: cfg with its DOWN overrides applied."""
-    return {**{k: cfg[k] for k in KEYS}, **cfg.get("DOWN", {})}
+    """GEMM2's config: cfg with its DOWN overrides applied (SPLIT_K only from DOWN)."""
+    return {**{k: cfg[k] for k in KEYS}, "SPLIT_K": 1, **cfg.get("DOWN", {})}

@@ -1,7 +1,13 @@
 """Launcher of the fused MoE: align -> GEMM1 (+SiLU-and-mul) -> GEMM2 (+routed weight) -> top-k sum.
 
-Four launches (three when topk == 1), no host sync, every buffer sized from shapes only:
-CUDA-graph capturable.
+Fused path (SPLIT_K 1, FUSE_GU): four launches (three when topk == 1).
+Split / un-fused path (decode: more programs streaming weights):
+    align, one zero-fill of an fp32 workspace (only when a SPLIT_K > 1),
+    GEMM1 -> h [T, 2N] fp32 pre-activation (atomic partials when its SPLIT_K > 1),
+    GEMM2 with SiLU-and-mul applied on loading h (A_SILU) -> fp32 [M, K] atomically
+    (SPLIT_K > 1; rows = token, so the top-k reduction rides on the atomics) or c [T, K],
+    top-k sum / fp32 -> out dtype conversion.  = 5 launches at most.
+No host sync, every buffer sized from shapes only: CUDA-graph capturable.
 """
 from __future__ import annotations
 
@@ -62,11 +68,13 @@ def _a_mode(a_dtype: torch.dtype, a_scale: torch.Tensor | None, fp8: bool, what:
 def _launch_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, n_out: int, k_in: int,
                  a_scale: torch.Tensor | None, w_scale: torch.Tensor | None, w_mode: int,
                  a_mode: int, topk_weights: torch.Tensor, align: tuple, num_valid: int,
-                 a_row_div: int, fuse_silu: bool, mul_routed: bool, cfg: dict[str, Any]) -> None:
+                 a_row_div: int, gate_up: bool, epi: int, mul_routed: bool, cfg: dict[str, Any],
+                 a_silu: bool = False, c_row_div: int = 1) -> None:
     sorted_ids, expert_ids, num_post = align
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    split_k = int(cfg.get("SPLIT_K", 1))
     num_m_blocks = expert_ids.numel()
-    grid = (num_m_blocks * triton.cdiv(n_out, bn),)
+    grid = (num_m_blocks * triton.cdiv(n_out, bn), split_k)
     dummy = topk_weights  # any tensor for unused pointers
     ws = w_scale if w_scale is not None else dummy
     launch(
@@ -76,12 +84,27 @@ def _launch_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, n_out: int, 
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
         c.stride(0), c.stride(1),
         ws.stride(0) if w_mode else 0, (ws.stride(1) if w_mode == 2 else 0),
-        A_ROW_DIV=a_row_div, FUSE_SILU=fuse_silu, MUL_ROUTED=mul_routed,
+        A_ROW_DIV=a_row_div, GATE_UP=gate_up, EPI=epi, MUL_ROUTED=mul_routed,
         A_MODE=a_mode, W_SCALE=w_mode, EVEN_K=k_in % cfg["BLOCK_K"] == 0,
         SWAP_AB=cfg["SWAP_AB"], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"],
         GROUP_M=cfg["GROUP_M"], FP8_PREROUND=a_mode >= 2 and _INTERPRET,
+        SPLIT_K=split_k, A_SILU=a_silu, C_ROW_DIV=c_row_div,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+
+
+def num_programs(M: int, E: int, N: int, K: int, topk: int, cfg: dict[str, Any]) -> tuple[int, int]:
+    """(GEMM1, GEMM2) programs of a config when every (token, expert) pair is a distinct
+    expert (decode worst case for the block count: min(T, E) hit experts)."""
+    from kernels.align import max_padded_len
+
+    T = M * topk
+    blocks = -(-max_padded_len(T, E, cfg["BLOCK_M"]) // cfg["BLOCK_M"])
+    down = configs.down_config(cfg)
+    rows1 = N if cfg.get("FUSE_GU", True) else 2 * N
+    g1 = blocks * -(-rows1 // cfg["BLOCK_N"]) * int(cfg.get("SPLIT_K", 1))
+    g2 = blocks * -(-K // down["BLOCK_N"]) * int(down.get("SPLIT_K", 1))
+    return g1, g2
 
 
 def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -136,14 +159,41 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         w1s, w1_mode = _w_scale(fp8.w1_scale, E, 2 * N, "w1_scale")
         w2s, w2_mode = _w_scale(fp8.w2_scale, E, K, "w2_scale")
         a1s, a2s = fp8.a1_scale, fp8.a2_scale
-    act = torch.empty((T, N), dtype=out_dtype, device=dev)            # [T, N]
-    _launch_gemm(hidden_states, w1, act, N, K, a1s, w1s, w1_mode,
-                 _a_mode(hidden_states.dtype, a1s, use_fp8, "a1_scale"), topk_weights, align,
-                 T, topk, True, apply_router_weight_on_input, cfg)
+    split1 = int(cfg.get("SPLIT_K", 1))
+    split2 = int(down.get("SPLIT_K", 1))
+    fused1 = split1 == 1 and cfg.get("FUSE_GU", True)
+    a_mode1 = _a_mode(hidden_states.dtype, a1s, use_fp8, "a1_scale")
+    # one fp32 workspace: [h (T x 2N) when GEMM1 is split/un-fused][c32 (M x K) when GEMM2 split]
+    n_h = 0 if fused1 else T * 2 * N
+    n_c = M * K if split2 > 1 else 0
+    ws = None
+    if n_h + n_c:
+        ws = torch.empty(n_h + n_c, dtype=torch.float32, device=dev)
+        if split1 > 1 or split2 > 1:
+            ws.zero_()                                                 # one memset
+    if fused1:
+        act = torch.empty((T, N), dtype=out_dtype, device=dev)        # [T, N]
+        _launch_gemm(hidden_states, w1, act, N, K, a1s, w1s, w1_mode, a_mode1, topk_weights,
+                     align, T, topk, True, 1, apply_router_weight_on_input, cfg)
+    else:
+        act = ws[:n_h].view(T, 2 * N)                                 # h = [gate | up], fp32
+        gate_up = bool(cfg.get("FUSE_GU", True))
+        _launch_gemm(hidden_states, w1, act, N if gate_up else 2 * N, K, a1s, w1s, w1_mode,
+                     a_mode1, topk_weights, align, T, topk, gate_up, 2 if split1 > 1 else 0,
+                     apply_router_weight_on_input, cfg)
+    a_mode2 = _a_mode(act.dtype, a2s, use_fp8, "a2_scale")
+    if split2 > 1:
+        c32 = ws[n_h:].view(M, K)
+        _launch_gemm(act, w2, c32, K, N, a2s, w2s, w2_mode, a_mode2, topk_weights, align,
+                     T, 1, False, 2, not apply_router_weight_on_input, down,
+                     a_silu=not fused1, c_row_div=topk)
+        bk = min(1024, triton.next_power_of_2(K))
+        launch(topk_sum_kernel, (M, triton.cdiv(K, bk)),
+               c32, out, K, c32.stride(0), out.stride(0), TOPK=1, BLOCK_K=bk, num_warps=4)
+        return out
     c2 = out if topk == 1 else torch.empty((T, K), dtype=out_dtype, device=dev)  # [T, K]
-    _launch_gemm(act, w2, c2, K, N, a2s, w2s, w2_mode,
-                 _a_mode(act.dtype, a2s, use_fp8, "a2_scale"), topk_weights, align,
-                 T, 1, False, not apply_router_weight_on_input, down)
+    _launch_gemm(act, w2, c2, K, N, a2s, w2s, w2_mode, a_mode2, topk_weights, align,
+                 T, 1, False, 0, not apply_router_weight_on_input, down, a_silu=not fused1)
     if topk > 1:
         bk = min(1024, triton.next_power_of_2(K))
         launch(topk_sum_kernel, (M, triton.cdiv(K, bk)),

@@ -2,9 +2,20 @@
 
 c[slot, n] = epilogue( sum_k a[slot // A_ROW_DIV, k] * w[expert(slot), n, k] )
 
-GEMM1 (FUSE_SILU): w = w1 [E, 2N, K]; gate rows n, up rows N + n; writes
+GEMM1 (GATE_UP, EPI 1): w = w1 [E, 2N, K]; gate rows n, up rows N + n; writes
     act[slot, n] = silu(g) * u            (g, u dequantized, optionally * routed weight)
 GEMM2:             w = w2 [E, K, N]; writes c[slot, k] (optionally * routed weight).
+
+Split-K / un-fused paths (decode: fill the GPU with programs streaming weights):
+GATE_UP: one program computes the gate tile (rows n) and the up tile (rows N + n); else the
+    weight is treated as a plain [rows, K] matrix (GEMM1 un-fused: N = 2N rows, 2x programs).
+EPI: 0 store c[slot // C_ROW_DIV, n] in c's dtype (GATE_UP: gate at n, up at N + n);
+     1 SiLU-and-mul epilogue (needs GATE_UP, SPLIT_K == 1);
+     2 tl.atomic_add of fp32 partial sums into a zeroed fp32 c (any SPLIT_K; all epilogue
+       scales are linear, so each K-split applies them to its partial).
+SPLIT_K: program_id(1) = K-split s, which reduces K tiles [s*TPS, (s+1)*TPS).
+A_SILU: A is a [T, 2K] pre-activation h (gate cols 0..K-1, up cols K..2K-1, fp32 sums of an
+    un-fused/split GEMM1): the A tile is silu(h_gate) * h_up computed on load (GEMM2).
 
 A_MODE (activation handling):
     0: float A, float W (bf16/fp16/fp32 tl.dot)
@@ -51,21 +62,33 @@ def _mma(acc, a, w, SWAP_AB: tl.constexpr):
     return acc
 
 
+@triton.jit
+def _load_a(a_ptrs, mask, up_off, A_SILU: tl.constexpr):
+    """A tile; with A_SILU: silu(gate) * up from the two halves of h (fp32)."""
+    if A_SILU:
+        g = tl.load(a_ptrs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(a_ptrs + up_off, mask=mask, other=0.0).to(tl.float32)
+        return g * tl.sigmoid(g) * u
+    else:
+        return tl.load(a_ptrs, mask=mask, other=0.0)
+
+
 @jit(do_not_specialize=["num_valid", "num_m_blocks"])
 def moe_gemm_kernel(
     # pointers
     a_ptr, w_ptr, c_ptr, a_scale_ptr, w_scale_ptr, topk_w_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
-    # sizes (N = output columns; the weight has 2N rows when FUSE_SILU)
+    # sizes (N = output columns; the weight has 2N rows when GATE_UP)
     N, K, num_valid, num_m_blocks,
     # strides
     stride_am, stride_ak, stride_we, stride_wn, stride_wk,
     stride_cm, stride_cn, stride_se, stride_sn,
     # constexprs
-    A_ROW_DIV: tl.constexpr, FUSE_SILU: tl.constexpr, MUL_ROUTED: tl.constexpr,
+    A_ROW_DIV: tl.constexpr, GATE_UP: tl.constexpr, EPI: tl.constexpr, MUL_ROUTED: tl.constexpr,
     A_MODE: tl.constexpr, W_SCALE: tl.constexpr, EVEN_K: tl.constexpr,
     SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FP8_PREROUND: tl.constexpr,
+    SPLIT_K: tl.constexpr, A_SILU: tl.constexpr, C_ROW_DIV: tl.constexpr,
 ):
     # ---- program -> (m block, n tile), grouped for L2 reuse --------------------------
     pid = tl.program_id(0)
@@ -87,6 +110,7 @@ def moe_gemm_kernel(
     offs_nw = offs_n % N                                             # wrapped: loads in bounds
     offs_k = tl.arange(0, BLOCK_K)
 
+    up_off = K * stride_ak                                           # A_SILU: up half of h
     a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak       # [BM, BK]
     wg_ptrs = w_ptr + expert * stride_we + offs_nw[:, None] * stride_wn \
         + offs_k[None, :] * stride_wk                                                # [BN, BK]
@@ -97,7 +121,7 @@ def moe_gemm_kernel(
         amax = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             kmask = offs_k[None, :] < K - k * BLOCK_K
-            a = tl.load(a_ptrs + k * BLOCK_K * stride_ak, mask=row_mask[:, None] & kmask, other=0.0)
+            a = _load_a(a_ptrs + k * BLOCK_K * stride_ak, row_mask[:, None] & kmask, up_off, A_SILU)
             amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), axis=1))
         a_scale = tl.maximum(amax, 1e-10) / 448.0                    # [BM]
         a_inv = (1.0 / a_scale)[:, None]
@@ -112,19 +136,32 @@ def moe_gemm_kernel(
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
-    # ---- main loop over K --------------------------------------------------------------
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    # ---- main loop over this program's K tiles ---------------------------------------
+    num_k_tiles = tl.cdiv(K, BLOCK_K)
+    if SPLIT_K > 1:
+        tiles_per_split = tl.cdiv(num_k_tiles, SPLIT_K)
+        k_first = tl.program_id(1) * tiles_per_split
+        k_last = tl.minimum(k_first + tiles_per_split, num_k_tiles)
+        a_ptrs += k_first * BLOCK_K * stride_ak
+        wg_ptrs += k_first * BLOCK_K * stride_wk
+        wu_ptrs += k_first * BLOCK_K * stride_wk
+    else:
+        k_first = 0
+        k_last = num_k_tiles
+    for k in range(k_first, k_last):
         if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+            a = _load_a(a_ptrs, row_mask[:, None], up_off, A_SILU)
             wg = tl.load(wg_ptrs)
         else:
             kmask = offs_k[None, :] < K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=row_mask[:, None] & kmask, other=0.0)
+            a = _load_a(a_ptrs, row_mask[:, None] & kmask, up_off, A_SILU)
             wg = tl.load(wg_ptrs, mask=kmask, other=0.0)
         if A_MODE >= 2:
             a = _quant_fp8(a, a_inv, FP8_PREROUND)
+        elif A_MODE == 0:
+            a = a.to(wg.dtype)
         acc_g = _mma(acc_g, a, wg, SWAP_AB)
-        if FUSE_SILU:
+        if GATE_UP:
             if EVEN_K:
                 wu = tl.load(wu_ptrs)
             else:
@@ -136,7 +173,7 @@ def moe_gemm_kernel(
 
     if SWAP_AB:
         acc_g = tl.trans(acc_g)                                      # [BM, BN]
-        if FUSE_SILU:
+        if GATE_UP:
             acc_u = tl.trans(acc_u)
 
     # ---- epilogue: dequant, routed weight, SiLU-and-mul, store --------------------------
@@ -148,24 +185,31 @@ def moe_gemm_kernel(
         row_scale = row_scale * tl.load(w_scale_ptr + expert * stride_se).to(tl.float32)
     if A_MODE != 0:
         acc_g = acc_g * row_scale
-        if FUSE_SILU:
+        if GATE_UP:
             acc_u = acc_u * row_scale
     if W_SCALE == 2:
         s_ptrs = w_scale_ptr + expert * stride_se + offs_nw * stride_sn
         acc_g = acc_g * tl.load(s_ptrs).to(tl.float32)[None, :]
-        if FUSE_SILU:
+        if GATE_UP:
             acc_u = acc_u * tl.load(s_ptrs + N * stride_sn).to(tl.float32)[None, :]
     if MUL_ROUTED:
         rw = tl.load(topk_w_ptr + slot, mask=row_mask, other=0.0).to(tl.float32)[:, None]
         acc_g = acc_g * rw
-        if FUSE_SILU:
+        if GATE_UP:
             acc_u = acc_u * rw
-    if FUSE_SILU:
+    c_mask = row_mask[:, None] & (offs_n[None, :] < N)
+    c_ptrs = c_ptr + (slot // C_ROW_DIV)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    if EPI == 1:
         res = acc_g * tl.sigmoid(acc_g) * acc_u
+        tl.store(c_ptrs, res.to(c_ptr.dtype.element_ty), mask=c_mask)
+    elif EPI == 2:
+        tl.atomic_add(c_ptrs, acc_g, mask=c_mask, sem="relaxed")
+        if GATE_UP:
+            tl.atomic_add(c_ptrs + N * stride_cn, acc_u, mask=c_mask, sem="relaxed")
     else:
-        res = acc_g
-    c_ptrs = c_ptr + slot[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, res.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_n[None, :] < N))
+        tl.store(c_ptrs, acc_g.to(c_ptr.dtype.element_ty), mask=c_mask)
+        if GATE_UP:
+            tl.store(c_ptrs + N * stride_cn, acc_u.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
 @jit()

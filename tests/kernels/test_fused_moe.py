@@ -125,3 +125,81 @@ def test_shape_errors():
         fused_moe(x, w1, w2, tw, ids, apply_router_weight_on_input=True)
     with pytest.raises(TypeError):
         fused_moe(x.half(), w1, w2, tw, ids)
+
+
+# ---- split-K / un-fused gate+up (decode grid filling) ------------------------------------
+def _split_cfg(bm: int, bn: int, bk: int, swap: bool, split1: int, fuse_gu: bool,
+               split2: int, down_bn: int = 64, down_bk: int = 16) -> dict:
+    cfg = _cfg(bm, bn, bk, swap)
+    cfg.update(SPLIT_K=split1, FUSE_GU=fuse_gu)
+    cfg["DOWN"] = dict(BLOCK_N=down_bn, BLOCK_K=down_bk, GROUP_M=1, num_warps=4, num_stages=2,
+                       SWAP_AB=swap, SPLIT_K=split2)
+    return cfg
+
+
+SPLIT_CASES = [  # M, E, N, K, topk, config
+    (1, 8, 32, 128, 2, _split_cfg(16, 64, 32, True, 4, False, 2)),       # both split, un-fused
+    (3, 8, 48, 96, 2, _split_cfg(16, 64, 32, True, 2, True, 1)),         # gate+up tiles, atomics
+    (5, 4, 40, 80, 3, _split_cfg(16, 16, 16, False, 8, False, 2, 16)),   # K % (BK*split) != 0,
+    (2, 16, 32, 64, 8, _split_cfg(16, 64, 16, True, 1, False, 1)),       # un-fused, no split
+    (6, 4, 48, 64, 1, _split_cfg(16, 64, 32, True, 1, True, 4, 64, 16)), # GEMM2 split, topk 1
+    (37, 8, 32, 64, 2, _split_cfg(32, 32, 16, False, 2, False, 2, 32)),  # many tokens/expert
+]
+
+
+@pytest.mark.parametrize("M,E,N,K,topk,cfg", SPLIT_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_split_k_float(M, E, N, K, topk, cfg, dtype):
+    x, w1, w2, tw, ids = _problem(M, E, N, K, topk, seed=M * 5 + E + N)
+    x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
+    out = torch.full((M, K), float("nan"), dtype=dtype)
+    fused_moe(x, w1, w2, tw, ids, out=out, config=cfg)
+    assert rel_err(out, moe_reference(x, w1, w2, tw, ids)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("M,E,N,K,topk,cfg", [SPLIT_CASES[0], SPLIT_CASES[2], SPLIT_CASES[4]])
+@pytest.mark.parametrize("per_channel,static", [(False, False), (True, True), (True, False)])
+def test_split_k_fp8(M, E, N, K, topk, cfg, per_channel, static):
+    x, w1, w2, tw, ids = _problem(M, E, N, K, topk, seed=M + 11 * E + per_channel)
+    q1, s1 = quant_fp8(w1, per_channel)
+    q2, s2 = quant_fp8(w2, per_channel)
+    a1 = a2 = None
+    if static:
+        a1 = (x.abs().max() / 448.0).reshape(())
+        a2 = (act_amax(x, q1.float() * s1.reshape(E, -1, 1), ids) / 448.0).float().reshape(())
+    out = torch.full((M, K), float("nan"), dtype=torch.float32)
+    fused_moe(x, q1, q2, tw, ids, fp8=Fp8Scales(s1, s2, a1, a2), out=out, config=cfg)
+    mode = "static" if static else "dynamic"
+    qref = moe_reference(x, q1, q2, tw, ids, s1, s2, a1_scale=a1, quant_acts=mode, a2_scale=a2)
+    assert rel_err(out, qref) < FP8_TOL_QAWARE
+    assert rel_err(out, moe_reference(x, q1, q2, tw, ids, s1, s2)) < FP8_TOL_EXACT
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_split_k_router_weight_on_input(fp8):
+    M, E, N, K = 4, 4, 32, 64
+    x, w1, w2, tw, ids = _problem(M, E, N, K, 1, seed=9)
+    scales, ref_scales = None, (None, None)
+    if fp8:
+        w1, s1 = quant_fp8(w1, True)
+        w2, s2 = quant_fp8(w2, False)
+        scales, ref_scales = Fp8Scales(s1, s2), (s1, s2)
+    out = torch.full((M, K), float("nan"))
+    fused_moe(x, w1, w2, tw, ids, fp8=scales, apply_router_weight_on_input=True, out=out,
+              config=_split_cfg(16, 64, 16, True, 2, False, 2))
+    ref = moe_reference(x, w1, w2, tw, ids, *ref_scales, on_input=True)
+    assert rel_err(out, ref) < (FP8_TOL_EXACT if fp8 else 1e-5)
+
+
+def test_default_heuristic_splits_at_decode():
+    """Untuned decode shapes get >= ~1 wave of programs (split-K / un-fused gate+up)."""
+    from kernels import configs
+    from kernels.fused_moe import num_programs
+
+    for E, N, K, topk in [(8, 1792, 4096, 2), (256, 256, 7168, 8), (128, 96, 2048, 8)]:
+        for dt in ("bf16", "fp8"):
+            cfg = configs.default_config(1, E, N, K, topk, dt)
+            g1, g2 = num_programs(1, E, N, K, topk, cfg)
+            assert g1 >= 96 and g2 >= 132, (E, dt, g1, g2, cfg)
+        big = configs.default_config(4096, E, N, K, topk, "bf16")
+        assert big["SPLIT_K"] == 1 and big["FUSE_GU"] and big["DOWN"]["SPLIT_K"] == 1
