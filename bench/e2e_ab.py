@@ -1,0 +1,190 @@
+"""End-to-end A/B on one GPU (issue 8): stock vLLM MoE vs moe-serve's kernels, same load.
+
+    python bench/e2e_ab.py --model mixtral-8x7b --out $OUT                      # bf16, ~8-9 min on one H200
+    python bench/e2e_ab.py --model qwen3-30b-a3b --out $OUT --max-users 64 --step-seconds 6
+    python bench/e2e_ab.py --model mixtral-8x7b --out $OUT --server-arg=--quantization --server-arg=fp8
+    python bench/e2e_ab.py --model embedded --out /tmp/ab --max-users 2 --step-seconds 2 --max-tokens 8   (CPU smoke)
+
+For each variant (default: vllm, then optimized) it starts `python -m service` on a
+dummy-weight model (bench/models/<name>/config.json + the Mixtral tokenizer written from
+mistral_common), drives it with the `step` and `spike-sizes` scenarios through the asyncio
+engine of `loadtest` (Locust is not on the GPU host), stops it, and finally prints the A/B
+tables (B/A). Everything is time-bounded; progress is printed as it goes and results are
+written incrementally under --out: <variant>/<scenario>/{requests.jsonl,report.json,report.md},
+server-<variant>.log, ab-<scenario>.{md,json}, summary.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from loadtest.ab import write_ab  # noqa: E402
+from loadtest.runner import Target, run  # noqa: E402
+from loadtest.scenarios import Options, build  # noqa: E402
+
+MODELS = ROOT / "bench" / "models"
+T0 = time.monotonic()
+
+
+def log(msg: str) -> None:
+    print(f"[e2e_ab +{time.monotonic() - T0:6.1f}s] {msg}", flush=True)
+
+
+def prepare_model(name: str, out: Path) -> tuple[str, list[str]]:
+    """(model dir, extra server args): dummy weights + written tokenizer, or the embedded model."""
+    if name == "embedded":
+        return "", []
+    src = MODELS / name / "config.json"
+    if not src.is_file():
+        raise SystemExit(f"no model config {src}; have: {', '.join(p.name for p in MODELS.iterdir())}")
+    model_dir = out / "models" / name
+    model_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, model_dir / "config.json")
+    if not (model_dir / "tokenizer.json").is_file():
+        from service.embedded_model import _write_tokenizer  # the embedded model's tokenizer recipe
+
+        _write_tokenizer(model_dir)
+    return str(model_dir), ["--engine-arg", 'load_format="dummy"']
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m service` in its own process group, log to a file."""
+
+    def __init__(self, args: list[str], log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+        cmd = [sys.executable, "-m", "service", "--port", str(self.port), *args]
+        log(f"starting: {' '.join(cmd)}")
+        with open(log_path, "wb") as fh:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def wait_ready(self, timeout_s: float) -> float:
+        t = time.monotonic()
+        next_note = t + 15
+        while time.monotonic() - t < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; tail:\n{self.tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return time.monotonic() - t
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > next_note:
+                log(f"  waiting for the server ({time.monotonic() - t:.0f} s): {self.tail(1).strip()[:160]}")
+                next_note += 15
+            time.sleep(1)
+        raise TimeoutError(f"server not ready in {timeout_s:.0f} s; tail:\n{self.tail()}")
+
+    def tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        log(f"server stopped (exit {self.proc.returncode})")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="mixtral-8x7b", help="bench/models/<name>, or 'embedded' (CPU smoke)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--variants", default="vllm,optimized", help="--moe-kernels values, A first")
+    p.add_argument("--scenarios", default="step,spike-sizes")
+    p.add_argument("--max-users", type=int, default=64)
+    p.add_argument("--step-seconds", type=float, default=6.0)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompt-words", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds per server start")
+    p.add_argument("--server-arg", action="append", default=[], help="extra `python -m service` argument")
+    return p.parse_args(argv)
+
+
+def run_variant(a: argparse.Namespace, variant: str, model_dir: str, model_args: list[str]) -> dict:
+    """Start the server with --moe-kernels `variant`, run every scenario, stop it."""
+    name = "moe-ab-model"
+    args = ["--served-model-name", name, "--moe-kernels", variant, *model_args, *a.server_arg]
+    if model_dir:
+        args += ["--model", model_dir, "--max-model-len", str(a.max_model_len)]
+    server = Server(args, a.out / f"server-{variant}.log")
+    result = {"variant": variant, "scenarios": {}}
+    try:
+        result["ready_s"] = server.wait_ready(a.ready_timeout)
+        log(f"{variant}: ready in {result['ready_s']:.0f} s")
+        opts = Options(max_users=a.max_users, step_seconds=a.step_seconds, max_tokens=a.max_tokens,
+                       prompt_words=a.prompt_words, seed=a.seed)
+        for scenario in a.scenarios.split(","):
+            rep = run(scenario, opts, Target(server.url, name, label=variant), a.out / variant / scenario,
+                      engine="asyncio", grace_s=60.0, plots=False)
+            result["scenarios"][scenario] = rep["totals"]
+            log(f"{variant}/{scenario}: " + ", ".join(f"u{s['users']}: {s['output_tok_s']:.0f} tok/s "
+                                                       f"TTFT p50 {s['ttft_p50_ms'] or 0:.0f} ms"
+                                                       for s in rep["stages"]))
+    finally:
+        server.stop()
+    (a.out / f"variant-{variant}.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    variants = a.variants.split(",")
+    per_variant = sum(build(s, Options(max_users=a.max_users, step_seconds=a.step_seconds)).duration
+                      for s in a.scenarios.split(","))
+    log(f"model {a.model}; variants {variants}; load {per_variant:.0f} s per variant "
+        f"(+ server start, up to {a.ready_timeout:.0f} s each)")
+    model_dir, model_args = prepare_model(a.model, a.out)
+    failed = []
+    for v in variants:
+        try:
+            run_variant(a, v, model_dir, model_args)
+        except Exception as exc:  # noqa: BLE001 - keep going: the other variant's numbers still help
+            log(f"{v} FAILED: {type(exc).__name__}: {exc}")
+            failed.append(v)
+    summary = [f"# e2e A/B: {a.model}, A = {variants[0]}, B = {variants[-1]}", "",
+               f"`{' '.join(sys.argv)}`", ""]
+    if len(variants) == 2 and not failed:
+        for scenario in a.scenarios.split(","):
+            write_ab(a.out / variants[0] / scenario, a.out / variants[1] / scenario, a.out / f"ab-{scenario}",
+                          variants[0], variants[1])
+            summary.append((a.out / f"ab-{scenario}" / "ab.md").read_text())
+    else:
+        summary.append(f"no A/B table: failed variants {failed}")
+    (a.out / "summary.md").write_text("\n".join(summary))
+    print("\n".join(summary), flush=True)
+    log("done")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
