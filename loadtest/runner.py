@@ -56,6 +56,11 @@ def _run_locust(sc: Scenario, t: Target, out: Path, grace_s: float) -> int:
 def _command_line() -> str:
     """How this process was started, as `python -m loadtest ...` where it was."""
     argv = list(sys.argv)
+    for i, arg in enumerate(argv):  # never write keys into reports
+        if i and argv[i - 1] in ("--api-key", "--metrics-api-key"):
+            argv[i] = "***"
+        elif arg.startswith(("--api-key=", "--metrics-api-key=")):
+            argv[i] = arg.split("=", 1)[0] + "=***"
     if argv and argv[0].endswith(("loadtest/__main__.py", "loadtest/cli.py")):
         return shlex.join(["python", "-m", "loadtest", *argv[1:]])
     return shlex.join(argv) if argv else ""
