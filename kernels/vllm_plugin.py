@@ -343,7 +343,7 @@ def _install_moe_hook() -> None:
 
 def unsupported_reason(experts: Any, output: Any, hidden_states: Any, w1: Any, w2: Any,
                        activation: Any, global_num_experts: int, expert_map: Any,
-                       a1q_scale: Any) -> str | None:
+                       a1q_scale: Any, require_cuda: bool = True) -> str | None:
     """None when our kernel can compute this call, else a short reason (for the report)."""
     import torch
 
@@ -360,7 +360,7 @@ def unsupported_reason(experts: Any, output: Any, hidden_states: Any, w1: Any, w
         return "emulation"
     if any(getattr(q, a, None) is not None for a in ("gemm1_clamp_limit", "gemm1_alpha", "gemm1_beta")):
         return "swiglu_params"
-    if not hidden_states.is_cuda:
+    if require_cuda and not hidden_states.is_cuda:
         return "device"
     if hidden_states.dim() != 2 or not hidden_states.is_contiguous() or w1.dim() != 3 or w2.dim() != 3:
         return "layout"
