@@ -97,7 +97,7 @@ def alert_exprs() -> list[Expr]:
 
 def substitute_grafana_vars(promql: str, model: str, rate_interval: str) -> str:
     """Replace the dashboard's template variables the way Grafana would for one model."""
-    return promql.replace("$__rate_interval", rate_interval).replace("$model", re.escape(model))
+    return promql.replace("$__rate_interval", rate_interval).replace("$model", model)
 
 
 class Prometheus:
