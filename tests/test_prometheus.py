@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import time
@@ -81,6 +82,9 @@ def test_compose_references_exist() -> None:
     dockerfile = (MONITORING / build["context"] / build["dockerfile"]).resolve()
     if not dockerfile.exists():
         pytest.skip(f"{dockerfile.relative_to(REPO)} not in the repository yet: compose cannot build moe-serve")
+    stages = set(re.findall(r"(?im)^FROM\s+\S+\s+AS\s+(\S+)", dockerfile.read_text()))
+    target = re.fullmatch(r"\$\{\w+:-(\w+)\}", build["target"])
+    assert target and target[1] in stages and {"cpu", "gpu"} <= stages, (build["target"], stages)
 
 
 # --- a real Prometheus scraping the shared server ---
