@@ -1,0 +1,283 @@
+"""Device check of the vLLM plugin (issue 4): our kernels active in every worker, and Triton
+compiles while serving, for --moe-kernels optimized vs vllm, on a dummy-weight MoE model.
+
+    python bench/device_plugin_check.py --out $OUT                       # H200, vLLM 0.26, ~6-8 min
+    python bench/device_plugin_check.py --model qwen3-30b-a3b --layers 2 --out $OUT
+    python bench/device_plugin_check.py --cpu-smoke --out /tmp/plugin-check   # CPU, embedded model
+
+Per mode: starts `python -m service` (own session, log in --out), waits for /health (bounded),
+reads the workers' reports from /metrics, drives concurrent waves of 1..64 requests with
+varied prompt lengths (asyncio + httpx), reads /metrics again and prints the serving-phase
+Triton compiles per kernel, launches through our kernels, and a final table. Every wait is
+bounded; progress is printed with flush.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+MODELS = ROOT / "bench" / "models"
+T0 = time.monotonic()
+
+
+def log(msg: str) -> None:
+    print(f"[plugin-check +{time.monotonic() - T0:6.1f}s] {msg}", flush=True)
+
+
+def prepare_model(name: str, layers: int, out: Path) -> Path:
+    """config.json (layers cut) + the Mixtral tokenizer from mistral_common; weights are dummy."""
+    src = MODELS / name / "config.json"
+    if not src.is_file():
+        raise SystemExit(f"no model config {src}")
+    d = out / "models" / f"{name}-{layers}l"
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads(src.read_text())
+    cfg["num_hidden_layers"] = layers
+    (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    if not (d / "tokenizer.json").is_file():
+        from service.embedded_model import _write_tokenizer
+
+        _write_tokenizer(d)
+    return d
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m service` in its own session; stop() always reaps the whole group."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.logf = open(log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "service", "--port", str(self.port), *args],
+                                     cwd=ROOT, env=env, stdout=self.logf, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float) -> float:
+        began = time.monotonic()
+        last = 0.0
+        while time.monotonic() - began < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return time.monotonic() - began
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - last > 15:
+                last = time.monotonic()
+                log(f"  waiting for /health ({time.monotonic() - began:.0f}s): {self.tail(1)}")
+            time.sleep(1)
+        raise TimeoutError(f"not ready in {timeout:.0f}s; see {self.log_path}")
+
+    def tail(self, n: int) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return " | ".join(line[:160] for line in lines[-n:])
+
+    def stop(self, timeout: float = 60) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # stray workers of this server only
+        except ProcessLookupError:
+            pass
+        self.logf.close()
+
+
+def scrape(url: str) -> dict[str, list]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {f.name: [(s.name, s.labels, s.value) for s in f.samples] for f in text_string_to_metric_families(text)}
+
+
+def compiles(m: dict, phase: str) -> dict[str, float]:
+    return {lab["kernel"]: v for name, lab, v in m.get("moe_serve_triton_jit_compiles", [])
+            if name.endswith("_total") and lab["phase"] == phase}
+
+
+def launches(m: dict) -> dict[str, float]:
+    return {lab["path"]: v for name, lab, v in m.get("moe_serve_moe_kernel_launches", []) if name.endswith("_total")}
+
+
+def workers(m: dict) -> list[dict]:
+    return [lab for _, lab, _ in m.get("moe_serve_vllm_worker_info", [])]
+
+
+async def sweep(url: str, model: str, conc: list[int], max_tokens: int, deadline_s: float) -> dict:
+    """Waves of c concurrent completions, prompt lengths varied per request; bounded."""
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over a lazy dog while experts route tokens".split()
+    stats = {"ok": 0, "err": 0, "waves": []}
+    end = time.monotonic() + deadline_s
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120, connect=10)) as client:
+        async def one() -> bool:
+            prompt = " ".join(rng.choice(words) for _ in range(rng.randint(3, 300)))
+            try:
+                r = await client.post("/v1/completions", json={"model": model, "prompt": prompt,
+                                                               "max_tokens": max_tokens, "ignore_eos": True})
+                return r.status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        for c in conc:
+            if time.monotonic() > end:
+                log(f"  sweep deadline reached before c={c}")
+                break
+            t = time.monotonic()
+            try:
+                res = await asyncio.wait_for(asyncio.gather(*(one() for _ in range(c))),
+                                             timeout=max(5.0, end - time.monotonic()))
+            except asyncio.TimeoutError:
+                res = [False] * c
+            ok = sum(res)
+            stats["ok"] += ok
+            stats["err"] += c - ok
+            stats["waves"].append({"c": c, "ok": ok, "s": round(time.monotonic() - t, 2)})
+            log(f"  c={c:3d}: {ok}/{c} ok in {time.monotonic() - t:.2f}s")
+    return stats
+
+
+def run_mode(a: argparse.Namespace, mode: str, base_args: list[str], model: str, env: dict) -> dict:
+    log(f"== {mode}: starting server")
+    srv = Server([*base_args, "--moe-kernels", mode], a.out / f"server-{mode}.log", env)
+    res: dict = {"mode": mode}
+    try:
+        res["ready_s"] = round(srv.wait_ready(a.ready_timeout), 1)
+        log(f"  ready in {res['ready_s']}s")
+        before = scrape(srv.url)
+        res["workers"] = workers(before)
+        res["warmup_compiles"] = compiles(before, "warmup")
+        res["serving_compiles_at_ready"] = compiles(before, "serving")
+        log(f"  workers: {res['workers']}")
+        t = time.monotonic()
+        res["sweep"] = asyncio.run(sweep(srv.url, model, a.concurrency, a.max_tokens, a.sweep_timeout))
+        res["sweep_s"] = round(time.monotonic() - t, 1)
+        time.sleep(2.5)  # worker reports flush every second
+        after = scrape(srv.url)
+        res["workers"] = workers(after)
+        res["serving_compiles"] = compiles(after, "serving")
+        res["launches"] = launches(after)
+        res["kernel_info"] = [lab for _, lab, _ in after.get("moe_serve_moe_kernel_info", [])]
+        res["warn_lines"] = [ln[:300] for ln in srv.log_path.read_text(errors="replace").splitlines()
+                             if "during serving" in ln][:20]
+        res["warmup_lines"] = [ln[:200] for ln in srv.log_path.read_text(errors="replace").splitlines()
+                               if "[moe-serve warmup]" in ln and "done in" in ln][:16]
+    except Exception as exc:  # noqa: BLE001 - report and continue with the next mode
+        res["error"] = repr(exc)
+        log(f"  ERROR {exc!r}; log tail: {srv.tail(15)}")
+    finally:
+        srv.stop()
+        log(f"  stopped {mode}")
+    return res
+
+
+def checks(r: dict, cpu: bool) -> list[str]:
+    """Human-readable verdicts for one mode."""
+    out = []
+    ws = r.get("workers") or []
+    out.append(f"{'OK ' if ws and all(w['mode'] == r['mode'] for w in ws) else 'BAD'} every worker reports "
+               f"mode={r['mode']} ({len(ws)} workers, pids {[w['pid'] for w in ws]})")
+    if r["mode"] == "optimized":
+        out.append(f"{'OK ' if ws and all(w['moe_hook'] == 'installed' for w in ws) else 'BAD'} hook installed in all")
+        n = (r.get("launches") or {}).get("optimized", 0)
+        out.append(f"{'OK ' if n > 0 or cpu else 'BAD'} our kernel calls: {n:.0f}"
+                   f"{' (CPU: vLLM cpu_fused_moe path, 0 expected)' if cpu else ''}; "
+                   f"fallback: {(r.get('launches') or {}).get('fallback', 0):.0f}")
+    total = sum((r.get("serving_compiles") or {}).values())
+    out.append(f"{'OK ' if total == 0 else 'NOTE'} serving-phase compiles: {total:.0f} {r.get('serving_compiles')}")
+    return out
+
+
+def table(results: list[dict]) -> str:
+    rows = ["| mode | ready s | workers | launches ours/fallback | warm-up compiles | serving compiles | requests ok/err |",
+            "|---|---|---|---|---|---|---|"]
+    for r in results:
+        la = r.get("launches") or {}
+        sw = r.get("sweep") or {}
+        rows.append(f"| {r['mode']} | {r.get('ready_s', '-')} | {len(r.get('workers') or [])} | "
+                    f"{la.get('optimized', 0):.0f}/{la.get('fallback', 0):.0f} | "
+                    f"{sum((r.get('warmup_compiles') or {}).values()):.0f} | "
+                    f"{sum((r.get('serving_compiles') or {}).values()):.0f} | {sw.get('ok', 0)}/{sw.get('err', 0)} |")
+    return "\n".join(rows)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="mixtral-8x7b", help="bench/models/<name>/config.json")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--modes", default="optimized,vllm")
+    p.add_argument("--concurrency", default="1,2,3,4,5,6,7,8,12,16,24,32,48,64")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--ready-timeout", type=float, default=240)
+    p.add_argument("--sweep-timeout", type=float, default=90)
+    p.add_argument("--server-arg", action="append", default=[], help="extra server flag, repeatable")
+    p.add_argument("--cpu-smoke", action="store_true", help="embedded model on the CPU engine, tiny sweep")
+    a = p.parse_args(argv)
+    if a.cpu_smoke:
+        a.concurrency = "1,2,3" if a.concurrency == p.get_default("concurrency") else a.concurrency
+        a.max_tokens = min(a.max_tokens, 4)
+    a.concurrency = [int(c) for c in str(a.concurrency).split(",") if c]
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    env.pop("TRITON_INTERPRET", None)
+    if a.cpu_smoke:
+        model, base = "moe-serve-tiny-mixtral", ["--tensor-parallel-size", "1"]
+    else:
+        d = prepare_model(a.model, a.layers, a.out)
+        model = str(d)
+        base = ["--model", str(d), "--engine-arg", "load_format=dummy", "--max-model-len", "4096",
+                "--tensor-parallel-size", "1"]
+    base += a.server_arg
+    log(f"model {model}; modes {a.modes}; concurrency {a.concurrency}; out {a.out}")
+    results = [run_mode(a, m, base, model, env) for m in a.modes.split(",") if m]
+    print("\n" + table(results), flush=True)
+    for r in results:
+        print(f"\n[{r['mode']}]" + (f" ERROR: {r['error']}" if "error" in r else ""), flush=True)
+        for line in checks(r, a.cpu_smoke):
+            print("  " + line, flush=True)
+        for line in r.get("warmup_lines", []):
+            print("  " + line, flush=True)
+        for line in r.get("warn_lines", [])[:5]:
+            print("  warn: " + line, flush=True)
+    (a.out / "plugin_check.json").write_text(json.dumps(results, indent=2, default=str))
+    (a.out / "plugin_check.md").write_text(table(results) + "\n")
+    log(f"wrote {a.out / 'plugin_check.json'}")
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
