@@ -3,6 +3,7 @@
     python bench/bench_kernels.py --correctness --sass --compiles --out $OUT
     python bench/bench_kernels.py --tune --tune-dir kernels/configs
     python bench/bench_kernels.py --bench --untuned --out $OUT
+    python bench/bench_kernels.py --quick-bench --out $OUT     (M in 1,4,16,64,256 only)
     TRITON_INTERPRET=1 python bench/bench_kernels.py --smoke --out /tmp/smoke   (CPU)
 Each part is isolated (a failure prints its traceback and the others go on); results go to
 --out as results.json + results.md; a short table is printed last.
@@ -24,11 +25,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests" / "kernels")]
 
 import torch  # noqa: E402
 
-from shapes import M_LIST, SMOKE, TUNED, UNTUNED  # noqa: E402
+from shapes import M_LIST, QUICK_MS, SMOKE, TUNED, UNTUNED  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 RESULTS: dict[str, Any] = {}
+_OUT: Path | None = None
 
 
 def log(*a: Any) -> None:
@@ -72,12 +74,17 @@ def part_correctness(shapes: dict, ms: tuple, smoke: bool) -> list[dict]:
             tw, ids = torch.softmax(torch.randn(M, E, device=DEV, generator=g), -1).topk(topk)
             ids = ids.to(torch.int32)
             base = configs.get_config(M, E, N, K, topk, "bf16")
-            for swap in (False, True):
-                cfg = {**base, "SWAP_AB": swap, "BLOCK_M": 16 if swap else base["BLOCK_M"],
-                       "BLOCK_N": max(64, base["BLOCK_N"]) if swap else base["BLOCK_N"]}
-                cfg["DOWN"] = {**base["DOWN"], "SWAP_AB": swap,
-                               "BLOCK_N": max(64, base["DOWN"]["BLOCK_N"]) if swap else
+            for swap in (False, True, "split"):
+                sw = bool(swap)
+                cfg = {**base, "SWAP_AB": sw, "BLOCK_M": 16 if sw else base["BLOCK_M"],
+                       "BLOCK_N": max(64, base["BLOCK_N"]) if sw else base["BLOCK_N"],
+                       "SPLIT_K": 1, "FUSE_GU": True}
+                cfg["DOWN"] = {**base["DOWN"], "SWAP_AB": sw, "SPLIT_K": 1,
+                               "BLOCK_N": max(64, base["DOWN"]["BLOCK_N"]) if sw else
                                base["DOWN"]["BLOCK_N"]}
+                if swap == "split":   # un-fused gate/up + split-K in both GEMMs (fp32 atomics)
+                    cfg.update(SPLIT_K=2, FUSE_GU=False, BLOCK_N=64)
+                    cfg["DOWN"]["SPLIT_K"] = 2
                 variants = [("bf16" if not smoke else "fp16", None)]
                 for pc in (False, True):
                     for static in (False, True):
@@ -127,9 +134,12 @@ def part_sass(out_dir: Path) -> list[dict]:
     E, N, K, topk = TUNED["Mixtral-8x7B/TP8"]
     M = 4
     for dt in ("bf16", "fp8"):
-        for swap in (False, True):
+        for swap in (False, True, "split"):
             cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4,
-                       num_stages=4, SWAP_AB=swap)
+                       num_stages=4, SWAP_AB=bool(swap))
+            if swap == "split":
+                cfg.update(SPLIT_K=4, FUSE_GU=False,
+                           DOWN=dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, num_stages=3))
             wdt = torch.bfloat16 if dt == "bf16" else torch.float8_e4m3fn
             x = torch.empty(M, K, dtype=torch.bfloat16)
             w1, w2 = torch.empty(E, 2 * N, K, dtype=wdt), torch.empty(E, K, N, dtype=wdt)
@@ -146,8 +156,12 @@ def part_sass(out_dir: Path) -> list[dict]:
                 (out_dir / f"sass_{dt}_{'swap' if swap else 'noswap'}_{gemm}.sass").write_text(text)
                 kind = aot.mma_kind(text)
                 expect = ("QGMMA" if dt == "fp8" else "HGMMA") if swap else "HMMA"
-                rows.append(dict(dtype=dt, swap=swap, gemm=gemm, mma=kind, ok=kind == expect))
-                log(f"[sass] {dt} swap={swap} {gemm}: {kind} (expected {expect})")
+                atom = "RED" in text or "ATOM" in text
+                ok = kind == expect and (atom == (swap == "split"))
+                rows.append(dict(dtype=dt, swap=swap, gemm=gemm, mma=kind, atomics=atom,
+                                 smem=int(ck.metadata.shared), ok=ok))
+                log(f"[sass] {dt} swap={swap} {gemm}: {kind} (expected {expect}) "
+                    f"atomics={atom} smem={ck.metadata.shared}")
     return rows
 
 
@@ -194,14 +208,26 @@ def part_bench(shapes: dict, ms: tuple, dtypes: tuple, ceiling: float, n_sets: i
                replays: int, tag: str) -> list[dict]:
     from kernels.tune import time_ours
 
+    from kernels import configs, tune
+    from kernels.fused_moe import num_programs
+
     vl = _vllm()
     rows = []
+    if CUDA:  # compile every config this part will hit on the host CPU, in parallel
+        tune.precompile([(*shape, dt, M, configs.get_config(M, *shape, dt))
+                         for shape in shapes.values() for dt in dtypes for M in ms], log=log)
     for name, shape in shapes.items():
         E, N, K, topk = shape
         for dt in dtypes:
             weights = None
             for M in ms:
                 row = dict(part=tag, shape=name, dtype=dt, M=M)
+                cfg = configs.get_config(M, E, N, K, topk, dt)
+                row["cfg"] = (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}"
+                              f"{'s' if cfg['SWAP_AB'] else ''}/sk{cfg['SPLIT_K']}"
+                              f"{'' if cfg['FUSE_GU'] else 'u'}/d{cfg['DOWN']['BLOCK_N']}"
+                              f"sk{cfg['DOWN']['SPLIT_K']}")
+                row["ctas"] = "%d/%d" % num_programs(M, E, N, K, topk, cfg)
                 try:
                     prob = _problem(shape, M, dt, n_sets, weights)
                     weights = prob["weights"]
@@ -320,6 +346,11 @@ def _run(name: str, fn, *a, **kw) -> None:
         traceback.print_exc()
         RESULTS[name] = {"error": f"{type(e).__name__}: {e}"}
     log(f"==== {name} done in {time.perf_counter() - t0:.1f}s ====")
+    if _OUT is not None:
+        try:  # partial results survive a timeout kill of a later part
+            _save(_OUT)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
 
 
 def _summary() -> None:
@@ -335,14 +366,28 @@ def _summary() -> None:
         for r in RESULTS["sass"]:
             log(f"sass {r['dtype']} swap={r['swap']} {r['gemm']}: {r['mma']} "
                 f"{'OK' if r['ok'] else 'UNEXPECTED'}")
-    for part in ("bench", "untuned"):
+    for part in ("bench", "quick-bench", "untuned"):
         rows = RESULTS.get(part)
         if isinstance(rows, list):
-            log(f"{part}: shape dtype M ours_us vllm_us speedup ours_bw")
+            log(f"{part}: shape dtype M ours_us vllm_us speedup ours_bw ctas(g1/g2) cfg")
             for r in rows:
                 log(f"  {r['shape']:22s} {r['dtype']:5s} {r['M']:5d} "
                     f"{r.get('ours_us', float('nan')):9.1f} {r.get('vllm_us', float('nan')):9.1f}"
-                    f" {r.get('speedup', float('nan')):6.2f} {r.get('ours_bw_frac', float('nan')):5.2f}")
+                    f" {r.get('speedup', float('nan')):6.2f} {r.get('ours_bw_frac', float('nan')):5.2f}"
+                    f" {r.get('ctas', ''):>10s} {r.get('cfg', '')}"
+                    f"{'  ERROR ' + r['error'] if 'error' in r else ''}")
+            groups: dict = {}
+            for r in rows:
+                if r["M"] <= 64 and r.get("speedup") == r.get("speedup") and "speedup" in r:
+                    groups.setdefault((r["shape"], r["dtype"]), []).append(r["speedup"])
+            for (shp, dt), sp in groups.items():
+                gm = float(torch.tensor(sp).log().mean().exp())
+                target = 1.5 if dt == "fp8" else 1.15
+                log(f"  geomean M<=64 {shp:22s} {dt:5s} {gm:5.2f}x (target {target}x) "
+                    f"min {min(sp):.2f}x {'OK' if gm >= target else 'SHORT'}")
+            worst = [r for r in rows if r.get("speedup", 1.0) < 0.98]
+            for r in worst:
+                log(f"  < 0.98x: {r['shape']} {r['dtype']} M={r['M']} {r['speedup']:.2f}x")
     if "compiles" in RESULTS:
         log(f"compiles: {RESULTS['compiles']}")
 
@@ -350,10 +395,14 @@ def _summary() -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    for part in ("correctness", "sass", "tune", "bench", "compiles", "untuned", "smoke"):
+    for part in ("correctness", "sass", "tune", "bench", "compiles", "untuned", "smoke",
+                 "quick-bench"):
         ap.add_argument(f"--{part}", action="store_true")
     ap.add_argument("--out", default="bench/out")
-    ap.add_argument("--tune-dir", default=str(ROOT / "kernels" / "configs"))
+    ap.add_argument("--tune-dir", default=os.environ.get("MOE_SERVE_KERNEL_CONFIG_DIR")
+                    or str(ROOT / "kernels" / "configs"),
+                    help="where --tune writes (default: $MOE_SERVE_KERNEL_CONFIG_DIR, which "
+                         "get_config searches first, else kernels/configs)")
     ap.add_argument("--tune-budget-s", type=float, default=65.0)
     ap.add_argument("--shapes", default=None, help="comma list of names from bench/shapes.py")
     ap.add_argument("--ms", default=None, help="M list for --bench")
@@ -361,8 +410,10 @@ def main() -> int:
     ap.add_argument("--sets", type=int, default=8, help="input sets rotated per graph")
     ap.add_argument("--replays", type=int, default=20)
     args = ap.parse_args()
+    global _OUT
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    _OUT = out
     dtypes = tuple(args.dtypes.split(","))
     shapes = TUNED if not args.shapes else {k: v for k, v in {**TUNED, **UNTUNED}.items()
                                              if k in args.shapes.split(",")}
@@ -375,11 +426,16 @@ def main() -> int:
         _run("correctness", part_correctness, SMOKE, (1, 5), smoke=True)
         _run("sass", part_sass_subprocess, out)
         _run("bench", part_bench, SMOKE, (1, 4), dtypes, float("nan"), 2, 3, "bench")
+        _run("quick-bench", part_bench, {"tiny-a": SMOKE["tiny-a"]}, (1,), ("fp8",),
+             float("nan"), 2, 3, "quick-bench")
         _run("compiles", part_compiles, SMOKE["tiny-a"], "fp8", 12)
         _run("untuned", part_bench, {"tiny-b": SMOKE["tiny-b"]}, (2,), ("bf16",), float("nan"),
              2, 3, "untuned")
         _run("tune", part_tune, {"tiny-a": SMOKE["tiny-a"]}, ("bf16",), str(out / "configs"), 5.0)
     else:
+        if args.quick_bench:
+            args.bench = True
+            ms = QUICK_MS if not args.ms else ms
         if args.bench or args.untuned:
             _run("ceiling", lambda: {"copy_bytes_per_s": copy_ceiling()})
         ceiling = (RESULTS.get("ceiling") or {}).get("copy_bytes_per_s", float("nan"))
