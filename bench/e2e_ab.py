@@ -157,6 +157,7 @@ def run_variant(a: argparse.Namespace, variant: str, model_dir: str, model_args:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # SIGTERM still stops the server (finally)
     a.out.mkdir(parents=True, exist_ok=True)
     variants = a.variants.split(",")
     per_variant = sum(build(s, Options(max_users=a.max_users, step_seconds=a.step_seconds)).duration

@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 from loadtest import prom
-from loadtest.plots import write_plots
 from loadtest.records import RECORDS_FILE, read_records
 from loadtest.scenarios import Stage
 from loadtest.stats import all_stages, error_samples
@@ -83,6 +82,8 @@ def write_report(run_dir: Path, plots: bool = True) -> dict:
     (run_dir / "report.json").write_text(json.dumps(report, indent=2))
     (run_dir / "report.md").write_text(markdown(report))
     if plots:
+        from loadtest.plots import write_plots  # matplotlib only when plotting
+
         records = read_records(run_dir / RECORDS_FILE) if (run_dir / RECORDS_FILE).is_file() else []
         title = f"{report['meta']['scenario']['name']} @ {report['meta'].get('label') or report['meta']['host']}"
         write_plots(records, report["stages"], title, run_dir)
