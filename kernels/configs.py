@@ -137,8 +137,12 @@ def default_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
             cfg["SPLIT_K"] = split_k_for(p1, -(-K // cfg["BLOCK_K"]), target)
         p2 = active_blocks * -(-K // bn2)
         down["SPLIT_K"] = split_k_for(p2, -(-N // down_bk), target)
-        if down["SPLIT_K"] > 1:   # split reductions: fewer stages per program suffice
+        if down["SPLIT_K"] > 1 or not cfg["FUSE_GU"]:  # fp32 h tiles double A's smem
             down["num_stages"] = min(stages, 3)
+    # stages beyond a program's K tiles only cost shared memory (hence occupancy)
+    cfg["num_stages"] = max(2, min(cfg["num_stages"],
+                                   -(-K // (cfg["BLOCK_K"] * cfg["SPLIT_K"]))))
+    down["num_stages"] = max(2, min(down["num_stages"], -(-N // (down_bk * down["SPLIT_K"]))))
     cfg["DOWN"] = down
     return validate(cfg)
 
