@@ -1,0 +1,54 @@
+"""A client that disconnects mid-stream (or mid-request) leaves nothing running in the engine."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.server_proc import MODEL_NAME, RunningServer
+
+pytestmark = pytest.mark.engine
+LONG = {"model": MODEL_NAME, "prompt": "Tell me a long story", "max_tokens": 4000, "ignore_eos": True}
+
+
+def _generated_tokens(server: RunningServer) -> float:
+    text = httpx.get(server.base_url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("moe_serve_generation_tokens_total{"))
+
+
+def _wait_idle(server: RunningServer, timeout: float = 3.0) -> dict:
+    deadline = time.monotonic() + timeout
+    body: dict = {}
+    while time.monotonic() < deadline:
+        body = httpx.get(server.base_url + "/health").json()
+        if body["unfinished_requests"] == 0 and body["running"] == 0:
+            return body
+        time.sleep(0.1)
+    raise AssertionError(f"engine still busy after {timeout} s: {body}")
+
+
+def test_disconnect_mid_stream_aborts_the_engine_request(server: RunningServer) -> None:
+    _wait_idle(server, 60)
+    before = _generated_tokens(server)
+    with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: {") for line in got)
+            busy = httpx.get(server.base_url + "/health").json()
+            assert busy["unfinished_requests"] == 1
+    _wait_idle(server)
+    assert _generated_tokens(server) - before < LONG["max_tokens"] / 2  # aborted, not run to the end
+
+
+def test_disconnect_during_non_streamed_request_aborts_it(server: RunningServer) -> None:
+    _wait_idle(server, 60)
+    before = _generated_tokens(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/v1/completions", json=LONG, headers=server.headers, timeout=0.5)
+    _wait_idle(server)
+    assert _generated_tokens(server) - before < LONG["max_tokens"] * 3 / 4  # aborted, not run to the end

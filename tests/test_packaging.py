@@ -1,0 +1,48 @@
+"""Packaging facts that break users silently if they regress."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_our_kernels_package_does_not_look_like_huggingface_kernels() -> None:
+    """transformers must not mistake the top-level `kernels` package for HF's `kernels` hub package."""
+    code = ("from transformers.utils.import_utils import is_kernels_available; import kernels, sys; "
+            "sys.exit(0 if (not is_kernels_available() and kernels.__file__.startswith(sys.argv[1])) else 1)")
+    result = subprocess.run([sys.executable, "-c", code, str(REPO)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_console_script_points_at_a_callable() -> None:
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, attr = scripts["moe-serve"].partition(":")
+    assert callable(getattr(importlib.import_module(module), attr))
+    installed = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="console_scripts")}
+    assert installed.get("moe-serve") == scripts["moe-serve"]
+
+
+def test_dockerfile_copies_existing_paths_and_runs_the_console_script() -> None:
+    text = (REPO / "Dockerfile").read_text()
+    sources = [src for line in text.splitlines() if line.startswith("COPY ")
+               for src in line.split()[1:-1] if not src.startswith("--")]
+    assert sources, "no COPY lines found"
+    for src in sources:
+        assert (REPO / src).exists(), f"Dockerfile COPYs missing path {src}"
+    entrypoints = re.findall(r'^ENTRYPOINT \["([^"]+)"', text, flags=re.M)
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert entrypoints and all(e in scripts for e in entrypoints)
+    assert re.findall(r"^FROM \S+ AS (\w+)", text, flags=re.M) == ["cpu", "gpu"]
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    readme = (REPO / "README.md").read_text()
+    test_line = next(line for line in readme.splitlines() if "pytest" in line and line.startswith("bash "))
+    command = test_line.split("#")[0].strip()
+    assert command in (REPO / ".ci" / "run").read_text()
