@@ -1,7 +1,7 @@
 """Device check of the vLLM plugin (issue 4): our kernels active in every worker, and Triton
 compiles while serving, for --moe-kernels optimized vs vllm, on a dummy-weight MoE model.
 
-    python bench/device_plugin_check.py --out $OUT                       # H200, vLLM 0.26, ~6-8 min
+    python bench/device_plugin_check.py --out $OUT                       # H200, vLLM 0.26, <= --deadline 510 s
     python bench/device_plugin_check.py --model qwen3-30b-a3b --layers 2 --out $OUT
     python bench/device_plugin_check.py --cpu-smoke --out /tmp/plugin-check   # CPU, embedded model
 
@@ -166,11 +166,15 @@ async def sweep(url: str, model: str, conc: list[int], max_tokens: int, deadline
 
 
 def run_mode(a: argparse.Namespace, mode: str, base_args: list[str], model: str, env: dict) -> dict:
-    log(f"== {mode}: starting server")
+    left = a.deadline - (time.monotonic() - T0)
+    if left < 90:
+        log(f"== {mode}: skipped, {left:.0f}s left of --deadline")
+        return {"mode": mode, "error": "skipped: --deadline reached"}
+    log(f"== {mode}: starting server ({left:.0f}s left of --deadline)")
     srv = Server([*base_args, "--moe-kernels", mode], a.out / f"server-{mode}.log", env)
     res: dict = {"mode": mode}
     try:
-        res["ready_s"] = round(srv.wait_ready(a.ready_timeout), 1)
+        res["ready_s"] = round(srv.wait_ready(min(a.ready_timeout, left - 60)), 1)
         log(f"  ready in {res['ready_s']}s")
         before = scrape(srv.url)
         res["workers"] = workers(before)
@@ -178,7 +182,8 @@ def run_mode(a: argparse.Namespace, mode: str, base_args: list[str], model: str,
         res["serving_compiles_at_ready"] = compiles(before, "serving")
         log(f"  workers: {res['workers']}")
         t = time.monotonic()
-        res["sweep"] = asyncio.run(sweep(srv.url, model, a.concurrency, a.max_tokens, a.sweep_timeout))
+        res["sweep"] = asyncio.run(sweep(srv.url, model, a.concurrency, a.max_tokens,
+                                   min(a.sweep_timeout, max(10.0, a.deadline - (time.monotonic() - T0) - 45))))
         res["sweep_s"] = round(time.monotonic() - t, 1)
         time.sleep(2.5)  # worker reports flush every second
         after = scrape(srv.url)
@@ -239,6 +244,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--ready-timeout", type=float, default=240)
     p.add_argument("--sweep-timeout", type=float, default=90)
+    p.add_argument("--deadline", type=float, default=510, help="seconds for the whole run (all modes)")
     p.add_argument("--server-arg", action="append", default=[], help="extra server flag, repeatable")
     p.add_argument("--cpu-smoke", action="store_true", help="embedded model on the CPU engine, tiny sweep")
     a = p.parse_args(argv)
