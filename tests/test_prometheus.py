@@ -131,7 +131,8 @@ def _plugin_family_state(server, family: str) -> str:
     text = httpx.get(server.base_url + "/metrics", timeout=30).text
     if any(line.startswith(family) for line in text.splitlines()):
         return "series"
-    return "empty" if f"# TYPE {family.removesuffix('_total')} " in text else "absent"
+    declared = (f"# TYPE {family} ", f"# TYPE {family.removesuffix('_total')} ")
+    return "empty" if any(d in text for d in declared) else "absent"
 
 
 def _serving_compiles(server) -> float:
