@@ -364,8 +364,8 @@ def tune_shape(E: int, N: int, K: int, topk: int, dtype: str, buckets: tuple[int
             cs = [configs.validate(c) for c in make(b, table[b]) if _legal(c, N, K, dtype)]
             cands[b] = [c for c in cs if c != table[b]]
         if parallel and device.startswith("cuda"):
-            precompile([(E, N, K, topk, dtype, b, c) for b in buckets for c in cands[b]],
-                       log=log)
+            precompile([(E, N, K, topk, dtype, b, c) for b in buckets
+                        for c in [table[b]] + cands[b]], log=log)
         for b in buckets:
             if over():
                 log(f"  M={b} {name}: budget spent")
