@@ -228,8 +228,10 @@ def _compile_job(job: tuple) -> dict:
             (_, ck), = aot.compile_launches([ln], cache=_WORKER_CACHE)
             res[key] = int(ck.metadata.shared)
         except Exception as e:  # noqa: BLE001
-            res[key] = -1
-            res["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            msg = f"{type(e).__name__}: {str(e)[:200]}"
+            if "resource" in msg.lower() or "shared mem" in msg.lower():
+                res[key] = -1      # prune: cannot run on sm_90
+            res["error"] = msg     # anything else: not pruned, the GPU process decides
     return res
 
 
