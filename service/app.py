@@ -55,11 +55,11 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
         try:
             yield
         finally:
-            state.shutting_down = True
-            state.admission.close()
+            state.begin_shutdown()
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
             state.engine.shutdown()
+            state.cleanup()
 
     app = FastAPI(title="moe-serve", version=__version__, lifespan=lifespan)
     app.state.server = state
@@ -69,7 +69,8 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if state.engine.healthy and not state.shutting_down:
-            return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "ok", "unfinished_requests": state.engine.num_unfinished_requests(),
+                                 "running": state.admission.running, "queued": state.admission.queued})
         status = "starting" if not (state.engine.dead or state.engine.start_error) else "dead"
         if state.shutting_down:
             status = "shutting_down"
@@ -83,8 +84,10 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
             vllm_version = vllm.__version__
         except ImportError:
             vllm_version = None
+        from kernels.jit_export import summary
+
         return {"version": __version__, "vllm": vllm_version, "model": settings.model_name,
-                "moe_kernels": settings.moe_kernels}
+                "moe_kernels": settings.moe_kernels, **summary(state.runtime_dir)}
 
     @app.get("/metrics")
     async def metrics(_: Request) -> Response:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -88,13 +89,20 @@ def main(argv: list[str] | None = None) -> int:
     from service.app import create_app
     from service.embedded_model import ensure_embedded_model
     from service.engine import default_engine_env
+    from service.shutdown import ABORT_FLUSH_S, DrainingServer
 
     default_engine_env()
     model_path = settings.model or str(ensure_embedded_model())
     app = create_app(settings, model_path)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                timeout_graceful_shutdown=settings.drain_timeout_s, access_log=False)
-    return app.state.server.exit_code
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            timeout_graceful_shutdown=ABORT_FLUSH_S, access_log=False)
+    DrainingServer(config, app.state.server).run()
+    # The engine and its workers are shut down by now. Skip interpreter teardown of torch
+    # and vLLM (15+ s on a loaded machine, with noisy __del__ errors): flush and leave.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(app.state.server.exit_code)
 
 
 if __name__ == "__main__":

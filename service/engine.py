@@ -86,6 +86,7 @@ class EngineHandle:
         self.startup_seconds: float | None = None
         self.ready = asyncio.Event()
         self.dead = False
+        self.active: set[str] = set()  # engine request ids being generated now
 
     async def start(self) -> None:
         """Build the engine (blocking work runs in a thread); set `ready` or `start_error`."""
@@ -98,7 +99,13 @@ class EngineHandle:
             logger.info("starting vLLM engine: model=%s tp=%s", self.model_path, args.tensor_parallel_size)
             # Built in a thread so /health answers 503 meanwhile; AsyncLLM starts its output
             # handler lazily on the first request when built outside the event loop.
-            self.engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+            building = asyncio.get_running_loop().run_in_executor(None, AsyncLLM.from_engine_args, args)
+            try:
+                self.engine = await asyncio.shield(building)
+            except asyncio.CancelledError:  # shutdown during start: finish building, then stop it
+                logger.info("shutdown requested during engine start; stopping the engine once it is up")
+                self.engine = await building
+                raise
             self.tokenizer = self.engine.get_tokenizer()
             self.max_model_len = int(self.engine.model_config.max_model_len)
         except BaseException as exc:  # noqa: BLE001 - reported via /health and the exit code
@@ -134,6 +141,7 @@ class EngineHandle:
         from vllm.inputs import TokensPrompt
 
         stream = self.engine.generate(TokensPrompt(prompt_token_ids=prompt_token_ids), sampling_params, request_id)
+        self.active.add(request_id)
         try:
             async for output in stream:
                 yield output
@@ -145,11 +153,13 @@ class EngineHandle:
                 raise EngineClientError(str(exc)) from exc
             raise
         finally:
+            self.active.discard(request_id)
             await stream.aclose()
 
-    async def abort(self, request_id: str) -> None:
-        if self.engine is not None:
-            await self.engine.abort(request_id)
+    async def abort_all(self) -> None:
+        """Abort every running request; their streams end with finish_reason 'abort'."""
+        if self.engine is not None and self.active:
+            await self.engine.abort(list(self.active))
 
     def shutdown(self) -> None:
         """Stop the engine core and its workers."""

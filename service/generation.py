@@ -48,6 +48,12 @@ def as_api_error(exc: BaseException) -> APIError:
     return APIError(500, "internal error while generating", code="internal_error")
 
 
+def _raise_if_aborted(finish_reason: str | None) -> None:
+    """Only the server aborts live requests (shutdown drain timeout): tell the client so."""
+    if finish_reason == "abort":
+        raise APIError(503, "request aborted: the server is shutting down", code="shutting_down")
+
+
 async def _one_prompt(engine: EngineHandle, index: int, job: PromptJob, n: int,
                       queue: asyncio.Queue) -> None:
     try:
@@ -71,6 +77,7 @@ async def generate_deltas(engine: EngineHandle, jobs: list[PromptJob], n: int,
             async for out in engine.generate(job.prompt_ids, job.params, job.request_id):
                 for o in out.outputs:
                     observer.on_tokens(o.index, len(o.token_ids), o.finish_reason)
+                    _raise_if_aborted(o.finish_reason)
                     yield Delta(o.index, o.text, len(o.token_ids), o.finish_reason)
         except (EngineClientError, EngineNotReady, EngineDead) as exc:
             raise as_api_error(exc) from exc
@@ -87,6 +94,7 @@ async def generate_deltas(engine: EngineHandle, jobs: list[PromptJob], n: int,
                 raise as_api_error(item) from item
             else:
                 observer.on_tokens(item.choice, item.num_tokens, item.finish_reason)
+                _raise_if_aborted(item.finish_reason)
                 yield item
     finally:
         for task in tasks:

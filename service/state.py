@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
@@ -23,14 +26,18 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     shutting_down: bool = False
     exit_code: int = 0
+    runtime_dir: Path | None = None  # where vLLM workers write their reports
+    owns_runtime_dir: bool = False  # a temp dir we made (removed at exit)
 
     @classmethod
     def create(cls, settings: Settings, engine: EngineHandle) -> "ServerState":
         registry = CollectorRegistry()
         # vLLM workers report (plugin state, Triton JIT compiles) into files in this dir.
-        from kernels.jit_export import WorkerCollector, prepare_runtime_dir
+        from kernels.jit_export import RUNTIME_DIR_ENV, WorkerCollector, prepare_runtime_dir
 
-        registry.register(WorkerCollector(prepare_runtime_dir()))
+        owns_runtime_dir = not os.environ.get(RUNTIME_DIR_ENV)
+        runtime_dir = prepare_runtime_dir()
+        registry.register(WorkerCollector(runtime_dir))
         admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests,
                               settings.max_prompt_tokens_in_flight)
         return cls(
@@ -39,7 +46,23 @@ class ServerState:
             registry=registry,
             metrics=ServiceMetrics(registry, settings.model_name, queued=lambda: admission.queued),
             admission=admission,
+            runtime_dir=runtime_dir,
+            owns_runtime_dir=owns_runtime_dir,
         )
+
+    def begin_shutdown(self) -> None:
+        """Stop admitting: health turns 503, new and queued requests get 503."""
+        self.shutting_down = True
+        self.admission.close()
+
+    def cleanup(self) -> None:
+        """Remove what this process created on disk."""
+        if self.owns_runtime_dir and self.runtime_dir is not None:
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+    def in_flight(self) -> int:
+        """Requests admitted and not yet finished (streams included)."""
+        return self.admission.running
 
     def engine_unavailable(self) -> Exception:
         """The exception that explains why the engine cannot take requests now."""
