@@ -130,7 +130,8 @@ class EngineHandle:
         """Requests the engine still tracks (0 when idle)."""
         if self.engine is None:
             return 0
-        return int(self.engine.get_num_unfinished_requests())
+        # vLLM 0.32 has AsyncLLM.get_num_unfinished_requests; 0.26 only its output processor's.
+        return int(self.engine.output_processor.get_num_unfinished_requests())
 
     async def generate(
         self, prompt_token_ids: list[int], sampling_params: Any, request_id: str
