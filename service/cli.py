@@ -88,10 +88,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from service.app import create_app
     from service.embedded_model import ensure_embedded_model
-    from service.engine import default_engine_env
+    from service.engine import default_engine_env, kernel_plugin_installed
     from service.shutdown import ABORT_FLUSH_S, DrainingServer
 
     default_engine_env()
+    if settings.moe_kernels == "optimized" and not kernel_plugin_installed():
+        # Seen on the H200: run from a source tree, vLLM never loaded our kernels and the
+        # "optimized" server silently served stock vLLM. Refuse instead.
+        print("moe-serve: error: --moe-kernels optimized needs moe-serve installed (pip install -e . or "
+              "pip install --target DIR .) so vLLM finds its 'vllm.general_plugins' entry point; "
+              "or pass --moe-kernels vllm", file=sys.stderr)
+        return 2
     model_path = settings.model or str(ensure_embedded_model())
     app = create_app(settings, model_path)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,

@@ -170,6 +170,16 @@ class EngineHandle:
             self.engine = None
 
 
+PLUGIN_GROUP, PLUGIN_NAME = "vllm.general_plugins", "moe_serve_kernels"
+
+
+def kernel_plugin_installed() -> bool:
+    """vLLM loads plugins from installed entry points only; a source tree on PYTHONPATH has none."""
+    from importlib.metadata import entry_points
+
+    return any(ep.name == PLUGIN_NAME for ep in entry_points(group=PLUGIN_GROUP))
+
+
 def default_engine_env() -> None:
     """Environment defaults vLLM needs here (set only where the user has not)."""
     # vLLM 0.26 on the H200 hung at engine start without spawn (DESIGN.md).

@@ -46,3 +46,19 @@ def test_ci_runs_the_readme_test_command() -> None:
     test_line = next(line for line in readme.splitlines() if "pytest" in line and line.startswith("bash "))
     command = test_line.split("#")[0].strip()
     assert command in (REPO / ".ci" / "run").read_text()
+
+
+def test_kernel_plugin_entry_point_is_installed() -> None:
+    from service.engine import kernel_plugin_installed
+
+    assert kernel_plugin_installed()
+
+
+def test_optimized_mode_refuses_to_start_without_the_plugin(monkeypatch, capsys) -> None:
+    """From a bare source tree vLLM would silently run its own kernels: refuse with a clear error."""
+    import service.engine
+    from service import cli
+
+    monkeypatch.setattr(service.engine, "kernel_plugin_installed", lambda: False)
+    assert cli.main(["--moe-kernels", "optimized", "--model", "/nonexistent"]) == 2
+    assert "vllm.general_plugins" in capsys.readouterr().err
