@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from service import __version__
 from service.engine import EngineHandle
 from service.errors import install_error_handlers
-from service.middleware import AuthMiddleware, BodyLimitMiddleware
+from service.middleware import AccessLogMiddleware, AuthMiddleware, BodyLimitMiddleware
 from service.openai_api import router as openai_router
 from service.settings import Settings
 from service.state import ServerState
@@ -95,4 +95,6 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     app.add_middleware(AuthMiddleware, api_keys=settings.api_keys, metrics_key=settings.metrics_api_key)
+    if settings.access_log:
+        app.add_middleware(AccessLogMiddleware, as_json=settings.access_log_json)
     return app

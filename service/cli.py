@@ -53,7 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-n", type=int, default=int(e("max_n", 16)))
     p.add_argument("--max-tokens-limit", type=int, default=e("max_tokens_limit"))
     p.add_argument("--max-stop-sequences", type=int, default=int(e("max_stop_sequences", 8)))
-    p.add_argument("--drain-timeout", type=float, default=float(e("drain_timeout", 30.0)))
+    p.add_argument("--drain-timeout", type=float, default=float(e("drain_timeout", 30.0)),
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--request-timeout", type=float, default=e("request_timeout"),
+                   help="abort a request after this many seconds (408 / final error event); default none")
+    p.add_argument("--no-access-log", dest="access_log", action="store_false",
+                   default=e("access_log", "1") not in ("0", "false"))
+    p.add_argument("--access-log-json", action="store_true", default=e("access_log_json", "0") in ("1", "true"),
+                   help="one JSON object per request line (no prompt text, no keys)")
     p.add_argument("--log-level", default=e("log_level", "info"))
     return p
 
@@ -74,6 +81,8 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
         max_request_bytes=args.max_request_bytes, max_n=args.max_n,
         max_tokens_limit=opt_int(args.max_tokens_limit), max_stop_sequences=args.max_stop_sequences,
         drain_timeout_s=args.drain_timeout, log_level=args.log_level,
+        request_timeout_s=None if args.request_timeout in (None, "") else float(args.request_timeout),
+        access_log=args.access_log, access_log_json=args.access_log_json,
     ).validated()
 
 

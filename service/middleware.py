@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
+import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -89,3 +91,40 @@ class BodyLimitMiddleware:
         await self.app(scope, limited_receive, guarded_send)
         if too_large:
             await _send_error(send, 413, f"request body is larger than {self.max_bytes} bytes", "request_too_large")
+
+
+class AccessLogMiddleware:
+    """One line per request (method, path, status, duration, client); never bodies or keys."""
+
+    def __init__(self, app: ASGIApp, as_json: bool) -> None:
+        self.app = app
+        self.as_json = as_json
+        self.log = logging.getLogger("moe_serve.access")
+        if as_json:  # whole lines of JSON for log shippers: no logging prefix
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            self.log.handlers = [handler]
+            self.log.propagate = False
+            self.log.setLevel(logging.INFO)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        began = time.perf_counter()
+        status = 500
+
+        async def recording_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recording_send)
+        finally:
+            client = scope.get("client") or ("-", 0)
+            record = {"ts": round(time.time(), 3), "method": scope["method"], "path": scope["path"], "status": status,
+                      "duration_ms": round((time.perf_counter() - began) * 1000, 2), "client": client[0]}
+            self.log.info(json.dumps(record) if self.as_json else
+                          "%(client)s %(method)s %(path)s %(status)s %(duration_ms)sms" % record)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -116,13 +117,15 @@ async def _serve(state: ServerState, request: Request, body: SamplingFields, fmt
         ticket.release()
         observer.finish(status)
 
+    timeout = state.settings.request_timeout_s
+    deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
     try:
         if body.stream:  # wait for the first token here, so early errors get a real HTTP status
-            first = await until_disconnect(request, anext(deltas, None))
+            first = await until_disconnect(request, _next_before(deltas, deadline))
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = _sse(fmt, first, deltas, observer, include_usage, echoes)
+            stream = _sse(fmt, first, deltas, observer, include_usage, echoes, deadline)
             return SSEResponse(stream, on_close=lambda: close("aborted"))
-        texts, reasons = await until_disconnect(request, _collect(deltas, len(echoes)))
+        texts, reasons = await until_disconnect(request, _collect(deltas, len(echoes), deadline))
     except ClientGone:
         await close("aborted")
         return Response(status_code=499)
@@ -137,10 +140,22 @@ async def _serve(state: ServerState, request: Request, body: SamplingFields, fmt
     return JSONResponse(fmt.full(texts, reasons, observer.prompt_tokens, observer.generation_tokens))
 
 
-async def _collect(deltas: AsyncIterator[Delta], choices: int) -> tuple[list[str], list[str | None]]:
+async def _next_before(deltas: AsyncIterator[Delta], deadline: float | None) -> Delta | None:
+    """The next delta (None at the end); 408 if the request's deadline passes first."""
+    if deadline is None:
+        return await anext(deltas, None)
+    remaining = deadline - asyncio.get_running_loop().time()
+    try:
+        return await asyncio.wait_for(anext(deltas, None), max(remaining, 0.0))
+    except TimeoutError:
+        raise APIError(408, "the request took longer than the server's request timeout", code="timeout") from None
+
+
+async def _collect(deltas: AsyncIterator[Delta], choices: int,
+                   deadline: float | None) -> tuple[list[str], list[str | None]]:
     texts: list[list[str]] = [[] for _ in range(choices)]
     reasons: list[str | None] = [None] * choices
-    async for d in deltas:
+    while (d := await _next_before(deltas, deadline)) is not None:
         texts[d.choice].append(d.text)
         if d.finish_reason is not None:
             reasons[d.choice] = d.finish_reason
@@ -148,7 +163,7 @@ async def _collect(deltas: AsyncIterator[Delta], choices: int) -> tuple[list[str
 
 
 async def _sse(fmt: ResponseFormat, first: Delta | None, deltas: AsyncIterator[Delta], observer: RequestObserver,
-               include_usage: bool, echoes: list[str]) -> AsyncIterator[str]:
+               include_usage: bool, echoes: list[str], deadline: float | None) -> AsyncIterator[str]:
     """The event stream; an error after the first event becomes a final error event."""
     try:
         if any(echoes):
@@ -156,7 +171,7 @@ async def _sse(fmt: ResponseFormat, first: Delta | None, deltas: AsyncIterator[D
                 yield sse_event(fmt.chunk(choice, echo, None))
         if first is not None:
             yield sse_event(fmt.chunk(first.choice, first.text, first.finish_reason))
-            async for d in deltas:
+            while (d := await _next_before(deltas, deadline)) is not None:
                 yield sse_event(fmt.chunk(d.choice, d.text, d.finish_reason))
         if include_usage:
             yield sse_event(fmt.usage_chunk(observer.prompt_tokens, observer.generation_tokens))

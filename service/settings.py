@@ -54,8 +54,8 @@ class Settings:
     request_timeout_s: float | None = None
     drain_timeout_s: float = 30.0
     log_level: str = "info"
+    access_log: bool = True
     access_log_json: bool = False
-    log_prompts: bool = False
 
     @property
     def model_name(self) -> str:
@@ -85,6 +85,8 @@ class Settings:
             raise SettingsError("--max-queued-requests must be >= 0")
         if any(not key for key in self.api_keys):
             raise SettingsError("API keys must be non-empty")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise SettingsError("--request-timeout must be > 0")
         if self.drain_timeout_s < 0:
             raise SettingsError("--drain-timeout must be >= 0")
         return self

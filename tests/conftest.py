@@ -15,8 +15,15 @@ API_KEY = "test-key-0123456789"
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    """The real server with an API key set, shared by every test that needs an engine."""
-    srv = start_server(tmp_path_factory.mktemp("server"), api_key=API_KEY)
+    """The real server with an API key set, shared by every test that needs an engine.
+
+    Its vLLM worker compiles a probe Triton kernel (for sm_90, on the CPU) once in warm-up and
+    once after serving starts, so the JIT-compile series, dashboard panels and alert inputs carry
+    real data on a machine whose MoE path never compiles Triton (see kernels/vllm_plugin.py).
+    """
+    tmp = tmp_path_factory.mktemp("server")
+    env = {"MOE_SERVE_TEST_JIT_KERNEL": "1", "TRITON_CACHE_DIR": str(tmp / "triton-cache")}
+    srv = start_server(tmp, api_key=API_KEY, env=env)
     yield srv
     srv.stop()
 

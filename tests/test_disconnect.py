@@ -52,3 +52,28 @@ def test_disconnect_during_non_streamed_request_aborts_it(server: RunningServer)
         httpx.post(server.base_url + "/v1/completions", json=LONG, headers=server.headers, timeout=0.5)
     _wait_idle(server)
     assert _generated_tokens(server) - before < LONG["max_tokens"] * 3 / 4  # aborted, not run to the end
+
+
+def test_disconnect_storm_leaves_the_engine_idle_and_serving(server: RunningServer) -> None:
+    """Many clients drop mid-stream at once; everything is aborted and the server keeps serving."""
+    import threading
+
+    _wait_idle(server, 60)
+    started = threading.Barrier(24 + 1, timeout=120)
+
+    def drop_after_first_chunk() -> None:
+        with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=60) as c:
+            with c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as resp:
+                next(line for line in resp.iter_lines() if line.startswith("data: {"))
+                started.wait()
+
+    threads = [threading.Thread(target=drop_after_first_chunk) for _ in range(24)]
+    for t in threads:
+        t.start()
+    started.wait()
+    for t in threads:
+        t.join(60)
+    _wait_idle(server, 10)
+    ok = httpx.post(server.base_url + "/v1/completions", headers=server.headers, timeout=60,
+                    json={"model": MODEL_NAME, "prompt": "after the storm", "max_tokens": 4})
+    assert ok.status_code == 200

@@ -1,0 +1,59 @@
+"""Per-request timeout (408 / final error event) and the JSON access log, on a real server."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server_proc import MODEL_NAME, RunningServer, start_server
+
+pytestmark = pytest.mark.engine
+SECRET_PROMPT = "the-quick-secret-prompt-4711"
+LONG = {"model": MODEL_NAME, "prompt": SECRET_PROMPT, "max_tokens": 4000, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def timed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    srv = start_server(Path(tmp_path_factory.mktemp("timeout")), "--request-timeout", "1.0", "--access-log-json",
+                       api_key="k-timeout-0123456789")
+    yield srv
+    srv.stop()
+
+
+def test_non_streamed_request_over_the_timeout_gets_408(timed_server: RunningServer) -> None:
+    resp = httpx.post(timed_server.base_url + "/v1/completions", json=LONG, headers=timed_server.headers, timeout=60)
+    assert resp.status_code == 408, resp.text
+    assert resp.json()["error"]["code"] == "timeout"
+    health = httpx.get(timed_server.base_url + "/health").json()
+    assert health["running"] == 0
+
+
+def test_stream_over_the_timeout_ends_with_an_error_event(timed_server: RunningServer) -> None:
+    with httpx.stream("POST", timed_server.base_url + "/v1/completions", json={**LONG, "stream": True},
+                      headers=timed_server.headers, timeout=60) as resp:
+        assert resp.status_code == 200
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "timeout"
+    assert len(events) > 3  # it streamed tokens before the deadline
+
+
+def test_short_requests_are_unaffected(timed_server: RunningServer) -> None:
+    resp = httpx.post(timed_server.base_url + "/v1/completions", headers=timed_server.headers, timeout=60,
+                      json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4})
+    assert resp.status_code == 200
+
+
+def test_access_log_is_json_without_prompts_or_keys(timed_server: RunningServer) -> None:
+    httpx.get(timed_server.base_url + "/v1/models", headers=timed_server.headers)
+    log = timed_server.log()
+    records = [json.loads(line) for line in log.splitlines() if line.startswith('{"ts"')]
+    assert any(r["path"] == "/v1/models" and r["status"] == 200 for r in records)
+    assert any(r["path"] == "/v1/completions" and r["status"] == 408 for r in records)
+    assert all({"ts", "method", "path", "status", "duration_ms", "client"} <= set(r) for r in records)
+    assert SECRET_PROMPT not in log
+    assert "k-timeout-0123456789" not in log
