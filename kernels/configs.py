@@ -166,14 +166,20 @@ def load_table(E: int, N: int, K: int, dtype: str, device: str) -> dict[int, Con
 
 @functools.lru_cache(maxsize=4096)
 def get_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
-               device: str | None = None) -> Config:
-    """Config for M tokens: tuned table entry for M's bucket, else the default heuristic."""
+               device: str | None = None, act_bytes: int = 2) -> Config:
+    """Config for M tokens: tuned table entry for M's bucket, else the default heuristic;
+    either way fitted to Hopper's 227 KB of shared memory per CTA (kernels.smem.fit: fewer
+    stages, then smaller BLOCK_K). act_bytes: itemsize of fp8 layers' hidden states (bf16 2)."""
+    from kernels import smem
+
     device = device or device_name()
     table = load_table(E, N, K, dtype, device)
     if table:
         keys = tuple(sorted(table))
-        return table[bucket_of(M, keys)]
-    return default_config(bucket_of(M), E, N, K, topk, dtype)
+        cfg = table[bucket_of(M, keys)]
+    else:
+        cfg = default_config(bucket_of(M), E, N, K, topk, dtype)
+    return smem.fit(cfg, dtype, act_bytes)
 
 
 def buckets_for(E: int, N: int, K: int, dtype: str, device: str | None = None) -> tuple[int, ...]:

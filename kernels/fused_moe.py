@@ -77,6 +77,32 @@ def _launch_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, n_out: int, 
     grid = (num_m_blocks * triton.cdiv(n_out, bn), split_k)
     dummy = topk_weights  # any tensor for unused pointers
     ws = w_scale if w_scale is not None else dummy
+    try:
+        _launch_checked(grid, cfg, a, w, c, a_scale, w_scale, w_mode, a_mode, topk_weights,
+                        sorted_ids, expert_ids, num_post, n_out, k_in, num_valid, num_m_blocks,
+                        a_row_div, gate_up, epi, mul_routed, split_k, a_silu, c_row_div, dummy, ws)
+    except Exception as exc:
+        if type(exc).__name__ != "OutOfResources":
+            raise
+        from kernels import smem
+
+        est = smem.estimate(bm, bn, cfg["BLOCK_K"], cfg["num_stages"], a.element_size(),
+                            w.element_size(), gate_up, a_silu)
+        raise KernelConfigError(
+            f"moe_gemm_kernel config {({k: cfg[k] for k in cfg if k != 'DOWN'})} (A {a.dtype}, "
+            f"W {w.dtype} {tuple(w.shape)}) cannot launch: {exc} (kernels.smem estimate {est} B, "
+            f"limit {smem.SMEM_LIMIT} B). The MoE output is NOT valid; lower num_stages / "
+            f"BLOCK_K in the config file or pass a smaller config.") from exc
+
+
+class KernelConfigError(RuntimeError):
+    """A kernel config that cannot launch on this GPU (e.g. out of shared memory)."""
+
+
+def _launch_checked(grid, cfg, a, w, c, a_scale, w_scale, w_mode, a_mode, topk_weights,
+                    sorted_ids, expert_ids, num_post, n_out, k_in, num_valid, num_m_blocks,
+                    a_row_div, gate_up, epi, mul_routed, split_k, a_silu, c_row_div, dummy, ws):
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     launch(
         moe_gemm_kernel, grid, a, w, c, a_scale if a_scale is not None else dummy, ws, topk_weights,
         sorted_ids, expert_ids, num_post,
@@ -148,7 +174,8 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         topk_weights = topk_weights.float()
     topk_weights = topk_weights.contiguous()
 
-    cfg = config or configs.get_config(M, E, N, K, topk, dtype_name(w1.dtype))
+    cfg = config or configs.get_config(M, E, N, K, topk, dtype_name(w1.dtype),
+                                       act_bytes=hidden_states.element_size())
     down = configs.down_config(cfg)
     align = moe_align(topk_ids, E, cfg["BLOCK_M"])
     T = M * topk

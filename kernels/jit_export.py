@@ -106,7 +106,9 @@ class WorkerCollector:
         calls = CounterMetricFamily("moe_serve_moe_kernel_launches",
                                     "MoE expert computations seen by the plugin hook in all workers "
                                     "(eager calls and CUDA-graph captures; graph replays are not seen), "
-                                    "by path (optimized = moe-serve kernels, fallback = vLLM's)",
+                                    "by path (optimized = moe-serve kernels, routed_to_vllm = vLLM's "
+                                    "where the routing table measured it faster, fallback = vLLM's "
+                                    "for a case ours does not support)",
                                     labels=["path"])
         tot: Counter = Counter()
         for r in reps:
@@ -126,6 +128,17 @@ class WorkerCollector:
                 seen.add(labels)
                 info.add_metric(list(labels), 1)
         yield info
+        rinfo = GaugeMetricFamily("moe_serve_moe_routing_info",
+                                  "Backend per M range for each MoE layer shape, from the measured "
+                                  "routing table (ours = moe-serve kernel, vllm = vLLM's), value 1",
+                                  labels=["shape", "routing"])
+        seen_r = set()
+        for r in reps:
+            for shape, desc in sorted(((r.get("kernel_info") or {}).get("routing") or {}).items()):
+                if (shape, str(desc)) not in seen_r:
+                    seen_r.add((shape, str(desc)))
+                    rinfo.add_metric([shape, str(desc)], 1)
+        yield rinfo
         winfo = GaugeMetricFamily("moe_serve_vllm_worker_info",
                                   "One series per vLLM worker process that loaded the moe-serve plugin (value 1)",
                                   labels=["pid", "rank", "mode", "phase", "moe_hook", "jit_monitor"])

@@ -68,6 +68,10 @@ _hooks: list[str] = []
 _pending_shapes: dict[tuple, dict[str, Any]] = {}  # seen by apply, not yet warmed
 _warmed_shapes: set[tuple] = set()
 _max_tokens: int | None = None
+_max_seqs: int | None = None
+_vllm_ctx: dict[tuple, dict[str, Any]] = {}   # shape key -> what a vLLM warm-up call needs
+_vllm_warmed: set[tuple] = set()
+VLLM_WARMUP_MAX_CALLS_ENV = "MOE_SERVE_VLLM_WARMUP_MAX_CALLS"
 _last_spec: dict[str, dict[str, Any]] = {}
 _spec_stash = threading.local()
 _logged_errors: set[str] = set()
@@ -192,17 +196,19 @@ def _install_worker_hooks() -> None:
 
 
 def _on_worker_init(worker: Any) -> None:
-    global _max_tokens
+    global _max_tokens, _max_seqs
     cfg = getattr(worker, "vllm_config", None)
     cls = type(worker)
     _wrap_warmup(cls)
     sched = getattr(cfg, "scheduler_config", None)
     _max_tokens = getattr(sched, "max_num_batched_tokens", None)
+    _max_seqs = getattr(sched, "max_num_seqs", None)
     rep = report()
     rep.set_dir(_runtime_dir())
     rep.update(rank=getattr(worker, "rank", None), local_rank=getattr(worker, "local_rank", None),
                worker_class=f"{cls.__module__}.{cls.__qualname__}", kernel_info=_kernel_info(cfg),
-               max_num_batched_tokens=_max_tokens, vllm_version=_vllm_version())
+               max_num_batched_tokens=_max_tokens, max_num_seqs=_max_seqs,
+               vllm_version=_vllm_version())
     _save_jit()
 
 
@@ -291,37 +297,153 @@ def _after_vllm_warmup() -> None:
 # ----------------------------------------------------------------------------- warm-up
 
 def warm_pending() -> None:
-    """Compile every variant of our kernels for each MoE layer shape seen and not yet warmed."""
+    """For each MoE layer shape seen and not yet warmed: compile our kernels' variants (when
+    the routing table sends any M of the shape to ours) and run vLLM's own TritonExperts path
+    for every M the routing sends to vLLM (warm_vllm), so serving compiles nothing."""
     if not _pending_shapes:
         return
-    from kernels import configs
-    from kernels.warmup import warmup
+    from kernels import configs, routing
 
     max_tokens = _max_tokens or 8192
+    max_seqs = _max_seqs or 256
     t0 = time.perf_counter()
     swaps: set[bool] = set()
+    rep = report()
+    info = dict(rep.data.get("kernel_info") or {})
+    route_info = dict(info.get("routing") or {})
     for key, shape in list(_pending_shapes.items()):
         s = time.perf_counter()
-        n = warmup(shape["E"], shape["N"], shape["K"], shape["topk"], shape["dtype"], max_tokens,
-                   fp8=shape["fp8"], device=shape["device"], static_act=shape["static_act"],
-                   router_weight_on_input=shape["router_on_input"], ids_dtypes=(shape["ids_dtype"],))
-        print(f"[moe-serve warmup] rank {report().data.get('rank')}: E={shape['E']} N={shape['N']} "
-              f"K={shape['K']} topk={shape['topk']} {shape['dtype']} fp8={shape['fp8']}: {n} variants "
-              f"up to M={max_tokens} in {time.perf_counter() - s:.1f}s", flush=True)
-        wname = "fp8" if shape["fp8"] else _dtype_key(shape["dtype"])
-        for b in configs.buckets_for(shape["E"], shape["N"], shape["K"], wname):
-            cfg = configs.get_config(b, shape["E"], shape["N"], shape["K"], shape["topk"], wname)
-            swaps.add(bool(cfg.get("SWAP_AB")))
+        wname = route_dtype(shape["fp8"], shape["dtype"])
+        E, N, K = shape["E"], shape["N"], shape["K"]
+        plan = warmup_plan(routing.ranges(E, N, K, wname), max_seqs, max_tokens, shape["topk"],
+                           E, policy=routing.policy())
+        route_info[routing.shape_key(E, N, K, wname)] = routing.describe(E, N, K, wname)
+        n = 0
+        if plan["ours"]:
+            n = warmup(E, N, K, shape["topk"], shape["dtype"], max_tokens,
+                       fp8=shape["fp8"], device=shape["device"], static_act=shape["static_act"],
+                       router_weight_on_input=shape["router_on_input"],
+                       ids_dtypes=(shape["ids_dtype"],))
+            for b in configs.buckets_for(E, N, K, wname):
+                cfg = configs.get_config(b, E, N, K, shape["topk"], wname)
+                swaps.add(bool(cfg.get("SWAP_AB")))
+        nv = warm_vllm(key, plan["vllm"]) if plan["vllm"] else 0
+        print(f"[moe-serve warmup] rank {rep.data.get('rank')}: E={E} N={N} K={K} "
+              f"topk={shape['topk']} {shape['dtype']} fp8={shape['fp8']}: ours {n} variants up to "
+              f"M={max_tokens}; vLLM kernel {nv} calls ({len(plan['vllm'])} planned M) in "
+              f"{time.perf_counter() - s:.1f}s; routing {route_info[routing.shape_key(E, N, K, wname)]}",
+              flush=True)
         _warmed_shapes.add(key)
         _pending_shapes.pop(key, None)
     seconds = time.perf_counter() - t0
-    rep = report()
-    info = dict(rep.data.get("kernel_info") or {})
     info["swap_ab"] = "mixed" if len(swaps) > 1 else str(swaps.pop()).lower() if swaps else "n/a"
+    info["routing"] = route_info
     prev = rep.data.get("warmup") or {"seconds": 0.0, "shapes": 0}
     rep.update(kernel_info=info, warmup={"seconds": round(prev["seconds"] + seconds, 3),
-                                         "shapes": len(_warmed_shapes), "max_tokens": max_tokens})
+                                         "shapes": len(_warmed_shapes), "max_tokens": max_tokens,
+                                         "max_num_seqs": max_seqs})
     print(f"[moe-serve warmup] rank {rep.data.get('rank')}: done in {seconds:.1f}s", flush=True)
+
+
+def warmup(*args: Any, **kwargs: Any) -> int:
+    from kernels.warmup import warmup as _warmup
+
+    return _warmup(*args, **kwargs)
+
+
+def route_dtype(fp8: Any, dtype: Any) -> str:
+    """Routing/config dtype key: 'fp8' for W8A8 layers, else the activation dtype's."""
+    return "fp8" if fp8 else _dtype_key(dtype)
+
+
+def _vllm_group(M: int, topk: int, cfg_key: Callable[[int], Any] | None) -> tuple:
+    """Specialization class of vLLM's fused_moe_kernel for M tokens: its config bucket
+    (vLLM's own get_config when given, else ~ its key grid: powers of two and 1.5x), M == 1,
+    and (M * topk) mod 16 (num_valid_tokens and EM = M*topk + const divisibility)."""
+    if cfg_key is not None:
+        ck = cfg_key(M)
+    else:
+        b = M.bit_length()
+        ck = (b, M >= 3 << max(0, b - 2))
+    return (ck, M == 1, (M * topk) % 16)
+
+
+def warmup_plan(rngs: list[dict], max_seqs: int, max_tokens: int, topk: int, E: int,
+                policy: str = "table", cfg_key: Callable[[int], Any] | None = None,
+                max_calls: int | None = None) -> dict[str, Any]:
+    """Which backend serves which M, and the M values to run vLLM's kernel at in warm-up.
+
+    {"ours": bool (any M routed to ours -> compile our variants), "vllm": sorted M list}.
+    vLLM M list: every M in 1..min(max_seqs, max_tokens) routed to vLLM (decode batch sizes),
+    plus for the prefill range (max_seqs, max_tokens] one M per specialization class of vLLM's
+    kernel (_vllm_group), i.e. at most 16 per vLLM config bucket; capped at max_calls
+    (env MOE_SERVE_VLLM_WARMUP_MAX_CALLS, default 4096) keeping the decode M first."""
+    from kernels.routing import OURS, VLLM, route_in
+
+    def backend(M: int) -> str:
+        return policy if policy in (OURS, VLLM) else route_in(rngs, M)
+
+    if max_calls is None:
+        max_calls = int(os.environ.get(VLLM_WARMUP_MAX_CALLS_ENV, "4096"))
+    top = max(1, max_tokens)
+    dec = min(max_seqs, top)
+    ours = any(backend(m) == OURS for m in _range_probe(rngs, top))
+    ms = [m for m in range(1, dec + 1) if backend(m) == VLLM]
+    seen: set[tuple] = set()
+    for m in range(dec + 1, top + 1):
+        if backend(m) != VLLM:
+            continue
+        g = _vllm_group(m, topk, cfg_key)
+        if g not in seen:
+            seen.add(g)
+            ms.append(m)
+    return {"ours": ours, "vllm": ms[:max_calls], "dropped": max(0, len(ms) - max_calls)}
+
+
+def _range_probe(rngs: list[dict], top: int) -> list[int]:
+    """M values that hit every range of a routing table up to top (plus 1 and top)."""
+    pts = {1, top}
+    for r in rngs:
+        if r["m_min"] <= top:
+            pts.add(r["m_min"])
+    return sorted(pts)
+
+
+def warm_vllm(key: tuple, ms: list[int]) -> int:
+    """Run vLLM's original TritonExperts.apply with the layer's real weights / quant config at
+    each M in ms (random hidden states and routing); returns the number of calls made."""
+    ctx = _vllm_ctx.get(key)
+    if ctx is None or key in _vllm_warmed:
+        return 0
+    import torch
+
+    _vllm_warmed.add(key)
+    orig, experts = ctx["orig"], ctx["experts"]
+    w1, w2 = ctx["w1"], ctx["w2"]
+    E, K = w1.size(0), w1.size(2)
+    dev = w1.device
+    n = 0
+    for M in ms:
+        if ctx["hidden_dtype"] == torch.float8_e4m3fn:
+            x = torch.randn(M, K, device=dev).to(ctx["hidden_dtype"])
+        else:
+            x = torch.randn(M, K, device=dev, dtype=ctx["hidden_dtype"])
+        topk = ctx["topk"]
+        ids = torch.stack([torch.randperm(E, device=dev)[:topk] for _ in range(min(M, 64))])
+        ids = ids.repeat(-(-M // ids.size(0)), 1)[:M].to(ctx["ids_dtype"]).contiguous()
+        tw = torch.full((M, topk), 1.0 / topk, device=dev, dtype=ctx["tw_dtype"])
+        out = torch.empty(M, K, device=dev, dtype=ctx["out_dtype"])
+        ws13 = torch.empty((M + 1) * ctx["ws13_per_row"], device=dev, dtype=ctx["ws13_dtype"])
+        ws2 = torch.empty((M + 1) * ctx["ws2_per_row"], device=dev, dtype=ctx["ws2_dtype"])
+        orig(experts, output=out, hidden_states=x, w1=w1, w2=w2, topk_weights=tw, topk_ids=ids,
+             activation=ctx["activation"], global_num_experts=ctx["global_num_experts"],
+             expert_map=None, a1q_scale=ctx["a1q_scale"], a2_scale=ctx["a2_scale"],
+             workspace13=ws13, workspace2=ws2, expert_tokens_meta=None,
+             apply_router_weight_on_input=ctx["router_on_input"])
+        n += 1
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return n
 
 
 def _dtype_key(dtype: Any) -> str:
@@ -409,16 +531,18 @@ def _shape_key(experts: Any, hidden_states: Any, w1: Any, w2: Any, topk_ids: Any
 
 
 def make_apply(orig: Callable) -> Callable:
-    """The TritonExperts.apply wrapper (same parameters as vLLM's, keyword-callable)."""
+    """The TritonExperts.apply wrapper (same parameters as vLLM's, keyword-callable).
+
+    Unsupported case -> vLLM's original (counted 'fallback' + reason); supported case that the
+    routing table gives to vLLM for this (shape, dtype, M) -> vLLM's original (counted
+    'routed_to_vllm'); else ours ('optimized'). Every shape seen is queued for warm-up."""
 
     @functools.wraps(orig)
     def apply(self: Any, output: Any, hidden_states: Any, w1: Any, w2: Any, topk_weights: Any,
               topk_ids: Any, activation: Any, global_num_experts: int, expert_map: Any,
               a1q_scale: Any, a2_scale: Any, workspace13: Any, workspace2: Any,
               expert_tokens_meta: Any, apply_router_weight_on_input: bool) -> Any:
-        def fallback(why: str) -> Any:
-            report().count("moe_calls", "fallback")
-            report().count("fallback_reasons", why)
+        def call_orig() -> Any:
             return orig(self, output=output, hidden_states=hidden_states, w1=w1, w2=w2,
                         topk_weights=topk_weights, topk_ids=topk_ids, activation=activation,
                         global_num_experts=global_num_experts, expert_map=expert_map,
@@ -426,13 +550,31 @@ def make_apply(orig: Callable) -> Callable:
                         workspace2=workspace2, expert_tokens_meta=expert_tokens_meta,
                         apply_router_weight_on_input=apply_router_weight_on_input)
 
+        def fallback(why: str) -> Any:
+            report().count("moe_calls", "fallback")
+            report().count("fallback_reasons", why)
+            return call_orig()
+
         why = unsupported_reason(self, output, hidden_states, w1, w2, activation, global_num_experts,
                                  expert_map, a1q_scale)
         if why is not None:
             return fallback(why)
         try:
-            return _run_ours(self, output, hidden_states, w1, w2, topk_weights, topk_ids, a1q_scale,
-                             a2_scale, apply_router_weight_on_input)
+            _, wname = _see_shape(orig, self, output, hidden_states, w1, w2, topk_weights,
+                                       topk_ids, activation, global_num_experts, a1q_scale,
+                                       a2_scale, workspace13, workspace2,
+                                       apply_router_weight_on_input)
+        except Exception as exc:  # noqa: BLE001
+            return fallback(f"error:{type(exc).__name__}")
+        from kernels import routing
+
+        if routing.route(w1.size(0), w2.size(2), w1.size(2), wname,
+                         hidden_states.size(0)) != routing.OURS:
+            report().count("moe_calls", "routed_to_vllm")
+            return call_orig()
+        try:
+            return _run_ours(self, output, hidden_states, w1, w2, topk_weights, topk_ids,
+                             a1q_scale, a2_scale, apply_router_weight_on_input)
         except Exception as exc:  # noqa: BLE001 - serve with vLLM's kernel, say so loudly once
             key = f"error:{type(exc).__name__}"
             if key not in _logged_errors:
@@ -444,18 +586,38 @@ def make_apply(orig: Callable) -> Callable:
     return apply
 
 
-def _run_ours(experts: Any, output: Any, hidden_states: Any, w1: Any, w2: Any, topk_weights: Any,
-              topk_ids: Any, a1q_scale: Any, a2_scale: Any, router_on_input: bool) -> None:
+def _fp8_scales(experts: Any, hidden_states: Any, w1: Any, a1q_scale: Any, a2_scale: Any) -> Any:
     import torch
 
-    from kernels.fused_moe import Fp8Scales, fused_moe
+    from kernels.fused_moe import Fp8Scales
 
-    scales = None
-    if w1.dtype == torch.float8_e4m3fn:
-        a1 = a1q_scale if hidden_states.dtype == torch.float8_e4m3fn else getattr(experts, "a1_scale", None)
-        f32 = lambda t: None if t is None else t.float()  # noqa: E731 - no copy when already fp32
-        scales = Fp8Scales(f32(experts.w1_scale), f32(experts.w2_scale), f32(a1), f32(a2_scale))
+    if w1.dtype != torch.float8_e4m3fn:
+        return None
+    a1 = a1q_scale if hidden_states.dtype == torch.float8_e4m3fn else getattr(experts, "a1_scale", None)
+    f32 = lambda t: None if t is None else t.float()  # noqa: E731 - no copy when already fp32
+    return Fp8Scales(f32(experts.w1_scale), f32(experts.w2_scale), f32(a1), f32(a2_scale))
+
+
+def _see_shape(orig: Callable, experts: Any, output: Any, hidden_states: Any, w1: Any, w2: Any,
+               topk_weights: Any, topk_ids: Any, activation: Any, global_num_experts: int,
+               a1q_scale: Any, a2_scale: Any, workspace13: Any, workspace2: Any,
+               router_on_input: bool) -> tuple[Any, str]:
+    """Queue a first-seen layer shape for warm-up (ours and vLLM's kernel) and keep what a
+    vLLM warm-up call needs; returns (our fp8 scales or None, routing dtype key)."""
+    import torch
+
+    scales = _fp8_scales(experts, hidden_states, w1, a1q_scale, a2_scale)
     key, shape = _shape_key(experts, hidden_states, w1, w2, topk_ids, scales, router_on_input)
+    if key not in _vllm_ctx:
+        M = max(1, hidden_states.size(0))
+        _vllm_ctx[key] = {
+            "orig": orig, "experts": experts, "w1": w1, "w2": w2, "activation": activation,
+            "global_num_experts": global_num_experts, "a1q_scale": a1q_scale,
+            "a2_scale": a2_scale, "router_on_input": router_on_input,
+            "hidden_dtype": hidden_states.dtype, "out_dtype": output.dtype,
+            "ids_dtype": topk_ids.dtype, "tw_dtype": topk_weights.dtype, "topk": topk_ids.size(1),
+            "ws13_dtype": workspace13.dtype, "ws2_dtype": workspace2.dtype,
+            "ws13_per_row": -(-workspace13.numel() // M), "ws2_per_row": -(-workspace2.numel() // M)}
     if key not in _warmed_shapes and key not in _pending_shapes:
         _pending_shapes[key] = shape
         from kernels import jit_monitor
@@ -463,6 +625,15 @@ def _run_ours(experts: Any, output: Any, hidden_states: Any, w1: Any, w2: Any, t
         if jit_monitor.phase() == "serving" and not torch.cuda.is_current_stream_capturing():
             logger.warning("moe-serve: MoE shape first seen while serving, warming it up now: %s", shape)
             warm_pending()
+    return scales, route_dtype(shape["fp8"], hidden_states.dtype)
+
+
+def _run_ours(experts: Any, output: Any, hidden_states: Any, w1: Any, w2: Any,
+              topk_weights: Any, topk_ids: Any, a1q_scale: Any, a2_scale: Any,
+              router_on_input: bool) -> None:
+    from kernels.fused_moe import fused_moe
+
+    scales = _fp8_scales(experts, hidden_states, w1, a1q_scale, a2_scale)
     fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, fp8=scales,
               apply_router_weight_on_input=router_on_input, out=output)
     report().count("moe_calls", "optimized")
