@@ -10,7 +10,15 @@ Hooks (all wrap a method on a class; the originals stay reachable as ``__wrapped
   path and signature in vLLM 0.26 and 0.32), only with ``MOE_SERVE_MOE_KERNELS=optimized``:
   supported cases (gated SiLU, no expert_map / LoRA / bias / clamp, bf16/fp16/fp32, or FP8
   W8A8 with per-tensor or per-channel weight scales and a per-tensor activation scale) call
-  ``kernels.fused_moe.fused_moe(..., out=output)``; anything else calls vLLM's original.
+  ``kernels.fused_moe.fused_moe(..., out=output)`` **where the measured routing table
+  (kernels/routing.py, ``routing,device=*.json``) says ours is faster for (E, N, K, dtype, M)**;
+  supported calls routed to vLLM call vLLM's original (counted ``routed_to_vllm``), unsupported
+  ones too (counted ``fallback`` + reason). Warm-up (warm_pending, per layer shape): our
+  variants when any M of the shape routes to ours, and vLLM's original apply with the layer's
+  real weights / quant config at every decode M (1..max_num_seqs) and one M per
+  specialization class of vLLM's kernel up to max_num_batched_tokens (warmup_plan) that routes
+  to vLLM, so serving compiles neither kernel. The routing per shape goes to the worker
+  report's kernel_info["routing"] (-> moe_serve_moe_routing_info on /metrics).
   Chosen because it is the narrowest point that owns the whole expert computation (both
   GEMMs, activation, routed-weight reduction into ``output``) for every model and for both
   the unquantized and the FP8 oracle, while prepare/finalize, routing and CUDA graphs stay
@@ -27,7 +35,8 @@ found. Disabling Triton": that only swaps the names inside ``vllm.triton_utils``
 placeholders; ``import triton`` still gives the real package (``sys.modules`` untouched), so
 the JIT monitor's ``triton.knobs`` hooks work and fire for any real compile in the process.
 
-Env: ``MOE_SERVE_MOE_KERNELS`` (optimized|vllm), ``MOE_SERVE_RUNTIME_DIR`` (report dir, set by
+Env: ``MOE_SERVE_MOE_KERNELS`` (optimized|vllm), ``MOE_SERVE_MOE_ROUTING`` (table|ours|vllm,
+default table), ``MOE_SERVE_VLLM_WARMUP_MAX_CALLS`` (cap of vLLM warm-up calls per shape, 4096), ``MOE_SERVE_RUNTIME_DIR`` (report dir, set by
 the API process), ``MOE_SERVE_TEST_JIT_KERNEL=1`` (tests: compile a tiny probe kernel for
 sm_90 in each worker, once in warm-up and once right after the flip to serving).
 """
@@ -316,7 +325,7 @@ def warm_pending() -> None:
         wname = route_dtype(shape["fp8"], shape["dtype"])
         E, N, K = shape["E"], shape["N"], shape["K"]
         plan = warmup_plan(routing.ranges(E, N, K, wname), max_seqs, max_tokens, shape["topk"],
-                           E, policy=routing.policy())
+                           E, policy=routing.policy(), cfg_key=_vllm_cfg_key(key))
         route_info[routing.shape_key(E, N, K, wname)] = routing.describe(E, N, K, wname)
         n = 0
         if plan["ours"]:
@@ -354,6 +363,29 @@ def warmup(*args: Any, **kwargs: Any) -> int:
 def route_dtype(fp8: Any, dtype: Any) -> str:
     """Routing/config dtype key: 'fp8' for W8A8 layers, else the activation dtype's."""
     return "fp8" if fp8 else _dtype_key(dtype)
+
+
+def _vllm_cfg_key(key: tuple) -> Callable[[int], Any] | None:
+    """vLLM's own config choice for M (try_get_optimal_moe_config, same signature in 0.26 and
+    0.32) as a hashable key, or None when it cannot be called (then _vllm_group approximates)."""
+    ctx = _vllm_ctx.get(key)
+    if ctx is None:
+        return None
+    try:
+        from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
+
+        import torch
+
+        w1s, w2s = tuple(ctx["w1"].shape), tuple(ctx["w2"].shape)
+        dt = "fp8_w8a8" if ctx["w1"].dtype == torch.float8_e4m3fn else None
+
+        def cfg_key(M: int) -> str:
+            return repr(sorted(try_get_optimal_moe_config(w1s, w2s, ctx["topk"], dt, M).items()))
+
+        cfg_key(1)
+        return functools.lru_cache(maxsize=None)(cfg_key)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _vllm_group(M: int, topk: int, cfg_key: Callable[[int], Any] | None) -> tuple:
