@@ -461,8 +461,8 @@ def warm_vllm(key: tuple, ms: list[int]) -> int:
         else:
             x = torch.randn(M, K, device=dev, dtype=ctx["hidden_dtype"])
         topk = ctx["topk"]
-        ids = torch.stack([torch.randperm(E, device=dev)[:topk] for _ in range(min(M, 64))])
-        ids = ids.repeat(-(-M // ids.size(0)), 1)[:M].to(ctx["ids_dtype"]).contiguous()
+        # distinct experts per row (topk <= E), rows spread over all experts
+        ids = (torch.arange(M * topk, device=dev) % E).reshape(M, topk).to(ctx["ids_dtype"])
         tw = torch.full((M, topk), 1.0 / topk, device=dev, dtype=ctx["tw_dtype"])
         out = torch.empty(M, K, device=dev, dtype=ctx["out_dtype"])
         ws13 = torch.empty((M + 1) * ctx["ws13_per_row"], device=dev, dtype=ctx["ws13_dtype"])

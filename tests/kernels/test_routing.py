@@ -148,3 +148,46 @@ def test_apply_routes_per_m(tmp_path, monkeypatch):
     assert after.get("routed_to_vllm", 0) - before.get("routed_to_vllm", 0) == 1
     assert after.get("fallback", 0) == before.get("fallback", 0)
     assert vp._vllm_ctx  # the shape's vLLM warm-up context was kept
+
+
+def test_warm_vllm_calls_original_at_planned_m(monkeypatch):
+    """warm_vllm runs vLLM's original apply once per planned M with the layer's weights, the
+    kept quant/activation arguments and workspaces big enough for M (flat, as _resize_cache
+    views them)."""
+    E, N, K, topk = 4, 16, 32, 2
+    w1, w2 = torch.zeros(E, 2 * N, K), torch.zeros(E, K, N)
+    seen = []
+
+    def orig(self, **kw):
+        M = kw["hidden_states"].size(0)
+        assert kw["w1"] is w1 and kw["w2"] is w2 and self == "layer"
+        assert kw["topk_ids"].shape == (M, topk) and kw["output"].shape == (M, K)
+        assert kw["workspace13"].numel() >= M * topk * K
+        assert kw["workspace2"].numel() >= M * topk * N
+        assert kw["activation"] == "silu" and kw["a2_scale"] == "a2"
+        assert all(len(set(r.tolist())) == topk for r in kw["topk_ids"])
+        seen.append(M)
+
+    key = ("test-shape",)
+    monkeypatch.setitem(vp._vllm_ctx, key, {
+        "orig": orig, "experts": "layer", "w1": w1, "w2": w2, "activation": "silu",
+        "global_num_experts": E, "a1q_scale": None, "a2_scale": "a2", "router_on_input": False,
+        "hidden_dtype": torch.float32, "out_dtype": torch.float32, "ids_dtype": torch.int32,
+        "tw_dtype": torch.float32, "topk": topk, "ws13_dtype": torch.float32,
+        "ws2_dtype": torch.float32, "ws13_per_row": topk * K, "ws2_per_row": topk * N})
+    monkeypatch.setattr(vp, "_vllm_warmed", set())
+    assert vp.warm_vllm(key, [1, 5, 17]) == 3
+    assert seen == [1, 5, 17]
+    assert vp.warm_vllm(key, [1]) == 0          # once per shape
+
+
+def test_routing_info_metric(tmp_path):
+    from kernels.jit_export import WorkerCollector
+
+    (tmp_path / "worker-1.json").write_text(json.dumps({
+        "pid": 1, "rank": 0, "mode": "optimized",
+        "kernel_info": {"routing": {"E=8,N=1792,K=4096,dtype=bf16": "1-16:ours,17+:vllm"}}}))
+    fams = {f.name: f for f in WorkerCollector(tmp_path).collect()}
+    samples = fams["moe_serve_moe_routing_info"].samples
+    assert [(s.labels["shape"], s.labels["routing"]) for s in samples] == \
+        [("E=8,N=1792,K=4096,dtype=bf16", "1-16:ours,17+:vllm")]
