@@ -256,6 +256,8 @@ def part_bench(shapes: dict, ms: tuple, dtypes: tuple, ceiling: float, n_sets: i
                               f"{'' if cfg['FUSE_GU'] else 'u'}/d{cfg['DOWN']['BLOCK_N']}"
                               f"sk{cfg['DOWN']['SPLIT_K']}")
                 row["ctas"] = "%d/%d" % num_programs(M, E, N, K, topk, cfg)
+                from kernels import routing
+                row["route"] = routing.route(E, N, K, dt, M)  # what serving uses today
                 try:
                     prob = _problem(shape, M, dt, n_sets, weights)
                     weights = prob["weights"]

@@ -50,6 +50,21 @@ def test_hook_target_is_pinned() -> None:
     assert _params(getattr(Worker, vp.WARMUP_METHOD)) == ("self",)
 
 
+def test_vllm_warmup_dependencies_are_pinned() -> None:
+    """The vLLM warm-up groups M by vLLM's own config choice and sizes flat workspaces that
+    TritonExperts.apply views with _resize_cache (first prod(shape) elements)."""
+    from vllm.model_executor.layers.fused_moe import fused_moe as fm
+
+    assert _params(fm.try_get_optimal_moe_config)[:5] == ("w1_shape", "w2_shape", "top_k",
+                                                          "dtype", "M")
+    cfg = fm.try_get_optimal_moe_config((8, 64, 32), (8, 32, 32), 2, None, 5)
+    assert "BLOCK_SIZE_M" in cfg
+    from vllm.model_executor.layers.fused_moe.utils import _resize_cache
+
+    flat = torch.zeros(100)
+    assert _resize_cache(flat, (3, 4)).shape == (3, 4)
+
+
 @pytest.mark.parametrize("mode,wrapped", [("optimized", True), ("vllm", False)])
 def test_register_per_mode(mode: str, wrapped: bool) -> None:
     out = _run("""
