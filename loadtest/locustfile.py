@@ -101,6 +101,9 @@ class OpenAIStreamUser(FastHttpUser):
 
     @task
     def one_request(self) -> None:
+        if self.scenario.stages[self.scenario.stage_index(self._clock())].users == 0:
+            gevent.sleep(0.05)  # an idle stage began; Locust's shape stops users up to 1 s late
+            return
         spec = self.scenario.picker(self.rng)
         path, body = request_body(spec.endpoint, self.model, spec.prompt, spec.max_tokens)
         timer = StreamTimer(self._clock())

@@ -57,9 +57,11 @@ def test_sigterm_drains_finishable_streams_and_ends_the_rest_with_an_error_event
     threads.append(threading.Thread(target=_stream, args=(server, 8, short_events, errors)))
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while not all(long_events) and time.monotonic() < deadline:  # every long stream has started
         time.sleep(0.05)
+    assert all(long_events), "long streams did not start"
+    assert httpx.get(server.base_url + "/health", timeout=5).json()["running"] >= 3
     server.proc.send_signal(signal.SIGTERM)
     sent_at = time.monotonic()
     health = httpx.get(server.base_url + "/health", timeout=5)
