@@ -467,12 +467,19 @@ def warm_vllm(key: tuple, ms: list[int]) -> int:
         out = torch.empty(M, K, device=dev, dtype=ctx["out_dtype"])
         ws13 = torch.empty((M + 1) * ctx["ws13_per_row"], device=dev, dtype=ctx["ws13_dtype"])
         ws2 = torch.empty((M + 1) * ctx["ws2_per_row"], device=dev, dtype=ctx["ws2_dtype"])
-        orig(experts, output=out, hidden_states=x, w1=w1, w2=w2, topk_weights=tw, topk_ids=ids,
-             activation=ctx["activation"], global_num_experts=ctx["global_num_experts"],
-             expert_map=None, a1q_scale=ctx["a1q_scale"], a2_scale=ctx["a2_scale"],
-             workspace13=ws13, workspace2=ws2, expert_tokens_meta=None,
-             apply_router_weight_on_input=ctx["router_on_input"])
-        n += 1
+        try:
+            orig(experts, output=out, hidden_states=x, w1=w1, w2=w2, topk_weights=tw,
+                 topk_ids=ids, activation=ctx["activation"],
+                 global_num_experts=ctx["global_num_experts"], expert_map=None,
+                 a1q_scale=ctx["a1q_scale"], a2_scale=ctx["a2_scale"], workspace13=ws13,
+                 workspace2=ws2, expert_tokens_meta=None,
+                 apply_router_weight_on_input=ctx["router_on_input"])
+            n += 1
+        except Exception as exc:  # noqa: BLE001 - one failing M must not stop the others
+            report().count("vllm_warmup_errors", type(exc).__name__)
+            if type(exc).__name__ not in _logged_errors:
+                _logged_errors.add(type(exc).__name__)
+                logger.error("moe-serve: vLLM kernel warm-up failed at M=%d: %r", M, exc)
     if dev.type == "cuda":
         torch.cuda.synchronize()
     return n
