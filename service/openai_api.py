@@ -25,6 +25,16 @@ def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
+def _checked_state(request: Request, req: SamplingFields) -> ServerState:
+    """Checks shared by both routes: model name, engine up, limits, unsupported logprobs."""
+    state = _state(request)
+    _check_model_and_engine(state, req)
+    check_common_limits(req, state.settings)
+    if req.logprobs:
+        raise APIError(400, "logprobs are not supported by this server", param="logprobs")
+    return state
+
+
 def _check_model_and_engine(state: ServerState, req: SamplingFields) -> None:
     if req.model != state.settings.model_name:
         raise APIError(404, f"model '{req.model}' does not exist; this server serves "
@@ -43,11 +53,7 @@ async def list_models(request: Request) -> dict:
 
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
-    state = _state(request)
-    _check_model_and_engine(state, body)
-    check_common_limits(body, state.settings)
-    if body.logprobs:
-        raise APIError(400, "logprobs are not supported by this server", param="logprobs")
+    state = _checked_state(request, body)
     if body.suffix:
         raise APIError(400, "suffix is not supported by this server", param="suffix")
     tokenizer = state.engine.tokenizer
@@ -75,11 +81,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    state = _state(request)
-    _check_model_and_engine(state, body)
-    check_common_limits(body, state.settings)
-    if body.logprobs:
-        raise APIError(400, "logprobs are not supported by this server", param="logprobs")
+    state = _checked_state(request, body)
     tokenizer = state.engine.tokenizer
     try:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
