@@ -1,9 +1,9 @@
 """Our HTTP frontend vs vLLM's own OpenAI server, same engine, same tiny model, same run.
 
-Starts `python -m vllm.entrypoints.openai.api_server` and `python -m service` on the embedded
-model (vLLM CPU engine), then drives both with the same closed-loop streaming `step` sweep
-(`loadtest ab --engine asyncio`; concurrency 1, 2, 4, ..., --max-users) and prints the ratio
-table (B = moe-serve over A = vLLM). Usage (CPU, ~6 min):
+Starts `python -m vllm.entrypoints.openai.api_server` on the embedded model (vLLM CPU engine),
+drives it with the closed-loop streaming `step` sweep (`loadtest run --engine asyncio`;
+concurrency 1, 2, 4, ..., --max-users), stops it, does the same with `python -m service`, then
+prints the ratio table (B = moe-serve over A = vLLM). Usage (CPU, ~6 min):
 
     .venv/bin/python bench/frontend_vs_vllm.py --out /tmp/frontend --max-users 64 --step-seconds 10
 """
@@ -30,7 +30,7 @@ def start_vllm(model_dir: Path, log_dir: Path, timeout: float) -> tuple[subproce
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", MODEL_NAME, "--port", str(port), "--kv-cache-memory-bytes", str(512 * 1024 ** 2),
-           "--disable-log-requests"]
+           "--no-enable-log-requests"]
     began = time.monotonic()
     log = open(log_dir / "vllm-api-server.log", "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -48,6 +48,14 @@ def start_vllm(model_dir: Path, log_dir: Path, timeout: float) -> tuple[subproce
     raise TimeoutError("vLLM api_server not ready")
 
 
+def sweep(url: str, label: str, args: argparse.Namespace) -> int:
+    cmd = [sys.executable, "-m", "loadtest", "run", "--engine", "asyncio", "--scenario", "step", "--host", url,
+           "--label", label, "--model", MODEL_NAME, "--max-users", str(args.max_users),
+           "--step-seconds", str(args.step_seconds), "--max-tokens", str(args.max_tokens), "--no-plots",
+           "--out", str(args.out / label)]
+    return subprocess.run(cmd, cwd=REPO).returncode
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
@@ -58,22 +66,25 @@ def main() -> int:
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_embedded_model()
+    # One server at a time: an idle vLLM CPU engine still holds its OpenMP threads, and on a
+    # 2-core machine a second engine beside the measured one skews the comparison.
     vllm_proc, vllm_url, vllm_start = start_vllm(model_dir, args.out, args.ready_timeout)
+    try:
+        rc_a = sweep(vllm_url, "vllm-api-server", args)
+    finally:
+        vllm_proc.terminate()
+        vllm_proc.wait(60)
     began = time.monotonic()
     ours = start_server(args.out, ready_timeout=args.ready_timeout)
     ours_start = time.monotonic() - began
-    print(f"ready: vLLM api_server {vllm_start:.1f} s, moe-serve {ours_start:.1f} s", flush=True)
     try:
-        cmd = [sys.executable, "-m", "loadtest", "ab", "--engine", "asyncio", "--scenario", "step",
-               "--host-a", vllm_url, "--label-a", "vllm-api-server", "--host-b", ours.base_url,
-               "--label-b", "moe-serve", "--model", MODEL_NAME, "--max-users", str(args.max_users),
-               "--step-seconds", str(args.step_seconds), "--max-tokens", str(args.max_tokens),
-               "--no-plots", "--out", str(args.out / "ab")]
-        return subprocess.run(cmd, cwd=REPO).returncode
+        rc_b = sweep(ours.base_url, "moe-serve", args)
     finally:
         ours.stop()
-        vllm_proc.terminate()
-        vllm_proc.wait(60)
+    print(f"ready: vLLM api_server {vllm_start:.1f} s, moe-serve {ours_start:.1f} s", flush=True)
+    cmd = [sys.executable, "-m", "loadtest", "compare", str(args.out / "vllm-api-server"), str(args.out / "moe-serve"),
+           "--label-a", "vllm-api-server", "--label-b", "moe-serve", "--out", str(args.out / "ab")]
+    return rc_a or rc_b or subprocess.run(cmd, cwd=REPO).returncode
 
 
 if __name__ == "__main__":
