@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -50,8 +51,13 @@ def test_short_requests_are_unaffected(timed_server: RunningServer) -> None:
 
 def test_access_log_is_json_without_prompts_or_keys(timed_server: RunningServer) -> None:
     httpx.get(timed_server.base_url + "/v1/models", headers=timed_server.headers)
-    log = timed_server.log()
-    records = [json.loads(line) for line in log.splitlines() if line.startswith('{"ts"')]
+    deadline = time.monotonic() + 10  # the line is written after the response has been sent
+    while True:
+        log = timed_server.log()
+        records = [json.loads(line) for line in log.splitlines() if line.startswith('{"ts"')]
+        if any(r["path"] == "/v1/models" for r in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert any(r["path"] == "/v1/models" and r["status"] == 200 for r in records)
     assert any(r["path"] == "/v1/completions" and r["status"] == 408 for r in records)
     assert all({"ts", "method", "path", "status", "duration_ms", "client"} <= set(r) for r in records)
