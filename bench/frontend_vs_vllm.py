@@ -3,14 +3,19 @@
 Starts `python -m vllm.entrypoints.openai.api_server` on the embedded model (vLLM CPU engine),
 drives it with the closed-loop streaming `step` sweep (`loadtest run --engine asyncio`;
 concurrency 1, 2, 4, ..., --max-users), stops it, does the same with `python -m service`, then
-prints the ratio table (B = moe-serve over A = vLLM). Usage (CPU, ~6 min):
+repeats that in alternating order and prints, per concurrency, the median over repetitions of each
+server's metrics and their ratio (ours/vLLM). On >= 2 cores each server gets the last core and the
+load client the rest (tests/server_proc.server_core_isolation). Usage (CPU, ~6 min per repetition):
 
-    .venv/bin/python bench/frontend_vs_vllm.py --out /tmp/frontend --max-users 64 --step-seconds 10
+    .venv/bin/python bench/frontend_vs_vllm.py --out /tmp/frontend --max-users 64 --step-seconds 10 --repeats 3
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import statistics
 import subprocess
 import sys
 import time
@@ -19,8 +24,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from loadtest.ab import RATIO_KEYS, write_ab  # noqa: E402
 from service.embedded_model import ensure_embedded_model  # noqa: E402
-from tests.server_proc import MODEL_NAME, free_port, start_server  # noqa: E402
+from tests.server_proc import MODEL_NAME, free_port, server_core_isolation, start_server  # noqa: E402
+
+VLLM, OURS = "vllm-api-server", "moe-serve"
 
 
 def start_vllm(model_dir: Path, log_dir: Path, timeout: float) -> tuple[subprocess.Popen, str, float]:
@@ -33,7 +41,9 @@ def start_vllm(model_dir: Path, log_dir: Path, timeout: float) -> tuple[subproce
            "--no-enable-log-requests"]
     began = time.monotonic()
     log = open(log_dir / "vllm-api-server.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    pin_env, pin = server_core_isolation(os.environ)  # the same core split as moe-serve gets
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **pin_env}, preexec_fn=pin)
     url = f"http://127.0.0.1:{port}"
     while time.monotonic() - began < timeout:
         if proc.poll() is not None:
@@ -48,12 +58,47 @@ def start_vllm(model_dir: Path, log_dir: Path, timeout: float) -> tuple[subproce
     raise TimeoutError("vLLM api_server not ready")
 
 
-def sweep(url: str, label: str, args: argparse.Namespace) -> int:
+def sweep(url: str, label: str, out: Path, args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "loadtest", "run", "--engine", "asyncio", "--scenario", "step", "--host", url,
            "--label", label, "--model", MODEL_NAME, "--max-users", str(args.max_users),
            "--step-seconds", str(args.step_seconds), "--max-tokens", str(args.max_tokens), "--no-plots",
-           "--out", str(args.out / label)]
+           "--out", str(out / label)]
     return subprocess.run(cmd, cwd=REPO).returncode
+
+
+def run_one(label: str, out: Path, model_dir: Path, args: argparse.Namespace) -> float:
+    """Start one server, sweep it into out/label, stop it; returns its start-up seconds."""
+    began = time.monotonic()
+    if label == VLLM:
+        proc, url, _ = start_vllm(model_dir, out, args.ready_timeout)
+        stop = lambda: (proc.terminate(), proc.wait(60))  # noqa: E731
+    else:
+        ours = start_server(out, ready_timeout=args.ready_timeout)
+        url, stop = ours.base_url, ours.stop
+    ready_s = time.monotonic() - began
+    try:
+        if sweep(url, label, out, args) != 0:
+            raise RuntimeError(f"load run against {label} failed; see {out / label}")
+    finally:
+        stop()
+    return ready_s
+
+
+def summary(out: Path, repeats: int) -> str:
+    """Median over repetitions of each server's per-stage metric, and the ratio of the medians."""
+    reports = {label: [json.loads((out / f"rep{i}" / label / "report.json").read_text()) for i in range(repeats)]
+               for label in (VLLM, OURS)}
+    head = ["users"] + [f"{name} {who}" for name, _ in RATIO_KEYS[:4] for who in ("vLLM", "ours", "ours/vLLM")]
+    lines = [f"## median of {repeats} alternating repetitions: ours = moe-serve, vLLM = vllm api_server", "",
+             "| " + " | ".join(head) + " |", "|---:|" + "---:|" * (len(head) - 1)]
+    for k, stage in enumerate(reports[VLLM][0]["stages"]):
+        cells = [str(stage["users"])]
+        for _, key in RATIO_KEYS[:4]:
+            med = {label: statistics.median(r["stages"][k][key] for r in reports[label]) for label in reports}
+            cells += [f"{med[VLLM]:.2f}", f"{med[OURS]:.2f}", f"{med[OURS] / med[VLLM]:.3f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    errors = {label: sum(s["errors"] for r in reports[label] for s in r["stages"]) for label in reports}
+    return "\n".join(lines + ["", f"errors: vLLM {errors[VLLM]}, ours {errors[OURS]}", ""])
 
 
 def main() -> int:
@@ -62,29 +107,23 @@ def main() -> int:
     p.add_argument("--max-users", type=int, default=64)
     p.add_argument("--step-seconds", type=float, default=10)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3, help="alternating order: vLLM first in even repetitions")
     p.add_argument("--ready-timeout", type=float, default=400)
     args = p.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_embedded_model()
     # One server at a time: an idle vLLM CPU engine still holds its OpenMP threads, and on a
     # 2-core machine a second engine beside the measured one skews the comparison.
-    vllm_proc, vllm_url, vllm_start = start_vllm(model_dir, args.out, args.ready_timeout)
-    try:
-        rc_a = sweep(vllm_url, "vllm-api-server", args)
-    finally:
-        vllm_proc.terminate()
-        vllm_proc.wait(60)
-    began = time.monotonic()
-    ours = start_server(args.out, ready_timeout=args.ready_timeout)
-    ours_start = time.monotonic() - began
-    try:
-        rc_b = sweep(ours.base_url, "moe-serve", args)
-    finally:
-        ours.stop()
-    print(f"ready: vLLM api_server {vllm_start:.1f} s, moe-serve {ours_start:.1f} s", flush=True)
-    cmd = [sys.executable, "-m", "loadtest", "compare", str(args.out / "vllm-api-server"), str(args.out / "moe-serve"),
-           "--label-a", "vllm-api-server", "--label-b", "moe-serve", "--out", str(args.out / "ab")]
-    return rc_a or rc_b or subprocess.run(cmd, cwd=REPO).returncode
+    for i in range(args.repeats):
+        rep = args.out / f"rep{i}"
+        rep.mkdir(parents=True, exist_ok=True)
+        order = (VLLM, OURS) if i % 2 == 0 else (OURS, VLLM)
+        ready = {label: run_one(label, rep, model_dir, args) for label in order}
+        print(f"repetition {i}: ready in " + ", ".join(f"{k} {v:.1f} s" for k, v in ready.items()), flush=True)
+        write_ab(rep / VLLM, rep / OURS, rep / "ab", VLLM, OURS)
+    text = summary(args.out, args.repeats)
+    (args.out / "summary.md").write_text(text)
+    print(text)
+    return 0
 
 
 if __name__ == "__main__":

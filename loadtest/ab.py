@@ -33,13 +33,13 @@ def markdown(ab: dict) -> str:
     """The ratio table: for each stage, A, B and B/A of throughput and latency."""
     la, lb = ab["label_a"], ab["label_b"]
     head = ["stage", "users", "err A/B"]
-    for name, _ in RATIO_KEYS[:3]:
+    for name, _ in RATIO_KEYS[:4]:
         head += [f"{name} {la}", f"{name} {lb}", "B/A"]
     lines = [f"## A/B `{ab['scenario']}`: A = {la}, B = {lb}", "",
              "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for r in ab["rows"]:
         cells = [r["stage"], str(r["users"]), f"{r['errors_a']}/{r['errors_b']}"]
-        for _, key in RATIO_KEYS[:3]:
+        for _, key in RATIO_KEYS[:4]:
             spec = "{:.1f}"
             cells += [fmt(r[f"{key}_a"], spec), fmt(r[f"{key}_b"], spec), fmt(r[f"{key}_ratio"], "{:.3f}")]
         lines.append("| " + " | ".join(cells) + " |")

@@ -36,6 +36,7 @@ class DrainingServer(uvicorn.Server):
             self.force_exit = True
             return
         self._drain_requested = True
+        self.state.shutting_down = True  # /health says so at once; the drain task starts on the next tick
 
     async def on_tick(self, counter: int) -> bool:
         if self._drain_requested and self._drain_task is None:

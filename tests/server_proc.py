@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def server_core_isolation(env: Mapping[str, str]) -> tuple[dict[str, str], Callable[[], None] | None]:
+    """Engine env and a `preexec_fn` that give a CPU-engine server the last core, clients the rest.
+
+    On the 2-vCPU dev/CI VMs, while vLLM's CPU engine generates, its engine-core and worker
+    processes spin (shared-memory queue polling with sched_yield) and starve every other process:
+    a client that needed 0.1 s of CPU got it in 7.5 s of wall time, which made streams look
+    bursty and disconnects look late (bench/RESULTS.md, 2026-11-29). Pinned, 0.1 s took 0.1 s.
+    Off when the caller binds vLLM's threads itself, with MOE_SERVE_PIN_SERVER=0, or on < 2 cores.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2 or "VLLM_CPU_OMP_THREADS_BIND" in env or env.get("MOE_SERVE_PIN_SERVER") == "0":
+        return {}, None
+    core = cores[-1]
+    return ({"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+            lambda: os.sched_setaffinity(0, {core}))
 
 
 @dataclass
@@ -58,9 +76,10 @@ def start_server(log_dir: Path, *args: str, api_key: str | None = None, env: dic
     if api_key:
         cmd += ["--api-key", api_key]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    pin_env, pin = server_core_isolation(full_env)
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=REPO, env={**full_env, **pin_env}, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=pin)
     server = RunningServer(proc, f"http://127.0.0.1:{port}", log_path, api_key)
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:

@@ -22,7 +22,7 @@ from loadtest.scenarios import Options
 from tests.server_proc import REPO, free_port
 
 FIRST_DELAY_S = 0.3
-GAP_S = 0.01
+GAP_S = 0.05
 MAX_TOKENS = 8
 
 
@@ -80,21 +80,22 @@ def stub_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log.close()
 
 
-@pytest.mark.xfail(strict=False, reason="flaky in the 2026-11-29 clean-clone CI rehearsal (timing-sensitive on a 2-core machine); kept running, not required to pass until fixed — see the session note")
 @pytest.mark.parametrize("engine", ["locust", "asyncio"])
 def test_ttft_is_time_to_first_content_chunk(stub_url: str, engine: str, tmp_path: Path) -> None:
-    opts = Options(max_users=2, step_seconds=1.5, max_tokens=MAX_TOKENS, prompt_words=4)
+    opts = Options(max_users=2, step_seconds=2.0, max_tokens=MAX_TOKENS, prompt_words=4)
     report = run("step", opts, Target(stub_url, "stub"), tmp_path, engine=engine, plots=False)
     records = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
     ok = [r for r in records if r["status"] == "ok"]
     assert len(ok) >= 4 and not [r for r in records if r["status"] == "error"]
     decode_s = (MAX_TOKENS - 1) * GAP_S
     for r in ok:
-        assert FIRST_DELAY_S <= r["ttft"] < FIRST_DELAY_S + 0.1, r
+        # after the role chunk (t=0), before the middle of the content: the first content chunk.
+        # Upper bounds leave room for a shared 2-core CI machine stalling the client.
+        assert FIRST_DELAY_S <= r["ttft"] < FIRST_DELAY_S + decode_s / 2, r
         # the first chunk may land late (shrinking the mean gap); a shared CI core may stretch it
-        assert 0.8 * GAP_S <= r["itl"] < 3 * GAP_S, r
-        assert FIRST_DELAY_S + decode_s <= r["e2e"] < FIRST_DELAY_S + decode_s + 0.3, r
+        assert 0.5 * GAP_S <= r["itl"] < 3 * GAP_S, r
+        assert FIRST_DELAY_S + decode_s <= r["e2e"] < FIRST_DELAY_S + decode_s + 0.5, r
         assert r["output_tokens"] == MAX_TOKENS
     for stage in report["stages"]:
-        assert FIRST_DELAY_S * 1000 <= stage["ttft_p50_ms"] < (FIRST_DELAY_S + 0.1) * 1000
+        assert FIRST_DELAY_S * 1000 <= stage["ttft_p50_ms"] < (FIRST_DELAY_S + decode_s / 2) * 1000
     assert report["serving_jit_compiles"] is None  # the stub has no /metrics: "n/a"
