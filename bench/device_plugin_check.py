@@ -18,9 +18,6 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +26,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from loadtest.server_proc import ServerProcess  # noqa: E402
+
 MODELS = ROOT / "bench" / "models"
 T0 = time.monotonic()
 
@@ -52,63 +51,6 @@ def prepare_model(name: str, layers: int, out: Path) -> Path:
 
         _write_tokenizer(d)
     return d
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`python -m service` in its own session; stop() always reaps the whole group."""
-
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.logf = open(log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "service", "--port", str(self.port), *args],
-                                     cwd=ROOT, env=env, stdout=self.logf, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def wait_ready(self, timeout: float) -> float:
-        began = time.monotonic()
-        last = 0.0
-        while time.monotonic() - began < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return time.monotonic() - began
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - last > 15:
-                last = time.monotonic()
-                log(f"  waiting for /health ({time.monotonic() - began:.0f}s): {self.tail(1)}")
-            time.sleep(1)
-        raise TimeoutError(f"not ready in {timeout:.0f}s; see {self.log_path}")
-
-    def tail(self, n: int) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return " | ".join(line[:160] for line in lines[-n:])
-
-    def stop(self, timeout: float = 60) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # stray workers of this server only
-        except ProcessLookupError:
-            pass
-        self.logf.close()
 
 
 def scrape(url: str) -> dict[str, list]:
@@ -171,22 +113,22 @@ def run_mode(a: argparse.Namespace, mode: str, base_args: list[str], model: str,
         log(f"== {mode}: skipped, {left:.0f}s left of --deadline")
         return {"mode": mode, "error": "skipped: --deadline reached"}
     log(f"== {mode}: starting server ({left:.0f}s left of --deadline)")
-    srv = Server([*base_args, "--moe-kernels", mode], a.out / f"server-{mode}.log", env)
+    srv = ServerProcess(a.out, *base_args, "--moe-kernels", mode, env=env, log_name=f"server-{mode}.log")
     res: dict = {"mode": mode}
     try:
-        res["ready_s"] = round(srv.wait_ready(min(a.ready_timeout, left - 60)), 1)
+        res["ready_s"] = round(srv.wait_ready(min(a.ready_timeout, left - 60), progress=log), 1)
         log(f"  ready in {res['ready_s']}s")
-        before = scrape(srv.url)
+        before = scrape(srv.base_url)
         res["workers"] = workers(before)
         res["warmup_compiles"] = compiles(before, "warmup")
         res["serving_compiles_at_ready"] = compiles(before, "serving")
         log(f"  workers: {res['workers']}")
         t = time.monotonic()
-        res["sweep"] = asyncio.run(sweep(srv.url, model, a.concurrency, a.max_tokens,
+        res["sweep"] = asyncio.run(sweep(srv.base_url, model, a.concurrency, a.max_tokens,
                                    min(a.sweep_timeout, max(10.0, a.deadline - (time.monotonic() - T0) - 45))))
         res["sweep_s"] = round(time.monotonic() - t, 1)
         time.sleep(2.5)  # worker reports flush every second
-        after = scrape(srv.url)
+        after = scrape(srv.base_url)
         res["workers"] = workers(after)
         res["serving_compiles"] = compiles(after, "serving")
         res["launches"] = launches(after)
@@ -258,8 +200,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
-    env.pop("TRITON_INTERPRET", None)
+    os.environ.pop("TRITON_INTERPRET", None)  # real compiles in the server's workers
+    env = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     if a.cpu_smoke:
         model, base = "moe-serve-tiny-mixtral", ["--tensor-parallel-size", "1"]
     else:

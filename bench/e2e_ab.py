@@ -18,16 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -35,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 from loadtest.ab import write_ab  # noqa: E402
 from loadtest.runner import Target, run  # noqa: E402
 from loadtest.scenarios import Options, build  # noqa: E402
+from loadtest.server_proc import ServerProcess  # noqa: E402
 
 MODELS = ROOT / "bench" / "models"
 T0 = time.monotonic()
@@ -61,57 +58,6 @@ def prepare_model(name: str, out: Path) -> tuple[str, list[str]]:
     return str(model_dir), ["--engine-arg", 'load_format="dummy"']
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`python -m service` in its own process group, log to a file."""
-
-    def __init__(self, args: list[str], log_path: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
-        cmd = [sys.executable, "-m", "service", "--port", str(self.port), *args]
-        log(f"starting: {' '.join(cmd)}")
-        with open(log_path, "wb") as fh:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-
-    def wait_ready(self, timeout_s: float) -> float:
-        t = time.monotonic()
-        next_note = t + 15
-        while time.monotonic() - t < timeout_s:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; tail:\n{self.tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return time.monotonic() - t
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > next_note:
-                log(f"  waiting for the server ({time.monotonic() - t:.0f} s): {self.tail(1).strip()[:160]}")
-                next_note += 15
-            time.sleep(1)
-        raise TimeoutError(f"server not ready in {timeout_s:.0f} s; tail:\n{self.tail()}")
-
-    def tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        log(f"server stopped (exit {self.proc.returncode})")
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="mixtral-8x7b", help="bench/models/<name>, or 'embedded' (CPU smoke)")
@@ -135,22 +81,23 @@ def run_variant(a: argparse.Namespace, variant: str, model_dir: str, model_args:
     args = ["--served-model-name", name, "--moe-kernels", variant, *model_args, *a.server_arg]
     if model_dir:
         args += ["--model", model_dir, "--max-model-len", str(a.max_model_len)]
-    server = Server(args, a.out / f"server-{variant}.log")
+    log(f"starting: python -m service {' '.join(args)}")
+    server = ServerProcess(a.out, *args, log_name=f"server-{variant}.log")
     result = {"variant": variant, "scenarios": {}}
     try:
-        result["ready_s"] = server.wait_ready(a.ready_timeout)
+        result["ready_s"] = server.wait_ready(a.ready_timeout, progress=log)
         log(f"{variant}: ready in {result['ready_s']:.0f} s")
         opts = Options(max_users=a.max_users, step_seconds=a.step_seconds, max_tokens=a.max_tokens,
                        prompt_words=a.prompt_words, seed=a.seed)
         for scenario in a.scenarios.split(","):
-            rep = run(scenario, opts, Target(server.url, name, label=variant), a.out / variant / scenario,
+            rep = run(scenario, opts, Target(server.base_url, name, label=variant), a.out / variant / scenario,
                       engine="asyncio", grace_s=60.0, plots=False)
             result["scenarios"][scenario] = rep["totals"]
             log(f"{variant}/{scenario}: " + ", ".join(f"u{s['users']}: {s['output_tok_s']:.0f} tok/s "
                                                        f"TTFT p50 {s['ttft_p50_ms'] or 0:.0f} ms"
                                                        for s in rep["stages"]))
     finally:
-        server.stop()
+        log(f"server stopped (exit {server.stop()})")
     (a.out / f"variant-{variant}.json").write_text(json.dumps(result, indent=2))
     return result
 

@@ -5,7 +5,7 @@ drives it with the closed-loop streaming `step` sweep (`loadtest run --engine as
 concurrency 1, 2, 4, ..., --max-users), stops it, does the same with `python -m service`, then
 repeats that in alternating order and prints, per concurrency, the median over repetitions of each
 server's metrics and their ratio (ours/vLLM). On >= 2 cores each server gets the last core and the
-load client the rest (tests/server_proc.server_core_isolation). Usage (CPU, ~6 min per repetition):
+load client the rest (loadtest/server_proc.server_core_isolation). Usage (CPU, ~6 min per repetition):
 
     .venv/bin/python bench/frontend_vs_vllm.py --out /tmp/frontend --max-users 64 --step-seconds 10 --repeats 3
 """
@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 
 from loadtest.ab import RATIO_KEYS, write_ab  # noqa: E402
 from service.embedded_model import ensure_embedded_model  # noqa: E402
-from tests.server_proc import MODEL_NAME, free_port, server_core_isolation, start_server  # noqa: E402
+from loadtest.server_proc import MODEL_NAME, free_port, server_core_isolation, start_server  # noqa: E402
 
 VLLM, OURS = "vllm-api-server", "moe-serve"
 

@@ -1,10 +1,11 @@
 """Soak: the `mixed` scenario at saturation for a long time; errors, API-process RSS growth, p99 drift.
 
 Not in CI. Starts the server itself (embedded model unless --model), samples the API process's
-RSS every --sample-s, drives `loadtest run --scenario mixed --engine asyncio` (per-request
-records are needed for the drift numbers), then prints and writes `soak.json`:
+RSS every --sample-s, drives `loadtest run --scenario mixed` with Locust (or --engine asyncio),
+then prints and writes `soak.json` (from the per-request records both engines write). On >= 2
+cores the server gets its own core (loadtest/server_proc.server_core_isolation):
 
-    .venv/bin/python bench/soak.py --minutes 30 --users 32 --out /tmp/soak
+    .venv/bin/python bench/soak.py --minutes 30 --users 16 --out /tmp/soak
 Pass/fail per issue 7: errors == 0, RSS growth (after the first --warmup-min) < 5 %.
 """
 
@@ -22,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.server_proc import MODEL_NAME, start_server  # noqa: E402
+from loadtest.server_proc import MODEL_NAME, start_server  # noqa: E402
 
 
 def rss_mib(pid: int) -> float:
@@ -43,6 +44,7 @@ def main() -> int:
     p.add_argument("--warmup-min", type=float, default=5)
     p.add_argument("--sample-s", type=float, default=5)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--engine", choices=("locust", "asyncio"), default="locust")
     p.add_argument("--server-arg", action="append", default=[])
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -59,7 +61,7 @@ def main() -> int:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        cmd = [sys.executable, "-m", "loadtest", "run", "--scenario", "mixed", "--engine", "asyncio",
+        cmd = [sys.executable, "-m", "loadtest", "run", "--scenario", "mixed", "--engine", args.engine,
                "--host", server.base_url, "--model", MODEL_NAME, "--max-users", str(args.users),
                "--step-seconds", str(args.minutes * 60 / 3), "--no-plots", "--out", str(args.out / "load")]
         rc = subprocess.run(cmd, cwd=REPO).returncode
@@ -75,7 +77,7 @@ def main() -> int:
     last = [r["ttft"] for r in records if r["ttft"] is not None and r["t_start"] - t0 > args.minutes * 60 - window]
     base = next(m for t, m in samples if t >= window) if any(t >= window for t, _ in samples) else samples[0][1]
     summary = {
-        "minutes": args.minutes, "users": args.users, "loadtest_rc": rc, "requests": len(records),
+        "minutes": args.minutes, "users": args.users, "engine": args.engine, "loadtest_rc": rc, "requests": len(records),
         "ok": sum(r["status"] == "ok" for r in records), "errors": len(errors),
         "first_errors": [e["error"] for e in errors[:5]],
         "rss_mib_after_warmup": round(base, 1), "rss_mib_end": round(samples[-1][1], 1),

@@ -8,13 +8,13 @@ import httpx
 import openai
 import pytest
 
-from tests.server_proc import MODEL_NAME, RunningServer, start_server
+from loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
 
 API_KEY = "test-key-0123456789"
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """The real server with an API key set, shared by every test that needs an engine.
 
     Its vLLM worker compiles a probe Triton kernel (for sm_90, on the CPU) once in warm-up and
@@ -29,12 +29,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
 
 
 @pytest.fixture(scope="session")
-def client(server: RunningServer) -> openai.OpenAI:
+def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
 @pytest.fixture()
-def http(server: RunningServer) -> Iterator[httpx.Client]:
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=60) as c:
         yield c
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.server_proc import MODEL_NAME, RunningServer
+from loadtest.server_proc import MODEL_NAME, ServerProcess
 
 pytestmark = pytest.mark.engine
 
@@ -61,7 +61,7 @@ def test_bad_input_gets_error_object_and_server_keeps_serving(http: httpx.Client
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong-key"}, {"Authorization": "Basic abc"}],
                          ids=["missing", "wrong", "not-bearer"])
-def test_api_key_is_required_on_v1(server: RunningServer, headers: dict) -> None:
+def test_api_key_is_required_on_v1(server: ServerProcess, headers: dict) -> None:
     resp = httpx.post(server.base_url + CMPL, json={"model": MODEL_NAME, "prompt": "a"}, headers=headers)
     _assert_openai_error(resp, 401, None)
     assert httpx.get(server.base_url + "/health").status_code == 200  # health needs no key

@@ -7,19 +7,19 @@ import time
 import httpx
 import pytest
 
-from tests.server_proc import MODEL_NAME, RunningServer
+from loadtest.server_proc import MODEL_NAME, ServerProcess
 
 pytestmark = pytest.mark.engine
 LONG = {"model": MODEL_NAME, "prompt": "Tell me a long story", "max_tokens": 4000, "ignore_eos": True}
 
 
-def _generated_tokens(server: RunningServer) -> float:
+def _generated_tokens(server: ServerProcess) -> float:
     text = httpx.get(server.base_url + "/metrics").text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("moe_serve_generation_tokens_total{"))
 
 
-def _wait_idle(server: RunningServer, timeout: float = 3.0) -> dict:
+def _wait_idle(server: ServerProcess, timeout: float = 3.0) -> dict:
     deadline = time.monotonic() + timeout
     body: dict = {}
     while time.monotonic() < deadline:
@@ -30,7 +30,7 @@ def _wait_idle(server: RunningServer, timeout: float = 3.0) -> dict:
     raise AssertionError(f"engine still busy after {timeout} s: {body}")
 
 
-def test_disconnect_mid_stream_aborts_the_engine_request(server: RunningServer) -> None:
+def test_disconnect_mid_stream_aborts_the_engine_request(server: ServerProcess) -> None:
     _wait_idle(server, 60)
     before = _generated_tokens(server)
     with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=30) as c:
@@ -45,7 +45,7 @@ def test_disconnect_mid_stream_aborts_the_engine_request(server: RunningServer) 
     assert _generated_tokens(server) - before < LONG["max_tokens"] / 2  # aborted, not run to the end
 
 
-def test_disconnect_during_non_streamed_request_aborts_it(server: RunningServer) -> None:
+def test_disconnect_during_non_streamed_request_aborts_it(server: ServerProcess) -> None:
     _wait_idle(server, 60)
     before = _generated_tokens(server)
     with pytest.raises(httpx.ReadTimeout):
@@ -54,7 +54,7 @@ def test_disconnect_during_non_streamed_request_aborts_it(server: RunningServer)
     assert _generated_tokens(server) - before < LONG["max_tokens"] * 3 / 4  # aborted, not run to the end
 
 
-def test_disconnect_storm_leaves_the_engine_idle_and_serving(server: RunningServer) -> None:
+def test_disconnect_storm_leaves_the_engine_idle_and_serving(server: ServerProcess) -> None:
     """Many clients drop mid-stream at once; everything is aborted and the server keeps serving."""
     import threading
 

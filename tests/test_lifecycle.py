@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server_proc import MODEL_NAME, RunningServer, start_server
+from loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
 
 pytestmark = pytest.mark.engine
 DRAIN_S = 3.0
@@ -31,7 +31,7 @@ def _group_alive(pgid: int, wait_s: float = 15.0) -> list[str]:
         time.sleep(0.2)
 
 
-def _stream(server: RunningServer, max_tokens: int, events: list, errors: list) -> None:
+def _stream(server: ServerProcess, max_tokens: int, events: list, errors: list) -> None:
     body = {"model": MODEL_NAME, "prompt": "Go on:", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     try:
         with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as resp:

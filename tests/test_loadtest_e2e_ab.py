@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.server_proc import REPO
+from loadtest.server_proc import REPO
 
 
 def load_driver():

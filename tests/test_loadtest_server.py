@@ -21,7 +21,7 @@ from loadtest.plots import PLOTS
 from loadtest.runner import Target, run
 from loadtest.scenarios import Options
 from tests.conftest import API_KEY
-from tests.server_proc import MODEL_NAME, RunningServer
+from loadtest.server_proc import MODEL_NAME, ServerProcess
 
 pytestmark = pytest.mark.engine
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -93,7 +93,7 @@ def check_records(run_dir: Path, report: dict) -> None:
 
 
 @pytest.mark.parametrize("scenario", list(CASES))
-def test_scenario_with_locust(server: RunningServer, scenario: str, tmp_path: Path) -> None:
+def test_scenario_with_locust(server: ServerProcess, scenario: str, tmp_path: Path) -> None:
     report = run(scenario, CASES[scenario], Target(server.base_url, MODEL_NAME, API_KEY), tmp_path)
     stats_csv = tmp_path / "locust_stats.csv"
     assert stats_csv.stat().st_size > 0 and (tmp_path / "locust_stats_history.csv").stat().st_size > 0
@@ -107,7 +107,7 @@ def test_scenario_with_locust(server: RunningServer, scenario: str, tmp_path: Pa
     assert all(f"| {s['label']} | {s['users']} | {s['requests']} | 0 |" in md for s in report["stages"])
 
 
-def test_step_with_asyncio_engine(server: RunningServer, tmp_path: Path) -> None:
+def test_step_with_asyncio_engine(server: ServerProcess, tmp_path: Path) -> None:
     report = run("step", CASES["step"], Target(server.base_url, MODEL_NAME, API_KEY), tmp_path, engine="asyncio")
     assert [s["users"] for s in report["stages"]] == [1, 2, 4]
     assert all(s["requests"] > 0 and s["output_tok_s"] > 0 for s in report["stages"])
@@ -115,7 +115,7 @@ def test_step_with_asyncio_engine(server: RunningServer, tmp_path: Path) -> None
     check_pngs(tmp_path)
 
 
-def test_ab_mode_ratios(server: RunningServer, tmp_path: Path) -> None:
+def test_ab_mode_ratios(server: ServerProcess, tmp_path: Path) -> None:
     rc = cli_main(["ab", "--host-a", server.base_url, "--host-b", server.base_url, "--label-a", "one",
                    "--label-b", "two", "--model", MODEL_NAME, "--api-key", API_KEY, "--scenario", "step",
                    "--max-users", "2", "--step-seconds", "1", "--max-tokens", "8", "--prompt-words", "8",

@@ -19,7 +19,7 @@ import pytest
 
 from loadtest.runner import Target, run
 from loadtest.scenarios import Options
-from tests.server_proc import REPO, free_port
+from loadtest.server_proc import REPO, free_port
 
 FIRST_DELAY_S = 0.3
 GAP_S = 0.05

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_proc import MODEL_NAME, RunningServer, start_server
+from loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
 
 TP = 2
 
@@ -24,7 +24,7 @@ def _env(tmp) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+def tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("plugin-tp2")
     env = {**_env(tmp), "MOE_SERVE_RUNTIME_DIR": str(tmp / "runtime")}
     srv = start_server(tmp, "--tensor-parallel-size", str(TP), "--moe-kernels", "optimized", env=env,
@@ -34,7 +34,7 @@ def tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
 
 
 @pytest.fixture(scope="module")
-def stock(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+def stock(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("plugin-stock")
     env = {k: v for k, v in _env(tmp).items() if k != "MOE_SERVE_TEST_JIT_KERNEL"}
     srv = start_server(tmp, "--tensor-parallel-size", "1", "--moe-kernels", "vllm", env=env, ready_timeout=400)
@@ -42,27 +42,27 @@ def stock(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     srv.stop()
 
 
-def _metrics(srv: RunningServer) -> dict[str, list]:
+def _metrics(srv: ServerProcess) -> dict[str, list]:
     text = httpx.get(srv.base_url + "/metrics", timeout=30).text
     return {f.name: f.samples for f in text_string_to_metric_families(text)}
 
 
-def _workers(srv: RunningServer) -> list[dict[str, str]]:
+def _workers(srv: ServerProcess) -> list[dict[str, str]]:
     return [s.labels for s in _metrics(srv).get("moe_serve_vllm_worker_info", [])]
 
 
-def _compiles(srv: RunningServer, kernel: str) -> dict[str, float]:
+def _compiles(srv: ServerProcess, kernel: str) -> dict[str, float]:
     return {s.labels["phase"]: s.value for s in _metrics(srv).get("moe_serve_triton_jit_compiles", [])
             if s.labels["kernel"] == kernel and s.name.endswith("_total")}
 
 
-def _complete(srv: RunningServer) -> None:
+def _complete(srv: ServerProcess) -> None:
     r = httpx.post(srv.base_url + "/v1/completions", timeout=120,
                    json={"model": MODEL_NAME, "prompt": "Hello there", "max_tokens": 4})
     assert r.status_code == 200, r.text
 
 
-def test_plugin_loads_in_every_worker(tp2: RunningServer) -> None:
+def test_plugin_loads_in_every_worker(tp2: ServerProcess) -> None:
     _complete(tp2)
     workers = _workers(tp2)
     server_pid = str(tp2.proc.pid)
@@ -75,7 +75,7 @@ def test_plugin_loads_in_every_worker(tp2: RunningServer) -> None:
                                                                             "serving"), w
 
 
-def test_worker_compiles_reach_metrics_by_phase(tp2: RunningServer) -> None:
+def test_worker_compiles_reach_metrics_by_phase(tp2: ServerProcess) -> None:
     counts = _compiles(tp2, "_probe_kernel")
     assert counts == {"warmup": TP, "serving": TP}, counts  # one per worker per phase, summed
     log = tp2.log()
@@ -83,13 +83,13 @@ def test_worker_compiles_reach_metrics_by_phase(tp2: RunningServer) -> None:
     assert "kernel=_probe_kernel cause: n:" in log  # names the argument whose specialization changed
 
 
-def test_kernel_info_from_workers(tp2: RunningServer) -> None:
+def test_kernel_info_from_workers(tp2: ServerProcess) -> None:
     info = [s.labels for s in _metrics(tp2)["moe_serve_moe_kernel_info"]]
     assert info == [{"backend": "auto", "swap_ab": "n/a", "dtype": "bf16", "tp_size": str(TP),
                      "mode": "optimized"}], info
 
 
-def test_stock_mode_changes_what_workers_report(stock: RunningServer) -> None:
+def test_stock_mode_changes_what_workers_report(stock: ServerProcess) -> None:
     _complete(stock)
     workers = _workers(stock)
     assert len(workers) == 1 and workers[0]["pid"] != str(stock.proc.pid), workers
@@ -99,7 +99,7 @@ def test_stock_mode_changes_what_workers_report(stock: RunningServer) -> None:
     assert [i["mode"] for i in info] == ["vllm"] and info[0]["tp_size"] == "1"
 
 
-def test_runtime_dir_from_env_is_used(tp2: RunningServer) -> None:
+def test_runtime_dir_from_env_is_used(tp2: ServerProcess) -> None:
     runtime = os.path.join(os.path.dirname(tp2.log_path), "runtime")
     files = sorted(f for f in os.listdir(runtime) if f.startswith("worker-"))
     assert len(files) == TP, files

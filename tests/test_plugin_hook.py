@@ -14,7 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kernels import plugin_moe_hook as hook
 from kernels import vllm_plugin as vp
+from kernels.plugin_state import report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,12 +37,12 @@ def test_hook_target_is_pinned() -> None:
     """Fails loudly when vLLM moves/renames TritonExperts.apply or changes its parameters."""
     import importlib
 
-    mod = importlib.import_module(vp.EXPERTS_MODULE)
-    cls = getattr(mod, vp.EXPERTS_CLASS)
-    assert _params(cls.apply) == vp.APPLY_PARAMS
+    mod = importlib.import_module(hook.EXPERTS_MODULE)
+    cls = getattr(mod, hook.EXPERTS_CLASS)
+    assert _params(cls.apply) == hook.APPLY_PARAMS
     from vllm.model_executor.layers.fused_moe import modular_kernel as mk
 
-    assert _params(mk.FusedMoEExpertsModular.apply) == vp.APPLY_PARAMS
+    assert _params(mk.FusedMoEExpertsModular.apply) == hook.APPLY_PARAMS
     assert cls.finalize_weight_and_reduce_impl.__qualname__.startswith("TritonExperts")  # output = final sum
     base = getattr(importlib.import_module(vp.WORKER_BASE[0]), vp.WORKER_BASE[1])
     assert {"rank", "local_rank", "vllm_config"} <= set(inspect.signature(inspect.unwrap(base.__init__)).parameters)
@@ -69,18 +71,18 @@ def test_vllm_warmup_dependencies_are_pinned() -> None:
 def test_register_per_mode(mode: str, wrapped: bool) -> None:
     out = _run("""
         import json, inspect
-        from kernels import vllm_plugin as vp
+        from kernels import vllm_plugin as vp, plugin_state
         vp.register(); vp.register()  # idempotent
         from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
         from vllm.v1.worker.worker_base import WorkerBase
-        print(json.dumps({"hooks": vp._hooks, "wrapped": getattr(TritonExperts.apply, "__moe_serve__", False),
+        print(json.dumps({"hooks": plugin_state.hooks, "wrapped": getattr(TritonExperts.apply, "__moe_serve__", False),
                           "init": getattr(WorkerBase.__init__, "__moe_serve__", False),
                           "params": list(inspect.signature(TritonExperts.apply).parameters),
-                          "errors": vp.report().data.get("hook_errors"), "mode": vp.report().data["mode"]}))
+                          "errors": plugin_state.report().data.get("hook_errors"), "mode": plugin_state.report().data["mode"]}))
     """, MOE_SERVE_MOE_KERNELS=mode, TRITON_INTERPRET="0")
     assert out["errors"] is None and out["mode"] == mode and out["init"] is True
     assert out["wrapped"] is wrapped and ("TritonExperts.apply" in out["hooks"]) is wrapped
-    assert out["params"] == list(vp.APPLY_PARAMS)
+    assert out["params"] == list(hook.APPLY_PARAMS)
     assert out["hooks"].count("WorkerBase.__init__") == 1
 
 
@@ -102,7 +104,7 @@ def _why(experts=None, act=SILU, expert_map=None, gne=-1, dtype=torch.float32, w
     w1 = torch.zeros(E, n_w1, K, dtype=w_dtype or dtype)
     w2 = torch.zeros(E, K, N, dtype=w_dtype or dtype)
     out = torch.zeros(M, K, dtype=out_dtype or dtype)
-    return vp.unsupported_reason(experts or _experts(), out, x, w1, w2, act, gne, expert_map, a1q_scale,
+    return hook.unsupported_reason(experts or _experts(), out, x, w1, w2, act, gne, expert_map, a1q_scale,
                                  require_cuda=require_cuda)
 
 
@@ -151,18 +153,18 @@ def test_fallback_calls_vllm_with_every_argument() -> None:
         seen.update(kwargs, self=self)
         return "vllm-result"
 
-    apply = vp.make_apply(orig)
+    apply = hook.make_apply(orig)
     ex = _experts()
     args = dict(output=torch.zeros(M, K), hidden_states=torch.zeros(M, K), w1=torch.zeros(E, 2 * N, K),
                 w2=torch.zeros(E, K, N), topk_weights=torch.ones(M, TOPK), topk_ids=torch.zeros(M, TOPK, dtype=torch.int32),
                 activation=SILU, global_num_experts=E, expert_map=None, a1q_scale=None, a2_scale=None,
                 workspace13=torch.zeros(1), workspace2=torch.zeros(1), expert_tokens_meta=None,
                 apply_router_weight_on_input=False)
-    before = dict(vp.report().data["fallback_reasons"])
+    before = dict(report().data["fallback_reasons"])
     assert apply(ex, **args) == "vllm-result"
-    assert seen.pop("self") is ex and set(seen) == set(vp.APPLY_PARAMS) - {"self"}
+    assert seen.pop("self") is ex and set(seen) == set(hook.APPLY_PARAMS) - {"self"}
     assert all(seen[k] is v for k, v in args.items())
-    assert vp.report().data["fallback_reasons"].get("device", 0) == before.get("device", 0) + 1
+    assert report().data["fallback_reasons"].get("device", 0) == before.get("device", 0) + 1
 
 
 def test_our_path_maps_arguments_correctly() -> None:
@@ -172,7 +174,7 @@ def test_our_path_maps_arguments_correctly() -> None:
         import json, torch
         from types import SimpleNamespace
         from tests.kernels.reference import moe_reference, rel_err, routing
-        from kernels import vllm_plugin as vp
+        from kernels import plugin_moe_hook as hook, plugin_state
         E, N, K, M, TOPK = 4, 16, 32, 7, 2
         g = torch.Generator().manual_seed(0)
         res = {}
@@ -183,7 +185,7 @@ def test_our_path_maps_arguments_correctly() -> None:
             w2 = (torch.randn(E, K, N, generator=g) * 0.2).to(dt)
             tw, ids = routing(M, E, TOPK, g)
             out = torch.full((M, K), float("nan"), dtype=dt)
-            vp._run_ours(SimpleNamespace(quant_config=q), out, x, w1, w2, tw, ids, None, None, False)
+            hook._run_ours(SimpleNamespace(quant_config=q), out, x, w1, w2, tw, ids, None, None, False)
             res[str(dt)] = rel_err(out, moe_reference(x, w1, w2, tw, ids))
         fp8 = torch.float8_e4m3fn
         x = torch.randn(M, K, generator=g).to(fp8)
@@ -193,10 +195,10 @@ def test_our_path_maps_arguments_correctly() -> None:
         tw, ids = routing(M, E, TOPK, g)
         ex = SimpleNamespace(quant_config=q, w1_scale=s1, w2_scale=s2, a1_scale=None)
         out = torch.full((M, K), float("nan"), dtype=torch.bfloat16)
-        vp._run_ours(ex, out, x, w1, w2, tw, ids, a1, a2, False)
+        hook._run_ours(ex, out, x, w1, w2, tw, ids, a1, a2, False)
         ref = moe_reference(x, w1, w2, tw, ids, w1_scale=s1, w2_scale=s2, a1_scale=a1, quant_acts="static", a2_scale=a2)
         res["fp8"] = rel_err(out.float(), ref)
-        res["calls"] = vp.report().data["moe_calls"].get("optimized")
+        res["calls"] = plugin_state.report().data["moe_calls"].get("optimized")
         print(json.dumps(res))
     """, TRITON_INTERPRET="1", TRITON_DEFAULT_FP_FUSION="1")
     assert out["calls"] == 3

@@ -13,7 +13,7 @@ import hypothesis
 import pytest
 import schemathesis
 
-from tests.server_proc import MODEL_NAME, RunningServer, start_server
+from loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
 
 pytestmark = pytest.mark.engine
 LIMITS = ["--max-concurrent-requests", "2", "--max-queued-requests", "2", "--max-tokens-limit", "32",
@@ -23,7 +23,7 @@ FUZZ_EXAMPLES = int(os.environ.get("MOE_SERVE_FUZZ_EXAMPLES", "200"))
 
 
 @pytest.fixture(scope="module")
-def limited_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+def limited_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     srv = start_server(Path(tmp_path_factory.mktemp("limited")), *LIMITS)
     yield srv
     srv.stop()
@@ -42,7 +42,7 @@ def _fuzz_strategy():
 
 @hypothesis.settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
 @hypothesis.given(case=_fuzz_strategy())
-def test_fuzzed_requests_never_5xx_and_every_4xx_is_an_openai_error(case, limited_server: RunningServer) -> None:
+def test_fuzzed_requests_never_5xx_and_every_4xx_is_an_openai_error(case, limited_server: ServerProcess) -> None:
     response = case.call(base_url=limited_server.base_url, timeout=60)
     assert response.status_code < 500, (case.method, case.path, case.body, response.text[:500])
     if response.status_code >= 400:
@@ -50,7 +50,7 @@ def test_fuzzed_requests_never_5xx_and_every_4xx_is_an_openai_error(case, limite
         assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
 
 
-def test_server_still_serves_after_fuzzing(limited_server: RunningServer) -> None:
+def test_server_still_serves_after_fuzzing(limited_server: ServerProcess) -> None:
     resp = httpx.post(limited_server.base_url + "/v1/completions",
                       json={"model": MODEL_NAME, "prompt": "ok?", "max_tokens": 4}, timeout=60)
     assert resp.status_code == 200, resp.text
@@ -63,7 +63,7 @@ def _rss_kib(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def _flood(server: RunningServer, clients: int) -> list[tuple[int, list[str], dict]]:
+def _flood(server: ServerProcess, clients: int) -> list[tuple[int, list[str], dict]]:
     results: list[tuple[int, list[str], dict]] = []
     lock = threading.Lock()
     body = {"model": MODEL_NAME, "prompt": "flood", "max_tokens": 32, "ignore_eos": True, "stream": True}
@@ -82,7 +82,7 @@ def _flood(server: RunningServer, clients: int) -> list[tuple[int, list[str], di
     return results
 
 
-def test_overload_gets_429_with_retry_after_and_admitted_streams_complete(limited_server: RunningServer) -> None:
+def test_overload_gets_429_with_retry_after_and_admitted_streams_complete(limited_server: ServerProcess) -> None:
     results = _flood(limited_server, 16)
     assert len(results) == 16
     admitted = [r for r in results if r[0] == 200]
@@ -101,7 +101,7 @@ def test_overload_gets_429_with_retry_after_and_admitted_streams_complete(limite
     assert one.status_code == 200
 
 
-def test_rejection_body_is_an_openai_error(limited_server: RunningServer) -> None:
+def test_rejection_body_is_an_openai_error(limited_server: ServerProcess) -> None:
     results: list[httpx.Response] = []
     body = {"model": MODEL_NAME, "prompt": "flood", "max_tokens": 32, "ignore_eos": True}
 
@@ -120,7 +120,7 @@ def test_rejection_body_is_an_openai_error(limited_server: RunningServer) -> Non
         assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded"
 
 
-def test_memory_stays_bounded_under_repeated_overload(limited_server: RunningServer) -> None:
+def test_memory_stays_bounded_under_repeated_overload(limited_server: ServerProcess) -> None:
     _flood(limited_server, 16)  # warm allocator caches first
     before = _rss_kib(limited_server.proc.pid)
     for _ in range(3):

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server_proc import MODEL_NAME, RunningServer, start_server
+from loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
 
 pytestmark = pytest.mark.engine
 SECRET_PROMPT = "the-quick-secret-prompt-4711"
@@ -18,14 +18,14 @@ LONG = {"model": MODEL_NAME, "prompt": SECRET_PROMPT, "max_tokens": 4000, "ignor
 
 
 @pytest.fixture(scope="module")
-def timed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+def timed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     srv = start_server(Path(tmp_path_factory.mktemp("timeout")), "--request-timeout", "1.0", "--access-log-json",
                        api_key="k-timeout-0123456789")
     yield srv
     srv.stop()
 
 
-def test_non_streamed_request_over_the_timeout_gets_408(timed_server: RunningServer) -> None:
+def test_non_streamed_request_over_the_timeout_gets_408(timed_server: ServerProcess) -> None:
     resp = httpx.post(timed_server.base_url + "/v1/completions", json=LONG, headers=timed_server.headers, timeout=60)
     assert resp.status_code == 408, resp.text
     assert resp.json()["error"]["code"] == "timeout"
@@ -33,7 +33,7 @@ def test_non_streamed_request_over_the_timeout_gets_408(timed_server: RunningSer
     assert health["running"] == 0
 
 
-def test_stream_over_the_timeout_ends_with_an_error_event(timed_server: RunningServer) -> None:
+def test_stream_over_the_timeout_ends_with_an_error_event(timed_server: ServerProcess) -> None:
     with httpx.stream("POST", timed_server.base_url + "/v1/completions", json={**LONG, "stream": True},
                       headers=timed_server.headers, timeout=60) as resp:
         assert resp.status_code == 200
@@ -43,13 +43,13 @@ def test_stream_over_the_timeout_ends_with_an_error_event(timed_server: RunningS
     assert len(events) > 3  # it streamed tokens before the deadline
 
 
-def test_short_requests_are_unaffected(timed_server: RunningServer) -> None:
+def test_short_requests_are_unaffected(timed_server: ServerProcess) -> None:
     resp = httpx.post(timed_server.base_url + "/v1/completions", headers=timed_server.headers, timeout=60,
                       json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4})
     assert resp.status_code == 200
 
 
-def test_access_log_is_json_without_prompts_or_keys(timed_server: RunningServer) -> None:
+def test_access_log_is_json_without_prompts_or_keys(timed_server: ServerProcess) -> None:
     httpx.get(timed_server.base_url + "/v1/models", headers=timed_server.headers)
     deadline = time.monotonic() + 10  # the line is written after the response has been sent
     while True:

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from kernels import configs, make_routing, routing
-from kernels import vllm_plugin as vp
+from kernels import plugin_moe_hook as hook
+from kernels import plugin_state
+from kernels import plugin_warmup as pw
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = [ROOT / "bench/results/2026-11-29/kernels_quick_bench.json",
@@ -81,21 +83,21 @@ def test_warmup_plan():
             {"m_min": 17, "m_max": 255, "backend": "vllm"},
             {"m_min": 256, "m_max": 256, "backend": "ours"},
             {"m_min": 257, "m_max": None, "backend": "vllm"}]
-    plan = vp.warmup_plan(rngs, max_seqs=64, max_tokens=2048, topk=2, E=8)
+    plan = pw.warmup_plan(rngs, max_seqs=64, max_tokens=2048, topk=2, E=8)
     ms = plan["vllm"]
     assert plan["ours"]
     assert ms[:48] == list(range(17, 65))            # every decode M routed to vLLM
     assert all(routing.route_in(rngs, m) == "vllm" for m in ms)
     assert 256 not in ms and max(ms) <= 2048 and ms == sorted(ms)
-    groups = {vp._vllm_group(m, 2, None) for m in range(65, 2049)
+    groups = {pw._vllm_group(m, 2, None) for m in range(65, 2049)
               if routing.route_in(rngs, m) == "vllm"}
     assert len(ms) - 48 == len(groups)               # one M per specialization class
     assert len(ms) < 48 + 16 * 14
-    none = vp.warmup_plan([], max_seqs=8, max_tokens=100, topk=8, E=128)
+    none = pw.warmup_plan([], max_seqs=8, max_tokens=100, topk=8, E=128)
     assert not none["ours"] and none["vllm"][:8] == list(range(1, 9))
-    allours = vp.warmup_plan([], 8, 100, 8, 128, policy="ours")
+    allours = pw.warmup_plan([], 8, 100, 8, 128, policy="ours")
     assert allours["ours"] and allours["vllm"] == []
-    capped = vp.warmup_plan([], 512, 8192, 8, 128, max_calls=100)
+    capped = pw.warmup_plan([], 512, 8192, 8, 128, max_calls=100)
     assert len(capped["vllm"]) == 100 and capped["dropped"] > 0
 
 
@@ -113,15 +115,15 @@ def test_apply_routes_per_m(tmp_path, monkeypatch):
     monkeypatch.setenv("MOE_SERVE_KERNEL_CONFIG_DIR", str(tmp_path))
     monkeypatch.delenv(routing.ROUTING_ENV, raising=False)
     routing.load.cache_clear()
-    monkeypatch.setattr(vp, "unsupported_reason", lambda *a, **k: None)
+    monkeypatch.setattr(hook, "unsupported_reason", lambda *a, **k: None)
     calls = []
 
     def orig(self, **kw):
         calls.append(kw["hidden_states"].size(0))
         kw["output"].fill_(7.0)
 
-    apply = vp.make_apply(orig)
-    rep = vp.report()
+    apply = hook.make_apply(orig)
+    rep = plugin_state.report()
     before = dict(rep.data.get("moe_calls") or {})
     g = torch.Generator().manual_seed(0)
     w1 = torch.randn(E, 2 * N, K, generator=g) / K ** 0.5
@@ -147,7 +149,7 @@ def test_apply_routes_per_m(tmp_path, monkeypatch):
     assert after.get("optimized", 0) - before.get("optimized", 0) == 1
     assert after.get("routed_to_vllm", 0) - before.get("routed_to_vllm", 0) == 1
     assert after.get("fallback", 0) == before.get("fallback", 0)
-    assert vp._vllm_ctx  # the shape's vLLM warm-up context was kept
+    assert plugin_state.vllm_ctx  # the shape's vLLM warm-up context was kept
 
 
 def test_warm_vllm_calls_original_at_planned_m(monkeypatch):
@@ -169,16 +171,16 @@ def test_warm_vllm_calls_original_at_planned_m(monkeypatch):
         seen.append(M)
 
     key = ("test-shape",)
-    monkeypatch.setitem(vp._vllm_ctx, key, {
+    monkeypatch.setitem(plugin_state.vllm_ctx, key, {
         "orig": orig, "experts": "layer", "w1": w1, "w2": w2, "activation": "silu",
         "global_num_experts": E, "a1q_scale": None, "a2_scale": "a2", "router_on_input": False,
         "hidden_dtype": torch.float32, "out_dtype": torch.float32, "ids_dtype": torch.int32,
         "tw_dtype": torch.float32, "topk": topk, "ws13_dtype": torch.float32,
         "ws2_dtype": torch.float32, "ws13_per_row": topk * K, "ws2_per_row": topk * N})
-    monkeypatch.setattr(vp, "_vllm_warmed", set())
-    assert vp.warm_vllm(key, [1, 5, 17]) == 3
+    monkeypatch.setattr(pw, "vllm_warmed", set())
+    assert pw.warm_vllm(key, [1, 5, 17]) == 3
     assert seen == [1, 5, 17]
-    assert vp.warm_vllm(key, [1]) == 0          # once per shape
+    assert pw.warm_vllm(key, [1]) == 0          # once per shape
 
 
 def test_routing_info_metric(tmp_path):
