@@ -26,31 +26,14 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.dummy_model import dummy_model_dir  # noqa: E402
 from loadtest.server_proc import ServerProcess  # noqa: E402
 
-MODELS = ROOT / "bench" / "models"
 T0 = time.monotonic()
 
 
 def log(msg: str) -> None:
     print(f"[plugin-check +{time.monotonic() - T0:6.1f}s] {msg}", flush=True)
-
-
-def prepare_model(name: str, layers: int, out: Path) -> Path:
-    """config.json (layers cut) + the Mixtral tokenizer from mistral_common; weights are dummy."""
-    src = MODELS / name / "config.json"
-    if not src.is_file():
-        raise SystemExit(f"no model config {src}")
-    d = out / "models" / f"{name}-{layers}l"
-    d.mkdir(parents=True, exist_ok=True)
-    cfg = json.loads(src.read_text())
-    cfg["num_hidden_layers"] = layers
-    (d / "config.json").write_text(json.dumps(cfg, indent=2))
-    if not (d / "tokenizer.json").is_file():
-        from service.embedded_model import _write_tokenizer
-
-        _write_tokenizer(d)
-    return d
 
 
 def scrape(url: str) -> dict[str, list]:
@@ -205,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.cpu_smoke:
         model, base = "moe-serve-tiny-mixtral", ["--tensor-parallel-size", "1"]
     else:
-        d = prepare_model(a.model, a.layers, a.out)
+        d = dummy_model_dir(a.model, a.out, a.layers)
         model = str(d)
         base = ["--model", str(d), "--engine-arg", "load_format=dummy", "--max-model-len", "4096",
                 "--tensor-parallel-size", "1"]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import signal
 import sys
 import time
@@ -28,12 +27,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.dummy_model import dummy_model_dir  # noqa: E402
 from loadtest.ab import write_ab  # noqa: E402
 from loadtest.runner import Target, run  # noqa: E402
 from loadtest.scenarios import Options, build  # noqa: E402
 from loadtest.server_proc import ServerProcess  # noqa: E402
 
-MODELS = ROOT / "bench" / "models"
 T0 = time.monotonic()
 
 
@@ -45,17 +44,7 @@ def prepare_model(name: str, out: Path) -> tuple[str, list[str]]:
     """(model dir, extra server args): dummy weights + written tokenizer, or the embedded model."""
     if name == "embedded":
         return "", []
-    src = MODELS / name / "config.json"
-    if not src.is_file():
-        raise SystemExit(f"no model config {src}; have: {', '.join(p.name for p in MODELS.iterdir())}")
-    model_dir = out / "models" / name
-    model_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, model_dir / "config.json")
-    if not (model_dir / "tokenizer.json").is_file():
-        from service.embedded_model import _write_tokenizer  # the embedded model's tokenizer recipe
-
-        _write_tokenizer(model_dir)
-    return str(model_dir), ["--engine-arg", 'load_format="dummy"']
+    return str(dummy_model_dir(name, out)), ["--engine-arg", 'load_format="dummy"']
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

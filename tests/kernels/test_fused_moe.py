@@ -58,14 +58,19 @@ FP8_CASES = [CASES[0], CASES[2], CASES[3], CASES[4]]
 @pytest.mark.parametrize("per_channel", [False, True])
 @pytest.mark.parametrize("static", [False, True])
 def test_fp8(M, E, N, K, topk, cfg, per_channel, static):
-    x, w1, w2, tw, ids = _problem(M, E, N, K, topk, seed=M + 3 * E + per_channel)
+    _check_fp8(M, E, N, K, topk, cfg, per_channel, static, seed=M + 3 * E + per_channel)
+
+
+def _check_fp8(M, E, N, K, topk, cfg, per_channel, static, seed):
+    """fp8 W8A8 (per-tensor or per-channel weights; static or dynamic activation scales) against
+    the float64 reference with the same quantization, and against the unquantized-activation one."""
+    x, w1, w2, tw, ids = _problem(M, E, N, K, topk, seed=seed)
     q1, s1 = quant_fp8(w1, per_channel)
     q2, s2 = quant_fp8(w2, per_channel)
     a1 = a2 = None
     if static:
         a1 = (x.abs().max() / 448.0).reshape(())
-        deq1 = q1.float() * s1.reshape(E, -1, 1)
-        a2 = (act_amax(x, deq1, ids) / 448.0).float().reshape(())
+        a2 = (act_amax(x, q1.float() * s1.reshape(E, -1, 1), ids) / 448.0).float().reshape(())
     out = torch.full((M, K), float("nan"), dtype=torch.float32)
     fused_moe(x, q1, q2, tw, ids, fp8=Fp8Scales(s1, s2, a1, a2), out=out, config=cfg)
     mode = "static" if static else "dynamic"
@@ -162,19 +167,7 @@ def test_split_k_float(case, dtype):
     (0, False, False), (0, True, True), (2, True, False), (4, False, True), (4, True, False)])
 def test_split_k_fp8(case, per_channel, static):
     M, E, N, K, topk, cfg = SPLIT_CASES[case]
-    x, w1, w2, tw, ids = _problem(M, E, N, K, topk, seed=M + 11 * E + per_channel)
-    q1, s1 = quant_fp8(w1, per_channel)
-    q2, s2 = quant_fp8(w2, per_channel)
-    a1 = a2 = None
-    if static:
-        a1 = (x.abs().max() / 448.0).reshape(())
-        a2 = (act_amax(x, q1.float() * s1.reshape(E, -1, 1), ids) / 448.0).float().reshape(())
-    out = torch.full((M, K), float("nan"), dtype=torch.float32)
-    fused_moe(x, q1, q2, tw, ids, fp8=Fp8Scales(s1, s2, a1, a2), out=out, config=cfg)
-    mode = "static" if static else "dynamic"
-    qref = moe_reference(x, q1, q2, tw, ids, s1, s2, a1_scale=a1, quant_acts=mode, a2_scale=a2)
-    assert rel_err(out, qref) < FP8_TOL_QAWARE
-    assert rel_err(out, moe_reference(x, q1, q2, tw, ids, s1, s2)) < FP8_TOL_EXACT
+    _check_fp8(M, E, N, K, topk, cfg, per_channel, static, seed=M + 11 * E + per_channel)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
