@@ -2,7 +2,8 @@
 
 Not in CI. Starts the server itself (embedded model unless --model), samples the API process's
 RSS every --sample-s, drives `loadtest run --scenario mixed` with Locust (or --engine asyncio),
-then prints and writes `soak.json` (from the per-request records both engines write). On >= 2
+then prints and writes `soak.json` (from the per-request records both engines write) and the
+RSS time series `rss.csv`. On >= 2
 cores the server gets its own core (loadtest/server_proc.server_core_isolation):
 
     .venv/bin/python bench/soak.py --minutes 30 --users 16 --out /tmp/soak
@@ -86,6 +87,7 @@ def main() -> int:
         "output_tokens": sum(r["output_tokens"] for r in records),
     }
     (args.out / "soak.json").write_text(json.dumps(summary, indent=2))
+    (args.out / "rss.csv").write_text("seconds,rss_mib\n" + "".join(f"{t:.1f},{m:.1f}\n" for t, m in samples))
     print(json.dumps(summary, indent=2))
     return 0 if summary["errors"] == 0 and summary["rss_growth_pct"] < 5 else 1
 
