@@ -18,7 +18,6 @@ from typing import Any
 from service.settings import Settings, visible_gpu_count
 
 logger = logging.getLogger(__name__)
-WARMUP_REQUEST_ID = "moe-serve-warmup"
 
 
 class EngineNotReady(RuntimeError):
@@ -110,7 +109,6 @@ class EngineHandle:
                 raise
             self.tokenizer = self.engine.get_tokenizer()
             self.max_model_len = int(self.engine.model_config.max_model_len)
-            await self._warm_request_path()
         except BaseException as exc:  # noqa: BLE001 - reported via /health and the exit code
             self.start_error = exc
             logger.exception("engine failed to start")
@@ -119,20 +117,6 @@ class EngineHandle:
         self.startup_seconds = time.perf_counter() - began
         logger.info("engine ready in %.1f s (max_model_len=%d)", self.startup_seconds, self.max_model_len)
         self.ready.set()
-
-    async def _warm_request_path(self) -> None:
-        """One 2-token streamed generation before /health turns 200, so the first client request
-        does not pay first-call costs (CPU engine, 2026-11-29: the first request after start had a
-        TTFT of 120-190 ms, the next ones 20-45 ms). Fails the start if the engine cannot generate."""
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
-
-        began = time.perf_counter()
-        prompt = TokensPrompt(prompt_token_ids=self.tokenizer.encode("Hello, world"))
-        params = SamplingParams(max_tokens=2, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
-        async for _ in self.engine.generate(prompt, params, WARMUP_REQUEST_ID):
-            pass
-        logger.info("warm-up request done in %.0f ms", (time.perf_counter() - began) * 1000)
 
     @property
     def healthy(self) -> bool:

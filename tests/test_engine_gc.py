@@ -1,5 +1,4 @@
-"""What the engine start does after building the engine: one warm-up generation (the first client
-request pays no first-call costs) and a GC freeze of the start-up heap (no 0.8 s full-GC pauses)."""
+"""After building the engine, the start freezes the start-up heap out of the GC (no 0.8 s full-GC pauses)."""
 
 from __future__ import annotations
 
@@ -34,10 +33,3 @@ def test_server_froze_its_startup_heap(server: ServerProcess) -> None:
     assert froze, "no GC freeze logged at engine start"
     assert int(froze.group(1)) > 100_000  # torch + vLLM + tokenizer: ~650k on the CPU engine
 
-
-@pytest.mark.engine
-def test_server_ran_a_warm_up_generation_before_turning_ready(server: ServerProcess) -> None:
-    log = server.log()
-    warm = log.find("warm-up request done in")
-    assert warm != -1, "no warm-up generation logged"
-    assert warm < log.find("engine ready in")  # before /health could say ok
