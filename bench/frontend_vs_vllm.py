@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -26,36 +25,9 @@ sys.path.insert(0, str(REPO))
 
 from loadtest.ab import RATIO_KEYS, write_ab  # noqa: E402
 from service.embedded_model import ensure_embedded_model  # noqa: E402
-from loadtest.server_proc import MODEL_NAME, free_port, server_core_isolation, start_server  # noqa: E402
+from loadtest.server_proc import MODEL_NAME, start_server  # noqa: E402
 
 VLLM, OURS = "vllm-api-server", "moe-serve"
-
-
-def start_vllm(model_dir: Path, log_dir: Path, timeout: float) -> tuple[subprocess.Popen, str, float]:
-    """vLLM's own OpenAI server on the same model and KV budget as ours; returns (proc, url, start s)."""
-    import httpx
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", MODEL_NAME, "--port", str(port), "--kv-cache-memory-bytes", str(512 * 1024 ** 2),
-           "--no-enable-log-requests"]
-    began = time.monotonic()
-    log = open(log_dir / "vllm-api-server.log", "wb")
-    pin_env, pin = server_core_isolation(os.environ)  # the same core split as moe-serve gets
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **pin_env}, preexec_fn=pin)
-    url = f"http://127.0.0.1:{port}"
-    while time.monotonic() - began < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM api_server exited {proc.returncode}; see {log_dir}/vllm-api-server.log")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url, time.monotonic() - began
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError("vLLM api_server not ready")
 
 
 def sweep(url: str, label: str, out: Path, args: argparse.Namespace) -> int:
@@ -69,18 +41,19 @@ def sweep(url: str, label: str, out: Path, args: argparse.Namespace) -> int:
 def run_one(label: str, out: Path, model_dir: Path, args: argparse.Namespace) -> float:
     """Start one server, sweep it into out/label, stop it; returns its start-up seconds."""
     began = time.monotonic()
-    if label == VLLM:
-        proc, url, _ = start_vllm(model_dir, out, args.ready_timeout)
-        stop = lambda: (proc.terminate(), proc.wait(60))  # noqa: E731
+    if label == VLLM:  # vLLM's own OpenAI server on the same model and KV budget as ours
+        server = start_server(out, "--model", str(model_dir), "--served-model-name", MODEL_NAME,
+                              "--kv-cache-memory-bytes", str(512 * 1024 ** 2), "--no-enable-log-requests",
+                              module="vllm.entrypoints.openai.api_server", log_name="vllm-api-server.log",
+                              ready_timeout=args.ready_timeout)
     else:
-        ours = start_server(out, ready_timeout=args.ready_timeout)
-        url, stop = ours.base_url, ours.stop
+        server = start_server(out, ready_timeout=args.ready_timeout)
     ready_s = time.monotonic() - began
     try:
-        if sweep(url, label, out, args) != 0:
+        if sweep(server.base_url, label, out, args) != 0:
             raise RuntimeError(f"load run against {label} failed; see {out / label}")
     finally:
-        stop()
+        server.stop()
     return ready_s
 
 

@@ -3,8 +3,8 @@
 Not in CI. Starts the server itself (embedded model unless --model), samples the API process's
 RSS every --sample-s, drives `loadtest run --scenario mixed` with Locust (or --engine asyncio),
 then prints and writes `soak.json` (from the per-request records both engines write) and the
-RSS time series `rss.csv`. On >= 2
-cores the server gets its own core (loadtest/server_proc.server_core_isolation):
+RSS time series `rss.csv`. On >= 2 cores the server gets its own core
+(loadtest/server_proc.server_core_isolation):
 
     .venv/bin/python bench/soak.py --minutes 30 --users 16 --out /tmp/soak
 Pass/fail per issue 7: errors == 0, RSS growth (after the first --warmup-min) < 5 %.

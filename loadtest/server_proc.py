@@ -33,8 +33,9 @@ def server_core_isolation(env: Mapping[str, str]) -> tuple[dict[str, str], Calla
 
     On the 2-vCPU dev/CI VMs, while vLLM's CPU engine generates, its engine-core and worker
     processes spin (shared-memory queue polling with sched_yield) and starve every other process:
-    a client that needed 0.1 s of CPU got it in 7.5 s of wall time, which made streams look
-    bursty and disconnects look late (bench/RESULTS.md, 2026-11-29). Pinned, 0.1 s took 0.1 s.
+    a client that needed 0.1 s of CPU got it after 11 s (median of 5; bench/cpu_starvation_probe.py),
+    which made streams look bursty and disconnects look late (bench/RESULTS.md, 2026-11-29).
+    Pinned, 0.1 s took 0.1 s.
     Off when the caller binds vLLM's threads itself, with MOE_SERVE_PIN_SERVER=0, on a machine
     with an NVIDIA GPU (/dev/nvidia0..) or on < 2 cores.
     """
@@ -112,10 +113,11 @@ class ServerProcess:
 
 
 def start_server(log_dir: Path, *args: str, api_key: str | None = None, env: Mapping[str, str] | None = None,
-                 ready_timeout: float = 240.0, module: str = "service",
+                 ready_timeout: float = 240.0, module: str = "service", log_name: str | None = None,
                  progress: Callable[[str], None] | None = None) -> ServerProcess:
-    """Start a server on a free port (log in log_dir/server-PORT.log) and wait until /health is 200."""
-    server = ServerProcess(log_dir, *args, api_key=api_key, env=env, module=module)
+    """Start a server on a free port (log in log_dir/log_name, default server-PORT.log) and wait
+    until /health is 200."""
+    server = ServerProcess(log_dir, *args, api_key=api_key, env=env, module=module, log_name=log_name)
     try:
         server.wait_ready(ready_timeout, progress)
     except BaseException:

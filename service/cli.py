@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     model_path = settings.model or str(ensure_embedded_model())
     app = create_app(settings, model_path)
     # Keep idle connections longer than clients and load balancers do (httpx: 5 s, typical LBs: 60 s).
-    # Suspected cause of the 4 ReadErrors in 10,199 requests of the 2026-11-29 soak (uvicorn's default
-    # 5 s equals httpx's pool expiry); not yet confirmed by a re-run.
+    # uvicorn's default 5 s equals httpx's pool expiry: suspected cause of the 4 ReadErrors in 12,541
+    # requests of the first 2026-11-29 soak; the re-run (also pinned, idle machine) had 0 in 22,321.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=ABORT_FLUSH_S, timeout_keep_alive=KEEP_ALIVE_S,
                             access_log=False)
