@@ -9,7 +9,10 @@ For each variant (default: vllm, then optimized) it starts `python -m service` o
 dummy-weight model (bench/models/<name>/config.json + the Mixtral tokenizer written from
 mistral_common), drives it with the `step` and `spike-sizes` scenarios through the asyncio
 engine of `loadtest` (Locust is not on the GPU host), stops it, and finally prints the A/B
-tables (B/A). Everything is time-bounded; progress is printed as it goes and results are
+tables (B/A). Each variant starts on cold caches of its own (Triton, TorchInductor, vLLM's
+compile cache: fresh temp dirs, removed afterwards; `--no-cold-cache` shares the user's), and
+`spike-sizes` runs first: its TTFT is the cold-cache JIT effect, and it warms the server for
+`step`, whose output tok/s is the warm throughput comparison. Everything is time-bounded; progress is printed as it goes and results are
 written incrementally under --out: <variant>/<scenario>/{requests.jsonl,report.json,report.md},
 server-<variant>.log, ab-<scenario>.{md,json}, summary.md.
 """
@@ -18,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,7 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="mixtral-8x7b", help="bench/models/<name>, or 'embedded' (CPU smoke)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--variants", default="vllm,optimized", help="--moe-kernels values, A first")
-    p.add_argument("--scenarios", default="step,spike-sizes")
+    p.add_argument("--scenarios", default="spike-sizes,step", help="run in this order (the first sees cold caches)")
+    p.add_argument("--cold-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="fresh Triton / TorchInductor / vLLM cache dirs per variant")
     p.add_argument("--max-users", type=int, default=64)
     p.add_argument("--step-seconds", type=float, default=6.0)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -70,9 +77,12 @@ def run_variant(a: argparse.Namespace, variant: str, model_dir: str, model_args:
     args = ["--served-model-name", name, "--moe-kernels", variant, *model_args, *a.server_arg]
     if model_dir:
         args += ["--model", model_dir, "--max-model-len", str(a.max_model_len)]
-    log(f"starting: python -m service {' '.join(args)}")
-    server = ServerProcess(a.out, *args, log_name=f"server-{variant}.log")
-    result = {"variant": variant, "scenarios": {}}
+    cache = Path(tempfile.mkdtemp(prefix=f"moe-ab-cache-{variant}-")) if a.cold_cache else None
+    env = {} if cache is None else {"TRITON_CACHE_DIR": str(cache / "triton"), "VLLM_CACHE_ROOT": str(cache / "vllm"),
+                                    "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
+    log(f"starting: {' '.join(f'{k}={v}' for k, v in env.items())} python -m service {' '.join(args)}")
+    server = ServerProcess(a.out, *args, log_name=f"server-{variant}.log", env=env)
+    result = {"variant": variant, "cold_cache": cache is not None, "scenarios": {}}
     try:
         result["ready_s"] = server.wait_ready(a.ready_timeout, progress=log)
         log(f"{variant}: ready in {result['ready_s']:.0f} s")
@@ -87,6 +97,8 @@ def run_variant(a: argparse.Namespace, variant: str, model_dir: str, model_args:
                                                        for s in rep["stages"]))
     finally:
         log(f"server stopped (exit {server.stop()})")
+        if cache is not None:
+            shutil.rmtree(cache, ignore_errors=True)
     (a.out / f"variant-{variant}.json").write_text(json.dumps(result, indent=2))
     return result
 
@@ -101,15 +113,17 @@ def main(argv: list[str] | None = None) -> int:
     log(f"model {a.model}; variants {variants}; load {per_variant:.0f} s per variant "
         f"(+ server start, up to {a.ready_timeout:.0f} s each)")
     model_dir, model_args = prepare_model(a.model, a.out)
-    failed = []
+    failed, ready = [], {}
     for v in variants:
         try:
-            run_variant(a, v, model_dir, model_args)
+            ready[v] = run_variant(a, v, model_dir, model_args)["ready_s"]
         except Exception as exc:  # noqa: BLE001 - keep going: the other variant's numbers still help
             log(f"{v} FAILED: {type(exc).__name__}: {exc}")
             failed.append(v)
     summary = [f"# e2e A/B: {a.model}, A = {variants[0]}, B = {variants[-1]}", "",
-               f"`{' '.join(sys.argv)}`", ""]
+               f"`{' '.join(sys.argv)}`", "",
+               "Ready after start (s): " + ", ".join(f"{v} {t:.0f}" for v, t in ready.items())
+               + f"; caches: {'cold per variant' if a.cold_cache else 'shared'}", ""]
     if len(variants) == 2 and not failed:
         for scenario in a.scenarios.split(","):
             write_ab(a.out / variants[0] / scenario, a.out / variants[1] / scenario, a.out / f"ab-{scenario}",
