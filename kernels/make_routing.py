@@ -1,6 +1,6 @@
 """Build the routing table (kernels/routing.py) from bench_kernels results.json files.
 
-    python -m kernels.make_routing bench/results/2026-11-29/kernels_quick_bench.json \
+    python -m kernels.make_routing bench/results/2026-11-29/kernels_quick_bench_tuned.json \
         bench/results/2026-11-29/kernels_untuned.json --device NVIDIA_H200
 
 Rule (conservative): at a measured M, "ours" iff our speed-up over vLLM's fused_experts is

@@ -15,7 +15,7 @@ from kernels import plugin_state
 from kernels import plugin_warmup as pw
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = [ROOT / "bench/results/2026-11-29/kernels_quick_bench.json",
+RESULTS = [ROOT / "bench/results/2026-11-29/kernels_quick_bench_tuned.json",
            ROOT / "bench/results/2026-11-29/kernels_untuned.json"]
 SHIPPED = ROOT / "kernels/configs" / routing.file_name("NVIDIA_H200")
 
@@ -70,7 +70,8 @@ def test_routed_to_ours_configs_are_the_measured_ones():
 def test_route_unmeasured_and_policy(monkeypatch):
     assert routing.route(3, 48, 64, "bf16", 1, "NVIDIA_H200") == "vllm"     # never measured
     assert routing.route(128, 96, 2048, "fp8", 4, "NVIDIA_H200") == "ours"  # Qwen3 fp8 M=4
-    assert routing.route(8, 1792, 4096, "fp8", 4, "NVIDIA_H200") == "vllm"  # Mixtral fp8
+    assert routing.route(8, 1792, 4096, "fp8", 1, "NVIDIA_H200") == "vllm"  # Mixtral fp8 M=1: 0.95x
+    assert routing.route(8, 1792, 4096, "fp8", 4, "NVIDIA_H200") == "ours"  # M=4: 1.10x
     assert routing.route(8, 1792, 4096, "bf16", 1, "some_gpu") == "vllm"    # no table
     monkeypatch.setenv(routing.ROUTING_ENV, "ours")
     assert routing.route(3, 48, 64, "bf16", 1, "NVIDIA_H200") == "ours"
