@@ -1,8 +1,8 @@
 """End-to-end A/B on one GPU (issue 8): stock vLLM MoE vs moe-serve's kernels, same load.
 
-    python bench/e2e_ab.py --model mixtral-8x7b --out $OUT                      # bf16, ~8-9 min on one H200
-    python bench/e2e_ab.py --model qwen3-30b-a3b --out $OUT --max-users 64 --step-seconds 6
-    python bench/e2e_ab.py --model mixtral-8x7b --out $OUT --server-arg=--quantization --server-arg=fp8
+    python bench/e2e_ab.py --out /root/e2e                              # Mixtral-8x7B, one TP=8 rank, bf16: 525 s on one H200
+    python bench/e2e_ab.py --out /root/e2e2 --variants optimized,vllm   # the other order (pool runs: bench/e2e_pool.py)
+    python bench/e2e_ab.py --out /root/e2e --server-arg=--quantization --server-arg=fp8
     python bench/e2e_ab.py --model embedded --out /tmp/ab --max-users 2 --step-seconds 2 --max-tokens 8   (CPU smoke)
 
 For each variant (default: vllm, then optimized) it starts `python -m service` on a
@@ -54,14 +54,14 @@ def prepare_model(name: str, out: Path) -> tuple[str, list[str]]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="mixtral-8x7b", help="bench/models/<name>, or 'embedded' (CPU smoke)")
+    p.add_argument("--model", default="mixtral-8x7b-tp8-rank", help="bench/models/<name>, or 'embedded' (CPU smoke)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--variants", default="vllm,optimized", help="--moe-kernels values, A first")
     p.add_argument("--scenarios", default="spike-sizes,step", help="run in this order (the first sees cold caches)")
     p.add_argument("--cold-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="fresh Triton / TorchInductor / vLLM cache dirs per variant")
     p.add_argument("--max-users", type=int, default=64)
-    p.add_argument("--step-seconds", type=float, default=6.0)
+    p.add_argument("--step-seconds", type=float, default=8.0)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-words", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)

@@ -1,0 +1,82 @@
+"""Pool several `bench/e2e_ab.py` runs into one optimized/vllm table (ratios per run + geomean).
+
+    python bench/e2e_pool.py bench/results/2026-11-29/e2e_ab_run1_* bench/results/2026-11-29/e2e_ab_run2_*
+
+One run's step ratios carry the order, the warm-up and the machine's noise; pooling runs made
+in both orders (A/B and B/A) shows which effects survive. Per stage: output tok/s, ITL p50 and
+TTFT p50 ratios (optimized / vllm) per run and their geometric mean; per scenario: TTFT
+p50/p99 over all requests of each run and serving-phase JIT compiles. Prints markdown.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+VARIANTS = ("optimized", "vllm")
+METRICS = (("output_tok_s", "output tok/s"), ("itl_p50_ms", "ITL p50"), ("ttft_p50_ms", "TTFT p50"))
+
+
+def load(run: Path, variant: str, scenario: str) -> dict:
+    return json.loads((run / variant / scenario / "report.json").read_text())
+
+
+def ttfts_ms(run: Path, variant: str, scenario: str) -> list[float]:
+    """TTFT of every successful request of the scenario, in ms."""
+    recs = (json.loads(line) for line in (run / variant / scenario / "requests.jsonl").read_text().splitlines())
+    return sorted(1000 * r["ttft"] for r in recs if r["status"] == "ok" and r["ttft"] is not None)
+
+
+def pct(xs: list[float], q: float) -> float:
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def geomean(xs: list[float]) -> float:
+    return math.exp(statistics.fmean(math.log(x) for x in xs))
+
+
+def stage_table(runs: list[Path], scenario: str) -> list[str]:
+    reps = [{v: load(r, v, scenario) for v in VARIANTS} for r in runs]
+    head = "| users | " + " | ".join(f"{name} run {i + 1}" for _, name in METRICS for i in range(len(runs)))
+    head += " | " + " | ".join(f"{name} geomean" for _, name in METRICS) + " |"
+    lines = [head, "|---:" * (1 + (len(runs) + 1) * len(METRICS)) + "|"]
+    for s, stage in enumerate(reps[0]["optimized"]["stages"]):
+        per = {k: [rep["optimized"]["stages"][s][k] / rep["vllm"]["stages"][s][k] for rep in reps] for k, _ in METRICS}
+        cells = [f"{x:.3f}" for k, _ in METRICS for x in per[k]] + [f"**{geomean(per[k]):.3f}**" for k, _ in METRICS]
+        lines.append(f"| {stage['users']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def scenario_lines(runs: list[Path], scenario: str) -> list[str]:
+    lines = ["| run | variant | requests | TTFT p50 ms | TTFT p99 ms | TTFT max ms | serving JIT compiles |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for i, run in enumerate(runs):
+        for v in VARIANTS:
+            t = ttfts_ms(run, v, scenario)
+            comp = load(run, v, scenario)["serving_jit_compiles"]
+            compiles = "n/a" if comp is None else f"{comp['total']:g}"
+            lines.append(f"| {i + 1} | {v} | {len(t)} | {pct(t, 0.5):.1f} | {pct(t, 0.99):.1f} | {t[-1]:.1f} | "
+                         f"{compiles} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", type=Path, help="--out dirs of e2e_ab.py runs (both variants present)")
+    p.add_argument("--scenarios", default="spike-sizes,step")
+    a = p.parse_args(argv)
+    out = [f"# e2e A/B pooled over {len(a.runs)} runs: optimized / vllm", ""]
+    out += [f"- run {i + 1}: `{r}`" for i, r in enumerate(a.runs)]
+    for scenario in a.scenarios.split(","):
+        out += ["", f"## `{scenario}`: ratios per stage (optimized / vllm; tok/s > 1 and latency < 1 favour optimized)", ""]
+        out += stage_table(a.runs, scenario)
+        out += ["", f"## `{scenario}`: all requests of the scenario", ""]
+        out += scenario_lines(a.runs, scenario)
+    print("\n".join(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
