@@ -19,6 +19,7 @@ from service.middleware import AccessLogMiddleware, AuthMiddleware, BodyLimitMid
 from service.openai_api import router as openai_router
 from service.settings import Settings
 from service.state import ServerState
+from service.warmup import warm_up_request_path
 
 logger = logging.getLogger(__name__)
 ENGINE_WATCH_INTERVAL_S = 1.0
@@ -31,13 +32,15 @@ def _request_exit(state: ServerState, why: str) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-async def _start_and_watch_engine(state: ServerState) -> None:
-    """Start the engine, then poll it; if it dies, fail health and exit non-zero."""
+async def _start_and_watch_engine(app: FastAPI, state: ServerState) -> None:
+    """Start the engine, warm the request path, then poll the engine; if it dies, fail health
+    and exit non-zero."""
     try:
         await state.engine.start()
     except Exception:  # noqa: BLE001 - logged by start(); health stays 503
         _request_exit(state, "engine failed to start")
         return
+    await warm_up_request_path(app, state)
     while not state.shutting_down:
         await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
         if not state.shutting_down and not state.engine.healthy:
@@ -51,7 +54,7 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        watcher = asyncio.create_task(_start_and_watch_engine(state))
+        watcher = asyncio.create_task(_start_and_watch_engine(app, state))
         try:
             yield
         finally:
@@ -68,7 +71,7 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if state.engine.healthy and not state.shutting_down:
+        if state.engine.healthy and state.warmed and not state.shutting_down:
             return JSONResponse({"status": "ok", "unfinished_requests": state.engine.num_unfinished_requests(),
                                  "running": state.admission.running, "queued": state.admission.queued})
         status = "starting" if not (state.engine.dead or state.engine.start_error) else "dead"

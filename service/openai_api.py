@@ -17,6 +17,7 @@ from service.sampling import (check_common_limits, check_prompt_ids, resolve_max
                               sampling_params)
 from service.state import ServerState
 from service.streaming import DONE_EVENT, ClientGone, SSEResponse, sse_event, until_disconnect
+from service.warmup import is_warmup
 
 router = APIRouter()
 
@@ -105,7 +106,7 @@ async def _serve(state: ServerState, request: Request, body: SamplingFields, fmt
                  jobs: list[PromptJob], echoes: list[str]) -> Response:
     """Admit, run and answer (stream or JSON) one validated request."""
     prompt_tokens = sum(len(job.prompt_ids) for job in jobs)
-    observer = state.metrics.start(prompt_tokens)
+    observer = (state.warmup_metrics if is_warmup(request) else state.metrics).start(prompt_tokens)
     try:
         ticket = await until_disconnect(request, state.admission.acquire(prompt_tokens))
     except BaseException as exc:

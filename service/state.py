@@ -22,9 +22,11 @@ class ServerState:
     engine: EngineHandle
     registry: CollectorRegistry
     metrics: ServiceMetrics
+    warmup_metrics: ServiceMetrics  # where the warm-up requests are counted (a registry nobody exports)
     admission: Admission
     created: int = field(default_factory=lambda: int(time.time()))
     shutting_down: bool = False
+    warmed: bool = False  # the start-up warm-up requests are done (service/warmup.py); /health waits for it
     exit_code: int = 0
     runtime_dir: Path | None = None  # where vLLM workers write their reports
     owns_runtime_dir: bool = False  # a temp dir we made (removed at exit)
@@ -45,6 +47,8 @@ class ServerState:
             engine=engine,
             registry=registry,
             metrics=ServiceMetrics(registry, settings.model_name, queued=lambda: admission.queued),
+            warmup_metrics=ServiceMetrics(CollectorRegistry(), settings.model_name, queued=lambda: 0,
+                                          reexport_default_registry=False),
             admission=admission,
             runtime_dir=runtime_dir,
             owns_runtime_dir=owns_runtime_dir,

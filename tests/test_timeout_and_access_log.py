@@ -1,4 +1,5 @@
-"""Per-request timeout (408 / final error event) and the JSON access log, on a real server."""
+"""Per-request timeout (408 / final error event), the JSON access log and the start-up warm-up
+requests, on a real server."""
 
 from __future__ import annotations
 
@@ -23,6 +24,19 @@ def timed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
                        api_key="k-timeout-0123456789")
     yield srv
     srv.stop()
+
+
+def test_warmup_requests_pass_auth_and_stay_out_of_the_metrics(timed_server: ServerProcess) -> None:
+    """Runs first on this module's fresh server: /health was 200, so the warm-up is done; both
+    warm-up requests went through auth to the engine (200), and no request is counted yet."""
+    records = [json.loads(line) for line in timed_server.log().splitlines() if line.startswith('{"ts"')]
+    warm = {(r["path"], r["status"]) for r in records if r["client"] == "moe-serve-warmup"}
+    assert warm == {("/v1/completions", 200), ("/v1/chat/completions", 200)}
+    assert "request path warmed up" in timed_server.log()
+    text = httpx.get(timed_server.base_url + "/metrics").text
+    counted = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("moe_serve_requests_total{")]
+    assert counted and sum(counted) == 0
 
 
 def test_non_streamed_request_over_the_timeout_gets_408(timed_server: ServerProcess) -> None:
