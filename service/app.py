@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from service import __version__
 from service.engine import EngineHandle
 from service.errors import install_error_handlers
+from service.memory_trim import trim_periodically
 from service.middleware import AccessLogMiddleware, AuthMiddleware, BodyLimitMiddleware
 from service.openai_api import router as openai_router
 from service.settings import Settings
@@ -55,12 +56,14 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         watcher = asyncio.create_task(_start_and_watch_engine(app, state))
+        trimmer = asyncio.create_task(trim_periodically(settings.malloc_trim_interval_s))
         try:
             yield
         finally:
             state.begin_shutdown()
             watcher.cancel()
-            await asyncio.gather(watcher, return_exceptions=True)
+            trimmer.cancel()
+            await asyncio.gather(watcher, trimmer, return_exceptions=True)
             state.engine.shutdown()
             state.cleanup()
 

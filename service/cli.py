@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-stop-sequences", type=int, default=int(e("max_stop_sequences", 8)))
     p.add_argument("--drain-timeout", type=float, default=float(e("drain_timeout", 30.0)),
                    help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--malloc-trim-interval", type=float, default=float(e("malloc_trim_interval", 60.0)),
+                   help="seconds between returns of freed heap memory to the OS (glibc malloc_trim); 0 disables")
     p.add_argument("--request-timeout", type=float, default=e("request_timeout"),
                    help="abort a request after this many seconds (408 / final error event); default none")
     p.add_argument("--no-access-log", dest="access_log", action="store_false",
@@ -82,7 +84,8 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
         max_prompt_tokens_in_flight=opt_int(args.max_prompt_tokens_in_flight),
         max_request_bytes=args.max_request_bytes, max_n=args.max_n,
         max_tokens_limit=opt_int(args.max_tokens_limit), max_stop_sequences=args.max_stop_sequences,
-        drain_timeout_s=args.drain_timeout, log_level=args.log_level,
+        drain_timeout_s=args.drain_timeout, malloc_trim_interval_s=args.malloc_trim_interval,
+        log_level=args.log_level,
         request_timeout_s=None if args.request_timeout in (None, "") else float(args.request_timeout),
         access_log=args.access_log, access_log_json=args.access_log_json,
     ).validated()

@@ -53,6 +53,7 @@ class Settings:
     max_stop_sequences: int = 8
     request_timeout_s: float | None = None
     drain_timeout_s: float = 30.0
+    malloc_trim_interval_s: float = 60.0  # 0 disables (service/memory_trim.py)
     log_level: str = "info"
     access_log: bool = True
     access_log_json: bool = False
@@ -89,6 +90,8 @@ class Settings:
             raise SettingsError("--request-timeout must be > 0")
         if self.drain_timeout_s < 0:
             raise SettingsError("--drain-timeout must be >= 0")
+        if self.malloc_trim_interval_s < 0:
+            raise SettingsError("--malloc-trim-interval must be >= 0 (0 disables)")
         return self
 
     def resolved_tensor_parallel_size(self) -> int:
