@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from service.settings import Settings, visible_gpu_count
+from service.tokenizer_cache import BPE_CACHE_ENTRIES, bound_bpe_caches
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,8 @@ class EngineHandle:
                 self.engine = await building
                 raise
             self.tokenizer = self.engine.get_tokenizer()
+            logger.info("BPE cache bounded to %d entries in %d tokenizer object(s)", BPE_CACHE_ENTRIES,
+                        bound_bpe_caches(self.tokenizer))
             self.max_model_len = int(self.engine.model_config.max_model_len)
         except BaseException as exc:  # noqa: BLE001 - reported via /health and the exit code
             self.start_error = exc
