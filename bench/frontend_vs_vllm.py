@@ -25,9 +25,17 @@ sys.path.insert(0, str(REPO))
 
 from loadtest.ab import RATIO_KEYS, write_ab  # noqa: E402
 from service.embedded_model import ensure_embedded_model  # noqa: E402
-from loadtest.server_proc import MODEL_NAME, start_server  # noqa: E402
+from loadtest.server_proc import MODEL_NAME, ServerProcess, start_server  # noqa: E402
 
 VLLM, OURS = "vllm-api-server", "moe-serve"
+
+
+def start_vllm_api_server(out: Path, model_dir: Path, ready_timeout: float) -> ServerProcess:
+    """vLLM's own OpenAI server on the same model, name and KV budget as ours (same launcher, same core)."""
+    return start_server(out, "--model", str(model_dir), "--served-model-name", MODEL_NAME,
+                        "--kv-cache-memory-bytes", str(512 * 1024 ** 2), "--no-enable-log-requests",
+                        module="vllm.entrypoints.openai.api_server", log_name=f"{VLLM}.log",
+                        ready_timeout=ready_timeout)
 
 
 def sweep(url: str, label: str, out: Path, args: argparse.Namespace) -> int:
@@ -41,11 +49,8 @@ def sweep(url: str, label: str, out: Path, args: argparse.Namespace) -> int:
 def run_one(label: str, out: Path, model_dir: Path, args: argparse.Namespace) -> float:
     """Start one server, sweep it into out/label, stop it; returns its start-up seconds."""
     began = time.monotonic()
-    if label == VLLM:  # vLLM's own OpenAI server on the same model and KV budget as ours
-        server = start_server(out, "--model", str(model_dir), "--served-model-name", MODEL_NAME,
-                              "--kv-cache-memory-bytes", str(512 * 1024 ** 2), "--no-enable-log-requests",
-                              module="vllm.entrypoints.openai.api_server", log_name="vllm-api-server.log",
-                              ready_timeout=args.ready_timeout)
+    if label == VLLM:
+        server = start_vllm_api_server(out, model_dir, args.ready_timeout)
     else:
         server = start_server(out, ready_timeout=args.ready_timeout)
     ready_s = time.monotonic() - began

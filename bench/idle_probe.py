@@ -21,6 +21,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.frontend_vs_vllm import OURS, VLLM, start_vllm_api_server  # noqa: E402
 from loadtest.server_proc import MODEL_NAME, start_server  # noqa: E402
 from service.embedded_model import ensure_embedded_model  # noqa: E402
 
@@ -48,12 +49,11 @@ def main() -> int:
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     gaps = [float(g) for g in a.gaps.split(",")]
-    vllm_args = ("--model", str(ensure_embedded_model()), "--served-model-name", MODEL_NAME,
-                 "--kv-cache-memory-bytes", str(512 * 1024 ** 2), "--no-enable-log-requests")
+    starts = {OURS: lambda: start_server(a.out, log_name=f"{OURS}.log", ready_timeout=400),
+              VLLM: lambda: start_vllm_api_server(a.out, ensure_embedded_model(), 400)}
     results = {}
-    for name, args, module in (("moe-serve", (), "service"),
-                               ("vllm-api-server", vllm_args, "vllm.entrypoints.openai.api_server")):
-        server = start_server(a.out, *args, module=module, log_name=f"{name}.log", ready_timeout=400)
+    for name, start in starts.items():
+        server = start()
         try:
             results[name] = probe(server.base_url, gaps)
         finally:

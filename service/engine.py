@@ -109,8 +109,8 @@ class EngineHandle:
                 self.engine = await building
                 raise
             self.tokenizer = self.engine.get_tokenizer()
-            logger.info("BPE cache bounded to %d entries in %d tokenizer object(s)", BPE_CACHE_ENTRIES,
-                        bound_bpe_caches(self.tokenizer))
+            bounded = bound_bpe_caches(self.tokenizer)
+            logger.info("BPE cache bounded to %d entries in %d tokenizer object(s)", BPE_CACHE_ENTRIES, bounded)
             self.max_model_len = int(self.engine.model_config.max_model_len)
         except BaseException as exc:  # noqa: BLE001 - reported via /health and the exit code
             self.start_error = exc

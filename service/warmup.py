@@ -1,15 +1,16 @@
 """Warm the request path once before /health turns 200.
 
-The first request after start-up pays one-time costs in the API process and the engine
-(measured 2026-11-29 on the CPU engine: first request 120-310 ms server-side, the next ones
-30-60 ms; vLLM's own api_server the same). cProfile of that first request in the API process:
-FastAPI's first endpoint-context extraction (inspect.getsourcelines, ~15 ms), the tokenizer's
-first encode (~15 ms), vLLM's supported-tasks round trip to the engine core (~10 ms); the rest
-in the engine's first step. A warm-up generation called on the engine alone did not remove it.
-So one streamed completion and one streamed chat request (2 tokens each) go through the whole
-app, middleware and routes included, in-process over ASGI (no socket). They come from the
-client address WARMUP_CLIENT, which no socket can have: their metrics go to a private registry,
-so Prometheus shows client traffic only. A failing warm-up is logged and does not block serving.
+The first request after start-up pays one-time costs in the API process (2026-11-29, cProfile on
+the CPU engine: FastAPI's first endpoint-context extraction via inspect.getsourcelines ~15 ms,
+the tokenizer's first encode ~15 ms, vLLM's supported-tasks round trip to the engine core
+~10 ms; the first warm-up completion took 104.7 ms server-side, the chat after it 31.4 ms). A
+generation called on the engine alone does not reach them, so one streamed completion and one
+streamed chat request (2 tokens each) go through the whole app, middleware and routes
+included, in-process over ASGI (no socket). What this cannot remove is the engine's slower
+answer after it sat idle (bench/idle_probe.py: +120-210 ms after 2-10 s on the CPU engine, the
+same for vLLM's api_server). The warm-up requests come from the client address WARMUP_CLIENT,
+which no socket can have: their metrics go to a private registry, so Prometheus shows client
+traffic only. A failing warm-up is logged and does not block serving.
 """
 
 from __future__ import annotations
