@@ -68,7 +68,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds per server start")
     p.add_argument("--server-arg", action="append", default=[], help="extra `python -m service` argument")
+    p.add_argument("--tables-only", action="store_true",
+                   help="no runs: write the A/B tables from the variant dirs already under --out "
+                        "(for an A/B split over several calls, one --variants value per call)")
     return p.parse_args(argv)
+
+
+def record_workers(server: ServerProcess, out: Path) -> list[dict]:
+    """/version's per-worker plugin reports -> out/workers.json; log one line per rank (mode, MoE
+    launches by path, its own Triton compiles by phase): under TP every rank must show our kernels."""
+    import httpx
+
+    try:
+        workers = httpx.get(f"{server.base_url}/version", headers=server.headers, timeout=10).json()["workers"]
+    except (httpx.HTTPError, ValueError, KeyError) as exc:  # the load results still count without it
+        log(f"  /version unreadable, no per-rank report: {type(exc).__name__}: {exc}")
+        return []
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "workers.json").write_text(json.dumps(workers, indent=2))
+    for w in workers:
+        log(f"  rank {w['rank']} pid {w['pid']}: mode {w['mode']}, phase {w['phase']}, "
+            f"tp_size {(w.get('kernel_info') or {}).get('tp_size')}, launches {w['moe_calls']}, "
+            f"compiles {w['jit_compiles'] or 'none'}")
+    return workers
+
+
+def workers_line(variant: str, workers: list[dict]) -> str:
+    """One summary line: ranks reporting and serving-phase compiles per rank."""
+    per_rank = ", ".join(f"rank {w['rank']}: {sum(v for k, v in w['jit_compiles'].items() if k.endswith('|serving'))}"
+                         for w in workers)
+    return f"Workers of {variant}: {len(workers)} reporting; serving-phase compiles {per_rank or 'n/a'}"
 
 
 def run_variant(a: argparse.Namespace, variant: str, model_dir: str, model_args: list[str]) -> dict:
@@ -82,7 +111,8 @@ def run_variant(a: argparse.Namespace, variant: str, model_dir: str, model_args:
                                     "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
     log(f"starting: {' '.join(f'{k}={v}' for k, v in env.items())} python -m service {' '.join(args)}")
     server = ServerProcess(a.out, *args, log_name=f"server-{variant}.log", env=env)
-    result = {"variant": variant, "cold_cache": cache is not None, "scenarios": {}}
+    result = {"variant": variant, "model": a.model, "server_args": args, "cold_cache": cache is not None,
+              "scenarios": {}}
     try:
         result["ready_s"] = server.wait_ready(a.ready_timeout, progress=log)
         log(f"{variant}: ready in {result['ready_s']:.0f} s")
@@ -95,6 +125,7 @@ def run_variant(a: argparse.Namespace, variant: str, model_dir: str, model_args:
             log(f"{variant}/{scenario}: " + ", ".join(f"u{s['users']}: {s['output_tok_s']:.0f} tok/s "
                                                        f"TTFT p50 {s['ttft_p50_ms'] or 0:.0f} ms"
                                                        for s in rep["stages"]))
+        result["workers"] = record_workers(server, a.out / variant)
     finally:
         log(f"server stopped (exit {server.stop()})")
         if cache is not None:
@@ -103,34 +134,50 @@ def run_variant(a: argparse.Namespace, variant: str, model_dir: str, model_args:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # SIGTERM still stops the server (finally)
-    a.out.mkdir(parents=True, exist_ok=True)
-    variants = a.variants.split(",")
+def run_variants(a: argparse.Namespace, variants: list[str]) -> tuple[dict[str, dict], list[str]]:
+    """Run each variant in turn; ({variant: result}, failed variants)."""
     per_variant = sum(build(s, Options(max_users=a.max_users, step_seconds=a.step_seconds)).duration
                       for s in a.scenarios.split(","))
     log(f"model {a.model}; variants {variants}; load {per_variant:.0f} s per variant "
         f"(+ server start, up to {a.ready_timeout:.0f} s each)")
     model_dir, model_args = prepare_model(a.model, a.out)
-    failed, ready = [], {}
+    results, failed = {}, []
     for v in variants:
         try:
-            ready[v] = run_variant(a, v, model_dir, model_args)["ready_s"]
+            results[v] = run_variant(a, v, model_dir, model_args)
         except Exception as exc:  # noqa: BLE001 - keep going: the other variant's numbers still help
             log(f"{v} FAILED: {type(exc).__name__}: {exc}")
             failed.append(v)
-    summary = [f"# e2e A/B: {a.model}, A = {variants[0]}, B = {variants[-1]}", "",
+    return results, failed
+
+
+def load_variants(out: Path, variants: list[str]) -> tuple[dict[str, dict], list[str]]:
+    """The variant-<v>.json files of earlier runs into `out`; ({variant: result}, missing variants)."""
+    results = {v: json.loads((out / f"variant-{v}.json").read_text())
+               for v in variants if (out / f"variant-{v}.json").is_file()}
+    return results, [v for v in variants if v not in results]
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # SIGTERM still stops the server (finally)
+    a.out.mkdir(parents=True, exist_ok=True)
+    variants = a.variants.split(",")
+    results, failed = load_variants(a.out, variants) if a.tables_only else run_variants(a, variants)
+    model = next((r["model"] for r in results.values() if "model" in r), a.model)
+    summary = [f"# e2e A/B: {model}, A = {variants[0]}, B = {variants[-1]}", "",
                f"`{' '.join(sys.argv)}`", "",
-               "Ready after start (s): " + ", ".join(f"{v} {t:.0f}" for v, t in ready.items())
+               "Ready after start (s): " + ", ".join(f"{v} {r['ready_s']:.0f}" for v, r in results.items())
                + f"; caches: {'cold per variant' if a.cold_cache else 'shared'}", ""]
+    summary += [workers_line(v, r["workers"]) for v, r in results.items() if "workers" in r] + [""]
     if len(variants) == 2 and not failed:
         for scenario in a.scenarios.split(","):
             write_ab(a.out / variants[0] / scenario, a.out / variants[1] / scenario, a.out / f"ab-{scenario}",
-                          variants[0], variants[1])
+                     variants[0], variants[1])
             summary.append((a.out / f"ab-{scenario}" / "ab.md").read_text())
     else:
-        summary.append(f"no A/B table: failed variants {failed}")
+        summary.append(f"no A/B table: variants {failed} failed or missing" if failed
+                       else "no A/B table: one variant")
     (a.out / "summary.md").write_text("\n".join(summary))
     print("\n".join(summary), flush=True)
     log("done")

@@ -69,14 +69,20 @@ def jit_totals(reports: Iterable[dict[str, Any]], kind: str = "compile") -> Coun
     return tot
 
 
+def _compile_map(reports: Iterable[dict[str, Any]]) -> dict[str, int]:
+    """{"kernel|phase": compiles} summed over reports (JSON-friendly keys)."""
+    return {f"{k}|{p}": v for (k, p), v in sorted(jit_totals(reports).items())}
+
+
 def summary(runtime_dir: str | Path) -> dict[str, Any]:
-    """Compact JSON view of the workers (for /version and scripts)."""
+    """Compact JSON view of the workers, each with its own compile counts, and their totals
+    (for /version and scripts)."""
     reps = read_reports(runtime_dir)
+    keys = ("pid", "rank", "mode", "plugin_loaded", "hooks", "phase", "moe_calls", "fallback_reasons",
+            "kernel_info", "warmup", "jit_monitor")
     return {
-        "workers": [{k: r.get(k) for k in ("pid", "rank", "mode", "plugin_loaded", "hooks", "phase",
-                                           "moe_calls", "fallback_reasons", "kernel_info", "warmup",
-                                           "jit_monitor")} for r in reps],
-        "jit_compiles": {f"{k}|{p}": v for (k, p), v in sorted(jit_totals(reps).items())},
+        "workers": [{**{k: r.get(k) for k in keys}, "jit_compiles": _compile_map([r])} for r in reps],
+        "jit_compiles": _compile_map(reps),
     }
 
 

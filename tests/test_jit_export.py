@@ -88,3 +88,13 @@ def test_counts_flush_in_background(tmp_path: Path, monkeypatch) -> None:
             break
         time.sleep(0.05)
     assert json.loads(rep.path.read_text())["moe_calls"] == {"optimized": 3}
+
+
+def test_summary_keeps_each_ranks_compiles(tmp_path: Path) -> None:
+    k = "fused_moe_kernel"
+    _write(tmp_path, 11, 0, {(k, "warmup", "compile"): 2, (k, "serving", "cache_load"): 5})
+    _write(tmp_path, 12, 1, {(k, "warmup", "compile"): 3, (k, "serving", "compile"): 1})
+    s = je.summary(tmp_path)
+    assert [(w["rank"], w["jit_compiles"]) for w in s["workers"]] == [
+        (0, {f"{k}|warmup": 2}), (1, {f"{k}|serving": 1, f"{k}|warmup": 3})]
+    assert s["jit_compiles"] == {f"{k}|serving": 1, f"{k}|warmup": 5}

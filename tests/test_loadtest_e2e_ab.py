@@ -18,10 +18,22 @@ def load_driver():
     return mod
 
 
-@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "mixtral-8x7b-tp8-rank-at-tp2", "qwen3-30b-a3b"])
 def test_model_configs_use_the_mixtral_tokenizer_vocab(name: str) -> None:
     cfg = json.loads((REPO / "bench" / "models" / name / "config.json").read_text())
     assert cfg["vocab_size"] == 32000 and cfg["bos_token_id"] == 1 and cfg["eos_token_id"] == 2
+
+
+def test_tp2_stand_in_gives_each_rank_the_tp8_rank_shapes() -> None:
+    """At --tensor-parallel-size 2 each rank of mixtral-8x7b-tp8-rank-at-tp2 must run the MoE and
+    attention shapes of one TP=8 rank (the shapes the tuned tables and routing are keyed by)."""
+    def cfg(name: str) -> dict:
+        return json.loads((REPO / "bench" / "models" / name / "config.json").read_text())
+
+    rank, at_tp2 = cfg("mixtral-8x7b-tp8-rank"), cfg("mixtral-8x7b-tp8-rank-at-tp2")
+    split = ("intermediate_size", "num_attention_heads", "num_key_value_heads")
+    assert {k: at_tp2[k] // 2 for k in split} == {k: rank[k] for k in split}
+    assert {k: v for k, v in at_tp2.items() if k not in split} == {k: v for k, v in rank.items() if k not in split}
 
 
 def test_prepare_model_writes_tokenizer_and_dummy_load(tmp_path: Path) -> None:
@@ -74,3 +86,30 @@ def test_pool_ratios_and_geomean(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert cells[3:5] == [f"{1 / 1.1:.3f}", f"{1 / 0.9:.3f}"]  # ITL ratio is the inverse here
     assert "| 1 | optimized | 100 | 510.0 | 1000.0 | 1000.0 | 0 |" in out  # the error request is left out
     assert "| 2 | vllm | 100 | 1020.0 | 2000.0 | 2000.0 | 3 |" in out
+
+
+def test_tables_only_joins_variants_run_in_separate_calls(tmp_path: Path) -> None:
+    """An A/B split over two device calls: each call leaves variant-<v>.json and its scenario
+    reports; --tables-only writes the ratio tables and the per-rank compile line from them."""
+    drv = load_driver()
+    keys = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "req_s")
+    for v, tok_s, serving in (("vllm", 100.0, 4), ("optimized", 125.0, 0)):
+        workers = [{"rank": r, "jit_compiles": {"fused_moe_kernel|warmup": 3, "fused_moe_kernel|serving": serving}}
+                   for r in (0, 1)]
+        result = {"variant": v, "model": "m-at-tp2", "ready_s": 140.0, "workers": workers}
+        (tmp_path / f"variant-{v}.json").write_text(json.dumps(result))
+        for sc in ("spike-sizes", "step"):
+            stage = {"label": "u4", "users": 4, "requests": 10, "errors": 0, **{k: tok_s for k in keys}}
+            comp = {"total": 2 * serving, "per_kernel": {"fused_moe_kernel": 2 * serving} if serving else {}}
+            (tmp_path / v / sc).mkdir(parents=True)
+            (tmp_path / v / sc / "report.json").write_text(json.dumps(
+                {"meta": {"scenario": {"name": sc}}, "stages": [stage], "serving_jit_compiles": comp}))
+    assert drv.main(["--out", str(tmp_path), "--tables-only"]) == 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.startswith("# e2e A/B: m-at-tp2, A = vllm, B = optimized")
+    assert "Workers of vllm: 2 reporting; serving-phase compiles rank 0: 4, rank 1: 4" in summary
+    assert "Workers of optimized: 2 reporting; serving-phase compiles rank 0: 0, rank 1: 0" in summary
+    assert summary.count("| u4 | 4 | 0/0 | 100.0 | 125.0 | 1.250 |") == 2  # both scenarios, B/A = 1.25
+    (tmp_path / "variant-optimized.json").unlink()
+    assert drv.main(["--out", str(tmp_path), "--tables-only"]) == 1
+    assert "variants ['optimized'] failed or missing" in (tmp_path / "summary.md").read_text()
