@@ -15,7 +15,7 @@ from kernels import plugin_state
 from kernels import plugin_warmup as pw
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = [ROOT / "bench/results/2026-11-29/kernels_quick_bench_tuned.json",
+RESULTS = [ROOT / "bench/results/2026-11-29/kernels_fine_m_bench.json",
            ROOT / "bench/results/2026-11-29/kernels_untuned.json"]
 SHIPPED = ROOT / "kernels/configs" / routing.file_name("NVIDIA_H200")
 
