@@ -437,7 +437,7 @@ def main() -> int:
                          "get_config searches first, else kernels/configs)")
     ap.add_argument("--tune-budget-s", type=float, default=65.0)
     ap.add_argument("--shapes", default=None, help="comma list of names from bench/shapes.py")
-    ap.add_argument("--ms", default=None, help="M list for --bench")
+    ap.add_argument("--ms", default=None, help="M list for --bench and --correctness (default 1,7,33)")
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--sets", type=int, default=8, help="input sets rotated per graph")
     ap.add_argument("--replays", type=int, default=20)
@@ -472,7 +472,7 @@ def main() -> int:
             _run("ceiling", copy_ceiling)
         ceiling = (RESULTS.get("ceiling") or {}).get("copy_bytes_per_s", float("nan"))
         if args.correctness:
-            _run("correctness", part_correctness, shapes, (1, 7, 33), smoke=False)
+            _run("correctness", part_correctness, shapes, ms if args.ms else (1, 7, 33), smoke=False)
         if args.sass:
             _run("sass", part_sass, out)
         if args.compiles:
