@@ -76,7 +76,13 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def act_amax(x: torch.Tensor, w1: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """max |silu(gate) * up| over the routed (token, expert) pairs: a sane static a2 scale * 448."""
+    """max |silu(gate) * up| over the routed (token, expert) pairs: a sane static a2 scale * 448.
+    One expert at a time: memory [tokens of e, 2N] (gathering w1[ids] took M*topk*2N*K float64,
+    90 GB at Mixtral M=384)."""
     N = w1.shape[1] // 2
-    h = torch.einsum("mk,mjnk->mjn", x.double(), w1.double()[ids.long()])   # [M, topk, 2N]
-    return (torch.nn.functional.silu(h[..., :N]) * h[..., N:]).abs().max()
+    X = x.double()
+    amax = torch.zeros((), dtype=torch.float64, device=x.device)
+    for e in ids.unique().tolist():
+        h = X[(ids == e).any(dim=1)] @ w1[e].double().T                   # [M_e, 2N]
+        amax = torch.maximum(amax, (torch.nn.functional.silu(h[:, :N]) * h[:, N:]).abs().max())
+    return amax

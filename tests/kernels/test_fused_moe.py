@@ -198,3 +198,12 @@ def test_default_heuristic_splits_at_decode():
             assert g1 >= 96 and g2 >= 132, (E, dt, g1, g2, cfg)
         big = configs.default_config(4096, E, N, K, topk, "bf16")
         assert big["SPLIT_K"] == 1 and big["FUSE_GU"] and big["DOWN"]["SPLIT_K"] == 1
+
+
+def test_act_amax_is_the_max_over_routed_pairs():
+    """The reference's static-a2 amax (per expert, bounded memory) equals the all-pairs
+    definition max |silu(W1g[e] x_m) * W1u[e] x_m| over (m, e) routed, on fresh inputs."""
+    x, w1, _, _, ids = _problem(M=37, E=8, N=24, K=32, topk=2, seed=torch.seed() % 2 ** 31)
+    h = torch.einsum("mk,mjnk->mjn", x.double(), w1.double()[ids.long()])   # [M, topk, 2N]
+    want = (torch.nn.functional.silu(h[..., :24]) * h[..., 24:]).abs().max()
+    torch.testing.assert_close(act_amax(x, w1, ids), want, rtol=1e-12, atol=0)
