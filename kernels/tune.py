@@ -2,10 +2,10 @@
 
     python -m kernels.tune --shape 8,1792,4096,2 --dtype bf16 --dtype fp8 --out kernels/configs
 
-Per (shape, dtype), all M buckets, three phases starting from the default heuristic:
+Per (shape, dtype), all M buckets, four phases starting from the default heuristic:
 A: GEMM1 (FUSE_GU x SPLIT_K) grid at small M; B: GEMM1 tiles (BK, stages, BN, swap, BM /
 warps, GROUP_M) one dimension at a time around A's winner; C: GEMM2 (SPLIT_K, BK, stages, BN,
-swap). Candidates are pruned statically (tl.dot dims >= 16, swapped BLOCK_N % 64 == 0, SPLIT_K
+swap); D: the winners of the adjacent M buckets. Candidates are pruned statically (tl.dot dims >= 16, swapped BLOCK_N % 64 == 0, SPLIT_K
 <= K tiles, shared memory <= 227 KB), then each phase's new variants are compiled for sm_90 in
 a process pool on the host CPU (kernels.aot) so the GPU process loads them from Triton's disk
 cache; variants that fail or exceed shared memory there are dropped. Compiled variants do not
@@ -342,7 +342,9 @@ def tune_shape(E: int, N: int, K: int, topk: int, dtype: str, buckets: tuple[int
                budget_s: float, device: str = "cuda", log: Callable = print,
                parallel: bool = True) -> dict[int, dict]:
     """Per bucket: phase A (GEMM1 FUSE_GU x SPLIT_K), phase B (GEMM1 tiles, one dim at a
-    time), phase C (GEMM2: SPLIT_K, tiles). Candidates are pruned statically (_legal), then
+    time), phase C (GEMM2: SPLIT_K, tiles), phase D (the adjacent buckets' winners: one-dim
+    walks can stop at a local optimum, e.g. Mixtral bf16 M=128 at 0.91x of vLLM while M=256's
+    config ran M=160 at 1.10x). Candidates are pruned statically (_legal), then
     compiled for sm_90 in a host process pool before each phase (parallel=True), pruned again
     on shared memory / compile failure, then timed under CUDA-graph replay."""
     t0 = time.perf_counter()
@@ -414,9 +416,14 @@ def tune_shape(E: int, N: int, K: int, topk: int, dtype: str, buckets: tuple[int
         base = {k: cur[k] for k in configs.KEYS + ("SPLIT_K", "FUSE_GU")}
         return [{**base, "DOWN": d} for d in down_candidates(cur, N, dtype)]
 
+    def phase_d(b: int, cur: dict) -> list[dict]:
+        i = buckets.index(b)
+        return [table[n] for n in buckets[max(0, i - 1):i + 2] if n != b]
+
     run_phase("A gate split/fuse", phase_a)
     run_phase("B gate tiles", phase_b)
     run_phase("C down", phase_c)
+    run_phase("D neighbours' winners", phase_d)
     probs.clear()
     from kernels import smem
 
