@@ -9,8 +9,9 @@ never deleted while the server runs, so a restarted worker (new pid) adds to the
 of replacing them.
 
 API side: ``read_reports(dir)`` and ``WorkerCollector``, a prometheus-client custom collector
-exporting ``moe_serve_triton_jit_compiles_total{kernel, phase}`` (real compiles, summed over
-all worker files), ``moe_serve_triton_jit_cache_loads_total{kernel, phase}``,
+exporting ``moe_serve_triton_jit_compiles_total{kernel, phase, rank}`` (real compiles, summed
+over the worker files of each TP rank), ``moe_serve_triton_jit_cache_loads_total{kernel, phase,
+rank}``,
 ``moe_serve_moe_kernel_launches_total{path}`` and the info gauge
 ``moe_serve_moe_kernel_info{backend, swap_ab, dtype, tp_size, mode} 1``.
 """
@@ -101,13 +102,19 @@ class WorkerCollector:
         reps = read_reports(self.runtime_dir)
         for name, kind, doc in (
             ("moe_serve_triton_jit_compiles", "compile",
-             "Triton JIT compilations in all vLLM workers, per kernel and phase (warmup|serving)"),
+             "Triton JIT compilations in the vLLM workers, per kernel, phase (warmup|serving) and "
+             "TP rank (sum over rank for the server)"),
             ("moe_serve_triton_jit_cache_loads", "cache_load",
-             "Triton kernels loaded from the on-disk cache in all vLLM workers, per kernel and phase"),
+             "Triton kernels loaded from the on-disk cache in the vLLM workers, per kernel, phase "
+             "and TP rank"),
         ):
-            fam = CounterMetricFamily(name, doc, labels=["kernel", "phase"])
-            for (kernel, phase), v in sorted(jit_totals(reps, kind).items()):
-                fam.add_metric([kernel, phase], v)
+            fam = CounterMetricFamily(name, doc, labels=["kernel", "phase", "rank"])
+            per_rank: Counter = Counter()
+            for r in reps:  # a restarted worker (new pid, same rank) adds to its rank's series
+                for (kernel, phase), v in jit_totals([r], kind).items():
+                    per_rank[(kernel, phase, str(r.get("rank")))] += v
+            for labels, v in sorted(per_rank.items()):
+                fam.add_metric(list(labels), v)
             yield fam
         calls = CounterMetricFamily("moe_serve_moe_kernel_launches",
                                     "MoE expert computations seen by the plugin hook in all workers "

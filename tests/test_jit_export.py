@@ -28,11 +28,11 @@ def _scrape(d: Path) -> dict[str, list]:
 
 
 def _value(fams, name, **labels) -> float | None:
-    for s in fams.get(name, []):
-        if s.name.endswith("_total") or not name.endswith("compiles"):
-            if all(s.labels.get(k) == v for k, v in labels.items()):
-                return s.value
-    return None
+    """Sum of the family's samples whose labels include `labels` (None if there are none)."""
+    vals = [s.value for s in fams.get(name, [])
+            if (s.name.endswith("_total") or not name.startswith("moe_serve_triton_jit"))
+            and all(s.labels.get(k) == v for k, v in labels.items())]
+    return sum(vals) if vals else None
 
 
 def test_sums_over_workers_and_keeps_restarted_workers(tmp_path: Path) -> None:
@@ -45,6 +45,9 @@ def test_sums_over_workers_and_keeps_restarted_workers(tmp_path: Path) -> None:
     assert _value(fams, "moe_serve_triton_jit_compiles", kernel=k, phase="warmup") == 10
     assert _value(fams, "moe_serve_triton_jit_compiles", kernel=k, phase="serving") == 3
     assert _value(fams, "moe_serve_triton_jit_cache_loads", kernel=k, phase="serving") == 2
+    assert _value(fams, "moe_serve_triton_jit_compiles", kernel=k, phase="warmup", rank="0") == 3
+    assert _value(fams, "moe_serve_triton_jit_compiles", kernel=k, phase="warmup", rank="1") == 7
+    assert _value(fams, "moe_serve_triton_jit_compiles", kernel=k, phase="serving", rank="1") == 2
     assert len(fams["moe_serve_vllm_worker_info"]) == 3
 
 

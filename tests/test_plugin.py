@@ -51,9 +51,13 @@ def _workers(srv: ServerProcess) -> list[dict[str, str]]:
     return [s.labels for s in _metrics(srv).get("moe_serve_vllm_worker_info", [])]
 
 
-def _compiles(srv: ServerProcess, kernel: str) -> dict[str, float]:
-    return {s.labels["phase"]: s.value for s in _metrics(srv).get("moe_serve_triton_jit_compiles", [])
-            if s.labels["kernel"] == kernel and s.name.endswith("_total")}
+def _compiles(srv: ServerProcess, kernel: str, by: str = "phase") -> dict[str, float]:
+    """One kernel's compile counter summed over the other labels, keyed by label `by`."""
+    out: dict[str, float] = {}
+    for s in _metrics(srv).get("moe_serve_triton_jit_compiles", []):
+        if s.labels["kernel"] == kernel and s.name.endswith("_total"):
+            out[s.labels[by]] = out.get(s.labels[by], 0.0) + s.value
+    return out
 
 
 def _complete(srv: ServerProcess) -> None:
@@ -78,6 +82,8 @@ def test_plugin_loads_in_every_worker(tp2: ServerProcess) -> None:
 def test_worker_compiles_reach_metrics_by_phase(tp2: ServerProcess) -> None:
     counts = _compiles(tp2, "_probe_kernel")
     assert counts == {"warmup": TP, "serving": TP}, counts  # one per worker per phase, summed
+    per_rank = _compiles(tp2, "_probe_kernel", by="rank")
+    assert per_rank == {str(r): 2.0 for r in range(TP)}, per_rank  # each rank's own series
     log = tp2.log()
     assert log.count("Triton JIT compile during serving") >= TP
     assert "kernel=_probe_kernel cause: n:" in log  # names the argument whose specialization changed
