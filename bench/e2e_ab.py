@@ -80,7 +80,8 @@ def record_workers(server: ServerProcess, out: Path) -> list[dict]:
     import httpx
 
     try:
-        workers = httpx.get(f"{server.base_url}/version", headers=server.headers, timeout=10).json()["workers"]
+        response = httpx.get(f"{server.base_url}/version", headers=server.headers, timeout=10)
+        workers = response.json()["workers"]
     except (httpx.HTTPError, ValueError, KeyError) as exc:  # the load results still count without it
         log(f"  /version unreadable, no per-rank report: {type(exc).__name__}: {exc}")
         return []
@@ -95,8 +96,10 @@ def record_workers(server: ServerProcess, out: Path) -> list[dict]:
 
 def workers_line(variant: str, workers: list[dict]) -> str:
     """One summary line: ranks reporting and serving-phase compiles per rank."""
-    per_rank = ", ".join(f"rank {w['rank']}: {sum(v for k, v in w['jit_compiles'].items() if k.endswith('|serving'))}"
-                         for w in workers)
+    def serving(w: dict) -> int:  # jit_compiles keys are "kernel|phase"
+        return sum(v for k, v in w["jit_compiles"].items() if k.endswith("|serving"))
+
+    per_rank = ", ".join(f"rank {w['rank']}: {serving(w)}" for w in workers)
     return f"Workers of {variant}: {len(workers)} reporting; serving-phase compiles {per_rank or 'n/a'}"
 
 

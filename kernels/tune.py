@@ -5,11 +5,12 @@
 Per (shape, dtype), all M buckets, four phases starting from the default heuristic:
 A: GEMM1 (FUSE_GU x SPLIT_K) grid at small M; B: GEMM1 tiles (BK, stages, BN, swap, BM /
 warps, GROUP_M) one dimension at a time around A's winner; C: GEMM2 (SPLIT_K, BK, stages, BN,
-swap); D: the winners of the adjacent M buckets. Candidates are pruned statically (tl.dot dims >= 16, swapped BLOCK_N % 64 == 0, SPLIT_K
-<= K tiles, shared memory <= 227 KB), then each phase's new variants are compiled for sm_90 in
-a process pool on the host CPU (kernels.aot) so the GPU process loads them from Triton's disk
-cache; variants that fail or exceed shared memory there are dropped. Compiled variants do not
-depend on M. A time budget per (shape, dtype) stops the sweep and keeps the best so far.
+swap); D: the winners of the adjacent M buckets. Candidates are pruned statically (tl.dot
+dims >= 16, swapped BLOCK_N % 64 == 0, SPLIT_K <= K tiles, shared memory <= 227 KB), then
+each phase's new variants are compiled for sm_90 in a process pool on the host CPU
+(kernels.aot) so the GPU process loads them from Triton's disk cache; variants that fail or
+exceed shared memory there are dropped. Compiled variants do not depend on M. A time budget
+per (shape, dtype) stops the sweep and keeps the best so far.
 """
 from __future__ import annotations
 
