@@ -1,4 +1,4 @@
-"""The FastAPI application: lifespan (engine start/stop), health, version, metrics."""
+"""The FastAPI application: lifespan (engine start/stop), health, liveness, version, metrics."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from service import __version__
 from service.engine import EngineHandle
 from service.errors import install_error_handlers
 from service.memory_trim import trim_periodically
-from service.middleware import AccessLogMiddleware, AuthMiddleware, BodyLimitMiddleware
+from service.middleware import AUTHENTICATED, AccessLogMiddleware, AuthMiddleware, BodyLimitMiddleware
 from service.openai_api import router as openai_router
 from service.settings import Settings
 from service.state import ServerState
@@ -67,7 +67,10 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
             state.engine.shutdown()
             state.cleanup()
 
-    app = FastAPI(title="moe-serve", version=__version__, lifespan=lifespan)
+    docs = settings.enable_docs  # off by default; behind the API key (AuthMiddleware) when on
+    app = FastAPI(title="moe-serve", version=__version__, lifespan=lifespan,
+                  openapi_url="/openapi.json" if docs else None, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None)
     app.state.server = state
     install_error_handlers(app)
     app.include_router(openai_router)
@@ -82,8 +85,17 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
             status = "shutting_down"
         return JSONResponse({"status": status}, status_code=503)
 
+    @app.get("/ping")
+    async def ping() -> dict:
+        """Liveness: the process answers (the engine may still be starting; readiness is /health)."""
+        return {"status": "alive"}
+
     @app.get("/version")
-    async def version() -> dict:
+    async def version(request: Request) -> dict:
+        """The moe-serve version; to an authenticated caller (or with no key set) also vLLM's,
+        the served model name and the workers' kernel reports."""
+        if not request.scope.get(AUTHENTICATED):
+            return {"version": __version__}
         try:
             import vllm
 

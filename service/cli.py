@@ -44,8 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=e("host", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(e("port", 8000)))
     p.add_argument("--api-key", action="append", default=None,
-                   help="required bearer key on /v1/* (repeat for several; env MOE_SERVE_API_KEY, comma-separated)")
-    p.add_argument("--metrics-api-key", default=e("metrics_api_key"))
+                   help="bearer key required on every route but /health and /ping (repeat for several; "
+                   "env MOE_SERVE_API_KEY, comma-separated)")
+    p.add_argument("--metrics-api-key", default=e("metrics_api_key"),
+                   help="bearer key for /metrics instead of the API key")
+    p.add_argument("--enable-docs", action="store_true", default=e("enable_docs", "0") in ("1", "true"),
+                   help="serve /docs, /redoc and /openapi.json (behind the API key when one is set); default off")
     p.add_argument("--engine-arg", action="append", type=_engine_arg, default=[], metavar="KEY=VALUE",
                    help="extra vLLM AsyncEngineArgs field (value parsed as JSON if it can be), repeatable")
     p.add_argument("--max-concurrent-requests", type=int, default=int(e("max_concurrent_requests", 256)))
@@ -73,11 +77,13 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
     args = build_parser().parse_args(argv)
     keys = args.api_key or [k for k in (env_default("api_key") or "").split(",") if k]
     opt_int = lambda v: None if v in (None, "") else int(v)  # noqa: E731 - env values arrive as strings
+    opt_float = lambda v: None if v in (None, "") else float(v)  # noqa: E731
     return Settings(
         model=args.model, served_model_name=args.served_model_name,
         tensor_parallel_size=opt_int(args.tensor_parallel_size), dtype=args.dtype,
         max_model_len=opt_int(args.max_model_len), quantization=args.quantization,
-        gpu_memory_utilization=None if args.gpu_memory_utilization in (None, '') else float(args.gpu_memory_utilization), max_num_seqs=opt_int(args.max_num_seqs),
+        gpu_memory_utilization=opt_float(args.gpu_memory_utilization),
+        max_num_seqs=opt_int(args.max_num_seqs),
         moe_kernels=args.moe_kernels, host=args.host, port=args.port, api_keys=tuple(keys),
         metrics_api_key=args.metrics_api_key, engine_args=dict(args.engine_arg),
         max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
@@ -87,7 +93,7 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
         drain_timeout_s=args.drain_timeout, malloc_trim_interval_s=args.malloc_trim_interval,
         log_level=args.log_level,
         request_timeout_s=None if args.request_timeout in (None, "") else float(args.request_timeout),
-        access_log=args.access_log, access_log_json=args.access_log_json,
+        access_log=args.access_log, access_log_json=args.access_log_json, enable_docs=args.enable_docs,
     ).validated()
 
 

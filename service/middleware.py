@@ -1,4 +1,4 @@
-"""Pure-ASGI middleware: API-key check on /v1/* (and /metrics) and a request-body size cap."""
+"""Pure-ASGI middleware: the API-key check on every route but health, a request-body size cap, the access log."""
 
 from __future__ import annotations
 
@@ -36,21 +36,39 @@ def key_matches(presented: bytes | None, keys: tuple[bytes, ...]) -> bool:
     return ok and presented is not None
 
 
+PUBLIC_PATHS = frozenset({"/health", "/ping"})  # liveness and readiness: never behind a key
+VERSION_PATH = "/version"  # open, but shows details only to an authenticated caller
+AUTHENTICATED = "moe_serve.authenticated"  # scope key: the caller presented a valid API key (or none is needed)
+
+
 class AuthMiddleware:
-    """401 unless `Authorization: Bearer <key>` matches; /v1/* with `api_keys`, /metrics with `metrics_key`."""
+    """One access rule: with API keys set, every path but PUBLIC_PATHS needs `Authorization:
+    Bearer <key>` (401 otherwise), unknown paths included; /metrics needs `metrics_key` instead
+    when one is set. /version passes without a key and reads scope[AUTHENTICATED]."""
 
     def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], metrics_key: str | None) -> None:
         self.app = app
         self.api_keys = tuple(k.encode() for k in api_keys)
         self.metrics_keys = (metrics_key.encode(),) if metrics_key else ()
 
+    def _keys_for(self, path: str) -> tuple[bytes, ...]:
+        if path in PUBLIC_PATHS:
+            return ()
+        if path == "/metrics" and self.metrics_keys:
+            return self.metrics_keys
+        return self.api_keys
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            path = scope["path"]
-            keys = self.api_keys if path.startswith("/v1/") else self.metrics_keys if path == "/metrics" else ()
-            if keys and not key_matches(_bearer(scope), keys):
-                await _send_error(send, 401, "invalid or missing API key (use 'Authorization: Bearer <key>')",
-                                  "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+        if scope["type"] in ("http", "websocket"):
+            keys = self._keys_for(scope["path"])
+            ok = not keys or key_matches(_bearer(scope), keys)
+            scope[AUTHENTICATED] = ok
+            if not ok and scope["path"] != VERSION_PATH:
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})
+                else:
+                    await _send_error(send, 401, "invalid or missing API key (use 'Authorization: Bearer <key>')",
+                                      "invalid_api_key", [(b"www-authenticate", b"Bearer")])
                 return
         await self.app(scope, receive, send)
 

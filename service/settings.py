@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 MoeKernels = Literal["optimized", "vllm"]
 MAX_TENSOR_PARALLEL = 8
+EMBEDDED_MODEL_NAME = "moe-serve-tiny-mixtral"
 
 
 class SettingsError(ValueError):
@@ -57,13 +58,19 @@ class Settings:
     log_level: str = "info"
     access_log: bool = True
     access_log_json: bool = False
+    enable_docs: bool = False  # /docs, /redoc, /openapi.json (behind the API key when one is set)
 
     @property
     def model_name(self) -> str:
-        """The name clients must send in `model`."""
+        """The name clients must send in `model`: --served-model-name, else the model directory's
+        name (never its path), a hub id as given, or the embedded model's name."""
         if self.served_model_name:
             return self.served_model_name
-        return self.model or "moe-serve-tiny-mixtral"
+        if not self.model:
+            return EMBEDDED_MODEL_NAME
+        if _is_local_path(self.model):
+            return os.path.basename(os.path.abspath(os.path.expanduser(self.model))) or EMBEDDED_MODEL_NAME
+        return self.model
 
     def validated(self) -> "Settings":
         """Return self if every field is in range, else raise SettingsError."""
@@ -99,6 +106,11 @@ class Settings:
         if self.tensor_parallel_size is not None:
             return self.tensor_parallel_size
         return max(1, min(visible_gpu_count(), MAX_TENSOR_PARALLEL))
+
+
+def _is_local_path(model: str) -> bool:
+    """A filesystem path (existing, or spelled as one) rather than a hub id like `org/name`."""
+    return model.startswith(("/", "./", "../", "~")) or os.path.exists(os.path.expanduser(model))
 
 
 def env_default(name: str, default: Any = None) -> Any:

@@ -1,4 +1,5 @@
-"""Shared fixtures: one real server (vLLM CPU engine, embedded model) per test session."""
+"""Shared fixtures: the real server (vLLM CPU engine, embedded model) per test session, and a second
+one with strict access flags for the tests that need them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,15 @@ import pytest
 from loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
 
 API_KEY = "test-key-0123456789"
+STRICT_KEY = "strict-key-0123456789"
+STRICT_METRICS_KEY = "strict-metrics-key-0123456789"
+
+
+def strict_flags(model_dir: str) -> list[str]:
+    """The second server's flags but its --api-key STRICT_KEY (also used to rebuild its app in-process)."""
+    return ["--model", model_dir, "--metrics-api-key", STRICT_METRICS_KEY, "--enable-docs",
+            "--access-log-json",
+            "--max-concurrent-requests", "2", "--max-queued-requests", "2"]
 
 
 @pytest.fixture(scope="session")
@@ -24,6 +34,24 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("server")
     env = {"MOE_SERVE_TEST_JIT_KERNEL": "1", "TRITON_CACHE_DIR": str(tmp / "triton-cache")}
     srv = start_server(tmp, api_key=API_KEY, env=env)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def embedded_model_dir() -> str:
+    from service.embedded_model import ensure_embedded_model
+
+    return str(ensure_embedded_model())
+
+
+@pytest.fixture(scope="session")
+def strict_server(tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: str) -> Iterator[ServerProcess]:
+    """A second real server for the non-default flags (strict_flags): the embedded model given
+    by its path (default served name: the directory's name), an API key and a separate
+    /metrics key, docs on, 127.0.0.1 as a trusted proxy, a JSON access log, 2 running + 2
+    queued requests. Its `headers` carry STRICT_KEY."""
+    srv = start_server(tmp_path_factory.mktemp("strict"), *strict_flags(embedded_model_dir), api_key=STRICT_KEY)
     yield srv
     srv.stop()
 

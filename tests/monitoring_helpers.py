@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,8 +38,8 @@ def parse_metrics(text: str) -> dict[SampleKey, float]:
     return samples
 
 
-def scrape(base_url: str) -> dict[SampleKey, float]:
-    resp = httpx.get(base_url + "/metrics", timeout=30)
+def scrape(base_url: str, headers: Mapping[str, str] | None = None) -> dict[SampleKey, float]:
+    resp = httpx.get(base_url + "/metrics", headers=headers, timeout=30)
     resp.raise_for_status()
     return parse_metrics(resp.text)
 
@@ -101,9 +102,10 @@ def substitute_grafana_vars(promql: str, model: str, rate_interval: str) -> str:
 
 
 class Prometheus:
-    """A real Prometheus (Debian package) scraping `target` with the shipped config, 1 s intervals."""
+    """A real Prometheus (Debian package) scraping `target` with the shipped config, 1 s intervals
+    (with `bearer` as the scrape's `Authorization: Bearer` credentials where the server needs a key)."""
 
-    def __init__(self, workdir: Path, target: str, interval: str = "1s") -> None:
+    def __init__(self, workdir: Path, target: str, interval: str = "1s", bearer: str | None = None) -> None:
         binary = shutil.which("prometheus")
         if binary is None:
             raise RuntimeError("prometheus not installed: run `bash service/setup.sh --test` "
@@ -113,6 +115,8 @@ class Prometheus:
         for job in config["scrape_configs"]:
             for sd in job.get("file_sd_configs", []):
                 sd["refresh_interval"] = interval
+            if bearer:
+                job["authorization"] = {"credentials": bearer}
         (workdir / "targets").mkdir(parents=True, exist_ok=True)
         (workdir / "targets" / "moe-serve.yml").write_text(yaml.safe_dump([{"targets": [target]}]))
         for rule_file in config.get("rule_files", []):

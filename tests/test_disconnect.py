@@ -14,7 +14,7 @@ LONG = {"model": MODEL_NAME, "prompt": "Tell me a long story", "max_tokens": 400
 
 
 def _generated_tokens(server: ServerProcess) -> float:
-    text = httpx.get(server.base_url + "/metrics").text
+    text = httpx.get(server.base_url + "/metrics", headers=server.headers).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("moe_serve_generation_tokens_total{"))
 

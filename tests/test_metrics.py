@@ -157,7 +157,7 @@ def _stream_chat(http: httpx.Client, model: str, **body) -> tuple[dict, float]:
 
 
 def test_server_metrics_match_usage(server, http: httpx.Client, model: str) -> None:
-    before = scrape(server.base_url)
+    before = scrape(server.base_url, server.headers)
     results = [
         _completion(http, model, prompt="Hello there", max_tokens=9, ignore_eos=True),
         _completion(http, model, prompt="Once upon a time", max_tokens=6, n=2, ignore_eos=True),
@@ -165,7 +165,7 @@ def test_server_metrics_match_usage(server, http: httpx.Client, model: str) -> N
         _completion(http, model, prompt="stop early", max_tokens=12, temperature=0),
         _stream_chat(http, model, messages=[{"role": "user", "content": "Hi"}], max_tokens=7, n=2),
     ]
-    after = scrape(server.base_url)
+    after = scrape(server.base_url, server.headers)
     prompt = sum(r["usage"]["prompt_tokens"] for r, _ in results)
     generated = sum(r["usage"]["completion_tokens"] for r, _ in results)
     sequences = sum(len(r["choices"]) for r, _ in results)
@@ -194,12 +194,12 @@ def test_server_metrics_match_usage(server, http: httpx.Client, model: str) -> N
 
 
 def test_server_reexports_vllm_metrics(server, http: httpx.Client, model: str) -> None:
-    before = scrape(server.base_url)
+    before = scrape(server.base_url, server.headers)
     body, _ = _completion(http, model, prompt="count me", max_tokens=8, ignore_eos=True)
     generated = body["usage"]["completion_tokens"]
     deadline = time.monotonic() + 10  # vLLM records its stats from the output handler, just after
     while True:
-        after = scrape(server.base_url)
+        after = scrape(server.base_url, server.headers)
         got = delta(before, after, "vllm:generation_tokens_total", model_name=model)
         if got >= generated or time.monotonic() > deadline:
             break
@@ -211,9 +211,9 @@ def test_server_reexports_vllm_metrics(server, http: httpx.Client, model: str) -
 
 
 def test_unknown_model_is_not_counted_as_served(server, http: httpx.Client, model: str) -> None:
-    before = scrape(server.base_url)
+    before = scrape(server.base_url, server.headers)
     resp = http.post("/v1/completions", json={"model": "nope", "prompt": "x", "max_tokens": 2})
     assert resp.status_code == 404
-    after = scrape(server.base_url)
+    after = scrape(server.base_url, server.headers)
     assert delta(before, after, "moe_serve_requests_total", status="ok") == 0
     assert delta(before, after, "moe_serve_generation_tokens_total") == 0

@@ -92,14 +92,14 @@ def test_compose_references_exist() -> None:
 @pytest.fixture(scope="module")
 def prom(server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
     """Prometheus (shipped config, 1 s intervals) scraping the server, after it has seen some load."""
-    p = Prometheus(tmp_path_factory.mktemp("prometheus"), urlparse(server.base_url).netloc)
+    p = Prometheus(tmp_path_factory.mktemp("prometheus"), urlparse(server.base_url).netloc, bearer=server.api_key)
     try:
         p.wait_ready()
         up = p.wait_for('up{job="moe-serve"} == 1', bool)
         assert up, f"target not up:\n{p.log_path.read_text()[-2000:]}"
         p.wait_for("count(moe_serve_requests_total)", bool)  # first scrape stored: rates will see the load
         _load(server)
-        served = value(scrape(server.base_url), "moe_serve_requests_total")
+        served = value(scrape(server.base_url, server.headers), "moe_serve_requests_total")
         seen = p.wait_for("sum(moe_serve_requests_total)", lambda r: r and float(r[0]["value"][1]) >= served)
         assert seen and float(seen[0]["value"][1]) >= served, "Prometheus did not scrape the load"
         p.wait_for("count(moe_serve_requests_total)", bool)
@@ -128,7 +128,7 @@ def _load(server) -> None:
 
 def _plugin_family_state(server, family: str) -> str:
     """'series' (exported with samples), 'empty' (registered, no samples yet) or 'absent'."""
-    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    text = httpx.get(server.base_url + "/metrics", headers=server.headers, timeout=30).text
     if any(line.startswith(family) for line in text.splitlines()):
         return "series"
     declared = (f"# TYPE {family} ", f"# TYPE {family.removesuffix('_total')} ")
@@ -136,7 +136,7 @@ def _plugin_family_state(server, family: str) -> str:
 
 
 def _serving_compiles(server) -> float:
-    return value(scrape(server.base_url), "moe_serve_triton_jit_compiles_total", phase="serving")
+    return value(scrape(server.base_url, server.headers), "moe_serve_triton_jit_compiles_total", phase="serving")
 
 
 def _check_returns_data(prom: Prometheus, server, expr: Expr, promql: str) -> None:

@@ -33,7 +33,7 @@ def test_warmup_requests_pass_auth_and_stay_out_of_the_metrics(timed_server: Ser
     warm = {(r["path"], r["status"]) for r in records if r["client"] == "moe-serve-warmup"}
     assert warm == {("/v1/completions", 200), ("/v1/chat/completions", 200)}
     assert "request path warmed up" in timed_server.log()
-    text = httpx.get(timed_server.base_url + "/metrics").text
+    text = httpx.get(timed_server.base_url + "/metrics", headers=timed_server.headers).text
     counted = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("moe_serve_requests_total{")]
     assert counted and sum(counted) == 0
