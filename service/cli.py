@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bearer key for /metrics instead of the API key")
     p.add_argument("--enable-docs", action="store_true", default=e("enable_docs", "0") in ("1", "true"),
                    help="serve /docs, /redoc and /openapi.json (behind the API key when one is set); default off")
+    p.add_argument("--forwarded-allow-ips", default=e("forwarded_allow_ips"),
+                   help="comma-separated proxy addresses (or '*') whose X-Forwarded-For/-Proto are trusted; "
+                   "default: proxy headers are ignored")
     p.add_argument("--engine-arg", action="append", type=_engine_arg, default=[], metavar="KEY=VALUE",
                    help="extra vLLM AsyncEngineArgs field (value parsed as JSON if it can be), repeatable")
     p.add_argument("--max-concurrent-requests", type=int, default=int(e("max_concurrent_requests", 256)))
@@ -94,6 +97,7 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
         log_level=args.log_level,
         request_timeout_s=None if args.request_timeout in (None, "") else float(args.request_timeout),
         access_log=args.access_log, access_log_json=args.access_log_json, enable_docs=args.enable_docs,
+        forwarded_allow_ips=args.forwarded_allow_ips or None,
     ).validated()
 
 
@@ -124,9 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     # Keep idle connections longer than clients and load balancers do (httpx: 5 s, typical LBs: 60 s).
     # uvicorn's default 5 s equals httpx's pool expiry: suspected cause of the 4 ReadErrors in 12,541
     # requests of the first 2026-11-29 soak; the re-run (also pinned, idle machine) had 0 in 22,321.
+    # Proxy headers (X-Forwarded-For/-Proto) rewrite the client address: honoured only from the
+    # proxies --forwarded-allow-ips names (uvicorn would trust 127.0.0.1 by default).
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=ABORT_FLUSH_S, timeout_keep_alive=KEEP_ALIVE_S,
-                            access_log=False)
+                            access_log=False, proxy_headers=settings.forwarded_allow_ips is not None,
+                            forwarded_allow_ips=settings.forwarded_allow_ips)
     DrainingServer(config, app.state.server).run()
     # The engine and its workers are shut down by now. Skip interpreter teardown of torch
     # and vLLM (15+ s on a loaded machine, with noisy __del__ errors): flush and leave.

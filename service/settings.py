@@ -59,6 +59,7 @@ class Settings:
     access_log: bool = True
     access_log_json: bool = False
     enable_docs: bool = False  # /docs, /redoc, /openapi.json (behind the API key when one is set)
+    forwarded_allow_ips: str | None = None  # trusted proxies for X-Forwarded-*; None: proxy headers off
 
     @property
     def model_name(self) -> str:

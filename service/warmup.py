@@ -8,9 +8,12 @@ generation called on the engine alone does not reach them, so one streamed compl
 streamed chat request (2 tokens each) go through the whole app, middleware and routes
 included, in-process over ASGI (no socket). What this cannot remove is the engine's slower
 answer after it sat idle (bench/idle_probe.py: +120-210 ms after 2-10 s on the CPU engine, the
-same for vLLM's api_server). The warm-up requests come from the client address WARMUP_CLIENT,
-which no socket can have: their metrics go to a private registry, so Prometheus shows client
-traffic only. A failing warm-up is logged and does not block serving.
+same for vLLM's api_server). The warm-up requests carry a mark in their ASGI scope that only
+this process can put there (a private object under a scope key; uvicorn builds a client's scope
+from the socket, and no header, address or proxy header reaches that key): their metrics go to
+a private registry, so Prometheus shows client traffic only. Their client address
+WARMUP_CLIENT labels them in the access log and identifies nothing. A failing warm-up is logged
+and does not block serving.
 """
 
 from __future__ import annotations
@@ -20,16 +23,28 @@ import time
 
 import httpx
 from fastapi import FastAPI, Request
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.state import ServerState
 
 logger = logging.getLogger(__name__)
 WARMUP_CLIENT = ("moe-serve-warmup", 0)
+_SCOPE_KEY = "moe_serve.warmup"
+_MARK = object()  # exists only in this process; compared by identity
 
 
 def is_warmup(request: Request) -> bool:
-    """True for the start-up warm-up requests (never for a client: a socket peer is an address)."""
-    return request.client is not None and request.client.host == WARMUP_CLIENT[0]
+    """True for the start-up warm-up requests only; nothing a client sends can make it true."""
+    return request.scope.get(_SCOPE_KEY) is _MARK
+
+
+def _marked(app: ASGIApp) -> ASGIApp:
+    """`app` with every request's scope carrying the warm-up mark."""
+
+    async def marked_app(scope: Scope, receive: Receive, send: Send) -> None:
+        await app({**scope, _SCOPE_KEY: _MARK}, receive, send)
+
+    return marked_app
 
 
 async def warm_up_request_path(app: FastAPI, state: ServerState) -> None:
@@ -40,7 +55,7 @@ async def warm_up_request_path(app: FastAPI, state: ServerState) -> None:
     requests = (("/v1/completions", {**common, "prompt": "Hello, world"}),
                 ("/v1/chat/completions", {**common, "messages": [{"role": "user", "content": "Hello"}]}))
     try:
-        transport = httpx.ASGITransport(app=app, client=WARMUP_CLIENT)
+        transport = httpx.ASGITransport(app=_marked(app), client=WARMUP_CLIENT)
         async with httpx.AsyncClient(transport=transport, base_url="http://moe-serve-warmup") as client:
             for path, body in requests:
                 response = await client.post(path, json=body, headers=headers)

@@ -19,7 +19,7 @@ STRICT_METRICS_KEY = "strict-metrics-key-0123456789"
 def strict_flags(model_dir: str) -> list[str]:
     """The second server's flags but its --api-key STRICT_KEY (also used to rebuild its app in-process)."""
     return ["--model", model_dir, "--metrics-api-key", STRICT_METRICS_KEY, "--enable-docs",
-            "--access-log-json",
+            "--forwarded-allow-ips", "127.0.0.1", "--access-log-json",
             "--max-concurrent-requests", "2", "--max-queued-requests", "2"]
 
 
