@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any
 
-from service.settings import Settings, SettingsError, env_default
+from service.settings import DEFAULT_REQUEST_TIMEOUT_S, Settings, SettingsError, env_default
 
 KEEP_ALIVE_S = 75  # seconds an idle HTTP connection is kept open
 
@@ -23,6 +23,17 @@ def _engine_arg(text: str) -> tuple[str, Any]:
     except json.JSONDecodeError:
         value = raw
     return key.replace("-", "_"), value
+
+
+def _timeout(text: str | float | None) -> float | None:
+    """Seconds; `0`, `none` or `off` mean no timeout."""
+    if text is None or str(text).strip().lower() in ("", "0", "none", "off"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, 0 or 'none', got {text!r}") from None
+    return None if value == 0 else value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--malloc-trim-interval", type=float, default=float(e("malloc_trim_interval", 60.0)),
                    help="seconds between returns of freed heap memory to the OS (glibc malloc_trim); 0 disables")
-    p.add_argument("--request-timeout", type=float, default=e("request_timeout"),
-                   help="abort a request after this many seconds (408 / final error event); default none")
+    p.add_argument("--request-timeout", type=_timeout, default=e("request_timeout", f"{DEFAULT_REQUEST_TIMEOUT_S:g}"),
+                   help=f"abort a request after this many seconds (408 / final error event); default "
+                   f"{DEFAULT_REQUEST_TIMEOUT_S:g}; 0 or 'none' disables")
     p.add_argument("--no-access-log", dest="access_log", action="store_false",
                    default=e("access_log", "1") not in ("0", "false"))
     p.add_argument("--access-log-json", action="store_true", default=e("access_log_json", "0") in ("1", "true"),
@@ -95,9 +107,8 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
         max_tokens_limit=opt_int(args.max_tokens_limit), max_stop_sequences=args.max_stop_sequences,
         drain_timeout_s=args.drain_timeout, malloc_trim_interval_s=args.malloc_trim_interval,
         log_level=args.log_level,
-        request_timeout_s=None if args.request_timeout in (None, "") else float(args.request_timeout),
-        access_log=args.access_log, access_log_json=args.access_log_json, enable_docs=args.enable_docs,
-        forwarded_allow_ips=args.forwarded_allow_ips or None,
+        request_timeout_s=args.request_timeout, access_log=args.access_log, access_log_json=args.access_log_json,
+        enable_docs=args.enable_docs, forwarded_allow_ips=args.forwarded_allow_ips or None,
     ).validated()
 
 

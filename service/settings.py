@@ -9,6 +9,7 @@ from typing import Any, Literal
 MoeKernels = Literal["optimized", "vllm"]
 MAX_TENSOR_PARALLEL = 8
 EMBEDDED_MODEL_NAME = "moe-serve-tiny-mixtral"
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
 
 
 class SettingsError(ValueError):
@@ -52,7 +53,7 @@ class Settings:
     max_n: int = 16
     max_tokens_limit: int | None = None  # cap on max_tokens per request (None: context length)
     max_stop_sequences: int = 8
-    request_timeout_s: float | None = None
+    request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S  # None: no timeout
     drain_timeout_s: float = 30.0
     malloc_trim_interval_s: float = 60.0  # 0 disables (service/memory_trim.py)
     log_level: str = "info"

@@ -1,0 +1,49 @@
+"""Flags to Settings (no server): the shared-server defaults and how they are turned off."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.cli import settings_from_args
+from service.settings import Settings, SettingsError
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("REQUEST_TIMEOUT", "ENABLE_DOCS", "FORWARDED_ALLOW_IPS", "MODEL", "SERVED_MODEL_NAME"):
+        monkeypatch.delenv("MOE_SERVE_" + name, raising=False)
+
+
+def test_request_timeout_defaults_to_600_s_and_0_or_none_turn_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert settings_from_args([]).request_timeout_s == 600.0 == Settings().request_timeout_s
+    for off in ("0", "none", "None", "off"):
+        assert settings_from_args(["--request-timeout", off]).request_timeout_s is None, off
+    assert settings_from_args(["--request-timeout", "2.5"]).request_timeout_s == 2.5
+    monkeypatch.setenv("MOE_SERVE_REQUEST_TIMEOUT", "none")
+    assert settings_from_args([]).request_timeout_s is None
+    monkeypatch.setenv("MOE_SERVE_REQUEST_TIMEOUT", "30")
+    assert settings_from_args([]).request_timeout_s == 30.0
+    with pytest.raises(SystemExit):
+        settings_from_args(["--request-timeout", "soon"])
+    with pytest.raises(SettingsError):
+        settings_from_args(["--request-timeout", "-1"])
+
+
+def test_docs_and_proxy_headers_are_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    default = settings_from_args([])
+    assert not default.enable_docs and default.forwarded_allow_ips is None
+    on = settings_from_args(["--enable-docs", "--forwarded-allow-ips", "10.0.0.1,10.0.0.2"])
+    assert on.enable_docs and on.forwarded_allow_ips == "10.0.0.1,10.0.0.2"
+    monkeypatch.setenv("MOE_SERVE_ENABLE_DOCS", "1")
+    assert settings_from_args([]).enable_docs
+
+
+def test_served_model_name_is_never_a_path(tmp_path) -> None:
+    model_dir = tmp_path / "Mixtral-8x7B"
+    model_dir.mkdir()
+    assert settings_from_args([]).model_name == "moe-serve-tiny-mixtral"
+    assert settings_from_args(["--model", str(model_dir)]).model_name == "Mixtral-8x7B"
+    assert settings_from_args(["--model", str(model_dir) + "/"]).model_name == "Mixtral-8x7B"
+    assert settings_from_args(["--model", "./some/dir"]).model_name == "dir"
+    assert settings_from_args(["--model", "mistralai/Mixtral-8x7B-v0.1"]).model_name == "mistralai/Mixtral-8x7B-v0.1"
+    assert settings_from_args(["--model", str(model_dir), "--served-model-name", "mx"]).model_name == "mx"
