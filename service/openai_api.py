@@ -147,9 +147,9 @@ async def _next_before(deltas: AsyncIterator[Delta], deadline: float | None) -> 
     """The next delta (None at the end); 408 if the request's deadline passes first."""
     if deadline is None:
         return await anext(deltas, None)
-    remaining = deadline - asyncio.get_running_loop().time()
-    try:
-        return await asyncio.wait_for(anext(deltas, None), max(remaining, 0.0))
+    try:  # not asyncio.wait_for: on 3.11 it can swallow a cancellation (client disconnect)
+        async with asyncio.timeout_at(deadline):
+            return await anext(deltas, None)
     except TimeoutError:
         raise APIError(408, "the request took longer than the server's request timeout", code="timeout") from None
 
