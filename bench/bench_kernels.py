@@ -86,9 +86,10 @@ def _problem(shape, M, dtype, n_sets, weights=None):
 
 # ----------------------------------------------------------------------------------------
 def part_correctness(shapes: dict, ms: tuple, smoke: bool) -> list[dict]:
+    """Every path (aligned: plain, swapped, split; decode: heuristic, swapped, split) in bf16
+    and fp8 W8A8 against the float64 reference, into NaN-poisoned outputs."""
     from kernels import configs
-    from kernels.fused_moe import Fp8Scales, fused_moe
-    from reference import act_amax, moe_reference, quant_fp8, rel_err
+    from reference import quant_fp8
 
     rows = []
     fdt = torch.float16 if smoke else torch.bfloat16  # interpreter: bf16 tl.dot is garbage
@@ -102,7 +103,14 @@ def part_correctness(shapes: dict, ms: tuple, smoke: bool) -> list[dict]:
             tw, ids = torch.softmax(torch.randn(M, E, device=DEV, generator=g), -1).topk(topk)
             ids = ids.to(torch.int32)
             base = configs.get_config(M, E, N, K, topk, "bf16")
-            for swap in (False, True, "split"):
+            for swap in (False, True, "split", "decode", "decode-swap", "decode-split"):
+                if str(swap).startswith("decode"):
+                    if M * topk > 128:
+                        continue
+                    cfg = _decode_variant(M, E, N, K, topk, str(swap))
+                    rows += _check_variants(name, M, swap, cfg, x, w1, w2, q, tw, ids, fdt,
+                                            smoke, E)
+                    continue
                 sw = bool(swap)
                 cfg = {**base, "SWAP_AB": sw, "BLOCK_M": 16 if sw else base["BLOCK_M"],
                        "BLOCK_N": max(64, base["BLOCK_N"]) if sw else base["BLOCK_N"],
@@ -115,41 +123,68 @@ def part_correctness(shapes: dict, ms: tuple, smoke: bool) -> list[dict]:
                     cfg["DOWN"]["SPLIT_K"] = 2
                 from kernels import smem  # forced variants must fit 227 KB too (bf16 >= fp8)
                 cfg = smem.fit(configs.validate(cfg), "bf16")
-                variants = [("bf16" if not smoke else "fp16", None)]
-                for pc in (False, True):
-                    for static in (False, True):
-                        variants.append((f"fp8-{'chan' if pc else 'tensor'}-"
-                                         f"{'static' if static else 'dyn'}", (pc, static)))
-                for vname, spec in variants:
-                    try:
-                        if spec is None:
-                            ww1, ww2 = w1.to(fdt), w2.to(fdt)
-                            out = fused_moe(x, ww1, ww2, tw, ids, config=cfg)
-                            ref = moe_reference(x, ww1, ww2, tw, ids)
-                            tol = 2e-2
-                        else:
-                            pc, static = spec
-                            (q1, s1), (q2, s2) = q[pc]
-                            a1 = (x.float().abs().max() / 448).reshape(()) if static else None
-                            a2 = None
-                            if static:
-                                deq = q1.float() * s1.reshape(E, -1, 1)
-                                a2 = (act_amax(x.float(), deq, ids) / 448).float().reshape(())
-                            out = fused_moe(x, q1, q2, tw, ids, fp8=Fp8Scales(s1, s2, a1, a2),
-                                            config=cfg)
-                            ref = moe_reference(x, q1, q2, tw, ids, s1, s2)
-                            tol = 0.12
-                        err = rel_err(out, ref)
-                        ok = err < tol
-                    except Exception as e:  # noqa: BLE001
-                        traceback.print_exc()
-                        err, ok = float("nan"), False
-                        vname += f" ({type(e).__name__})"
-                    rows.append(dict(shape=name, M=M, swap=swap, variant=vname, rel_err=err,
-                                     ok=ok))
-                    log(f"[correctness] {name} M={M} swap={swap} {vname}: {err:.2e} "
-                        f"{'PASS' if ok else 'FAIL'}")
+                rows += _check_variants(name, M, swap, cfg, x, w1, w2, q, tw, ids, fdt, smoke, E)
         del w1, w2, q
+    return rows
+
+
+def _decode_variant(M: int, E: int, N: int, K: int, topk: int, kind: str) -> dict:
+    """The decode heuristic's config, forced swapped (64-row tiles) or split-K (2)."""
+    from kernels import configs
+
+    cfg = configs.decode_config(M, E, N, K, topk, "bf16")
+    if kind == "decode-swap":
+        cfg = {**cfg, "SWAP_AB": True, "BLOCK_N": 64,
+               "DOWN": {**cfg["DOWN"], "SWAP_AB": True, "BLOCK_N": 64}}
+    elif kind == "decode-split":
+        cfg = {**cfg, "SPLIT_K": 2, "SWAP_AB": False, "BLOCK_N": 16,
+               "DOWN": {**cfg["DOWN"], "num_stages": 2}}
+    return configs.validate(cfg)
+
+
+def _check_variants(name, M, swap, cfg, x, w1, w2, q, tw, ids, fdt, smoke, E) -> list[dict]:  # noqa: PLR0913
+    """bf16 (fp16 under the interpreter) and the four fp8 W8A8 variants of one config."""
+    from kernels.fused_moe import Fp8Scales, fused_moe
+    from reference import act_amax, moe_reference, rel_err
+
+    rows = []
+    variants = [("bf16" if not smoke else "fp16", None)]
+    for pc in (False, True):
+        for static in (False, True):
+            variants.append((f"fp8-{'chan' if pc else 'tensor'}-"
+                             f"{'static' if static else 'dyn'}", (pc, static)))
+    M, K = x.shape
+    for vname, spec in variants:
+        out = torch.full((M, K), float("nan"), dtype=fdt if spec is None or fdt == torch.float16
+                         else torch.bfloat16, device=DEV)
+        try:
+            if spec is None:
+                ww1, ww2 = w1.to(fdt), w2.to(fdt)
+                fused_moe(x, ww1, ww2, tw, ids, out=out, config=cfg)
+                ref = moe_reference(x, ww1, ww2, tw, ids)
+                tol = 2e-2
+            else:
+                pc, static = spec
+                (q1, s1), (q2, s2) = q[pc]
+                a1 = (x.float().abs().max() / 448).reshape(()) if static else None
+                a2 = None
+                if static:
+                    deq = q1.float() * s1.reshape(E, -1, 1)
+                    a2 = (act_amax(x.float(), deq, ids) / 448).float().reshape(())
+                fused_moe(x, q1, q2, tw, ids, fp8=Fp8Scales(s1, s2, a1, a2), out=out,
+                          config=cfg)
+                ref = moe_reference(x, q1, q2, tw, ids, s1, s2)
+                tol = 0.12
+            err = rel_err(out, ref)
+            ok = err < tol
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            err, ok = float("nan"), False
+            vname += f" ({type(e).__name__})"
+        rows.append(dict(shape=name, M=M, swap=swap, variant=vname, rel_err=err,
+                         ok=ok))
+        log(f"[correctness] {name} M={M} swap={swap} {vname}: {err:.2e} "
+            f"{'PASS' if ok else 'FAIL'}")
     return rows
 
 

@@ -61,6 +61,9 @@ def validate(cfg: Config) -> Config:
     out = {k: (bool(cfg[k]) if k == "SWAP_AB" else int(cfg[k])) for k in KEYS}
     out["SPLIT_K"] = int(cfg.get("SPLIT_K", 1))
     out["FUSE_GU"] = bool(cfg.get("FUSE_GU", True))
+    if cfg.get("DECODE"):
+        out["DECODE"] = True
+        out["PDL"] = bool(cfg.get("PDL", False))
     for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
         v = out[k]
         if v < 16 or v & (v - 1):
@@ -144,6 +147,44 @@ def default_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
                                    -(-K // (cfg["BLOCK_K"] * cfg["SPLIT_K"]))))
     down["num_stages"] = max(2, min(down["num_stages"], -(-N // (down_bk * down["SPLIT_K"]))))
     cfg["DOWN"] = down
+    return validate(cfg)
+
+
+def expected_experts(M: int, E: int, topk: int) -> float:
+    """Expected number of distinct experts hit by M tokens under uniform top-k routing."""
+    return E * (1.0 - (1.0 - min(topk, E) / E) ** M)
+
+
+def decode_block_m(M: int, topk: int) -> int:
+    """Rows of the decode path's A tile: all M * topk slots, padded to a power of two >= 16."""
+    return max(16, 1 << (M * topk - 1).bit_length())
+
+
+def decode_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
+                  num_sms: int = NUM_SMS_DEFAULT) -> Config:
+    """Heuristic config of the two-launch decode path (kernels.moe_decode) for bucket M.
+
+    Up kernel: programs = hit experts x N / BLOCK_N x SPLIT_K; take the widest weight tile
+    that still gives ~2 programs per SM (swapped 64-row tiles for wgmma, else 32 or 16 rows
+    with mma.sync), then split K if even 16-row tiles leave SMs idle. Down kernel: programs
+    = M x K / BLOCK_N, same rule. BLOCK_K: 256 B of weight per row and stage."""
+    fp8 = dtype.startswith("fp8")
+    target = 2 * num_sms
+    d = max(1.0, expected_experts(M, E, topk))
+    bk = 256 if fp8 else 128
+    choices = ((True, 64), (False, 32), (False, 16))
+    swap1, bn1 = next(((sw, bn) for sw, bn in choices if d * -(-N // bn) >= target),
+                      choices[-1])
+    split = split_k_for(int(d * -(-N // bn1)), -(-K // bk), target, min_tiles=4)
+    swap2, bn2 = next(((sw, bn) for sw, bn in choices if M * -(-K // bn) >= target),
+                      choices[-1])
+    bk1 = min(bk, max(16, 1 << (K - 1).bit_length()))
+    bk2 = min(bk, max(16, 1 << (N - 1).bit_length()))
+    cfg = {"DECODE": True, "BLOCK_M": decode_block_m(M, topk), "BLOCK_N": bn1, "BLOCK_K": bk1,
+           "GROUP_M": 1, "num_warps": 4, "num_stages": 4, "SWAP_AB": swap1, "SPLIT_K": split,
+           "FUSE_GU": True,
+           "DOWN": {"BLOCK_N": bn2, "BLOCK_K": bk2, "GROUP_M": 1, "num_warps": 4,
+                    "num_stages": 4 if split == 1 else 2, "SWAP_AB": swap2, "SPLIT_K": 1}}
     return validate(cfg)
 
 
