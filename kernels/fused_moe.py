@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import triton
 
-from kernels import configs
-from kernels.align import moe_align
+from kernels import configs, smem
+from kernels.align import max_padded_len, moe_align
 from kernels.launch import launch
 from kernels.moe_decode import moe_decode_down_kernel, moe_decode_up_kernel
 from kernels.moe_gemm import moe_gemm_kernel, topk_sum_kernel
@@ -85,8 +85,6 @@ def _launch_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, n_out: int, 
     except Exception as exc:
         if type(exc).__name__ != "OutOfResources":
             raise
-        from kernels import smem
-
         est = smem.estimate(bm, bn, cfg["BLOCK_K"], cfg["num_stages"], a.element_size(),
                             w.element_size(), gate_up, a_silu)
         raise KernelConfigError(
@@ -121,11 +119,11 @@ def _launch_checked(grid, cfg, a, w, c, a_scale, w_scale, w_mode, a_mode, topk_w
 
 
 def num_programs(M: int, E: int, N: int, K: int, topk: int, cfg: dict[str, Any]) -> tuple[int, int]:
-    """(GEMM1, GEMM2) programs of a config when every (token, expert) pair is a distinct
-    expert (decode worst case for the block count: min(T, E) hit experts)."""
-    from kernels.align import max_padded_len
-
+    """(GEMM1, GEMM2) programs of a config that do work when every (token, expert) pair is
+    a distinct expert (decode worst case for the block count: min(T, E) hit experts)."""
     T = M * topk
+    if cfg.get("DECODE"):
+        return min(T, E) * -(-N // cfg["BLOCK_N"]), M * -(-K // configs.down_config(cfg)["BLOCK_N"])
     blocks = -(-max_padded_len(T, E, cfg["BLOCK_M"]) // cfg["BLOCK_M"])
     down = configs.down_config(cfg)
     rows1 = N if cfg.get("FUSE_GU", True) else 2 * N
@@ -244,7 +242,6 @@ def _fused_moe_decode(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, tw: t
         raise ValueError(f"decode config BLOCK_M={cfg['BLOCK_M']} < M*topk={T}")
     ids = ids.contiguous()
     down = configs.down_config(cfg)
-    split = int(cfg.get("SPLIT_K", 1))
     use_fp8 = fp8 is not None
     w1s = w2s = a1s = a2s = None
     w1_mode = w2_mode = 0
@@ -255,29 +252,22 @@ def _fused_moe_decode(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, tw: t
     dummy = tw
     pdl = bool(cfg.get("PDL")) and not _INTERPRET
     a_mode1 = _a_mode(x.dtype, a1s, use_fp8, "a1_scale")
-    if split > 1:                      # fp32 gate/up partials, SiLU-and-mul on GEMM2's load
-        act = torch.empty((split, T, 2 * N), dtype=torch.float32, device=x.device)
-        c_fp8, a_mode2 = False, (0 if not use_fp8 else 3 if a2s is None else 2)
-        stride_cs, stride_cn, stride_cp = act.stride(1), act.stride(2), act.stride(0)
-    else:
-        c_fp8 = use_fp8 and a2s is not None       # quantized once, in GEMM1's epilogue
-        act = torch.empty((T, N), dtype=FP8 if c_fp8 else out.dtype, device=x.device)
-        a_mode2 = 0 if not use_fp8 else 1 if c_fp8 else 3
-        stride_cs, stride_cn, stride_cp = act.stride(0), act.stride(1), 0
+    c_fp8 = use_fp8 and a2s is not None           # quantized once, in GEMM1's epilogue
+    act = torch.empty((T, N), dtype=FP8 if c_fp8 else out.dtype, device=x.device)  # [T, N]
+    a_mode2 = 0 if not use_fp8 else 1 if c_fp8 else 3
     ws1 = w1s if w1s is not None else dummy
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     launch(
-        moe_decode_up_kernel, (T, triton.cdiv(N, bn), split),
+        moe_decode_up_kernel, (T, triton.cdiv(N, bn)),
         x, w1, act, ids, tw, a1s if a1s is not None else dummy, ws1,
         a2s if c_fp8 else dummy,
         N, K, T,
         x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
-        stride_cs, stride_cn, stride_cp,
+        act.stride(0), act.stride(1),
         ws1.stride(0) if w1_mode else 0, ws1.stride(1) if w1_mode == 2 else 0,
-        TOPK=topk, EPI=0 if split > 1 else 1, MUL_ROUTED=on_input, A_MODE=a_mode1,
-        W_SCALE=w1_mode, C_FP8=c_fp8, EVEN_K=K % bk == 0,
-        SWAP_AB=cfg["SWAP_AB"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
-        FP8_PREROUND=a_mode1 >= 2 and _INTERPRET, USE_PDL=pdl,
+        TOPK=topk, MUL_ROUTED=on_input, A_MODE=a_mode1, W_SCALE=w1_mode, C_FP8=c_fp8,
+        EVEN_K=K % bk == 0, SWAP_AB=cfg["SWAP_AB"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
+        BLOCK_K=bk, FP8_PREROUND=a_mode1 >= 2 and _INTERPRET, USE_PDL=pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     ws2 = w2s if w2s is not None else dummy
@@ -286,13 +276,14 @@ def _fused_moe_decode(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, tw: t
         moe_decode_down_kernel, (M * triton.cdiv(K, bn2),),
         act, w2, out, ids, tw, a2s if a2s is not None else dummy, ws2,
         K, N, M,
-        stride_cs, stride_cn, stride_cp, w2.stride(0), w2.stride(1), w2.stride(2),
+        act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         out.stride(0), out.stride(1),
         ws2.stride(0) if w2_mode else 0, ws2.stride(1) if w2_mode == 2 else 0,
         TOPK=topk, MUL_ROUTED=not on_input, A_MODE=a_mode2, W_SCALE=w2_mode,
-        A_PARTS=split if split > 1 else 0, EVEN_N=N % bk2 == 0, SWAP_AB=down["SWAP_AB"],
+        EVEN_N=N % bk2 == 0, SWAP_AB=down["SWAP_AB"],
         BLOCK_M=max(16, triton.next_power_of_2(topk)), BLOCK_N=bn2, BLOCK_K=bk2,
         FP8_PREROUND=a_mode2 >= 2 and _INTERPRET, USE_PDL=pdl,
-        num_warps=down["num_warps"], num_stages=down["num_stages"], **({"launch_pdl": True} if pdl else {}),
+        num_warps=down["num_warps"], num_stages=down["num_stages"],
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out

@@ -3,22 +3,20 @@
 T = M * topk token slots (slot s = m * topk + j routes token m to expert ids[s]). Both
 kernels read expert ids straight from topk_ids; BLOCK_M >= T is a compile-time row count.
 
-moe_decode_up_kernel    grid (T, cdiv(N, BLOCK_N), SPLIT_K)
-    Program (s, n, k-split) owns expert e = ids[s] if s is e's first slot (else it exits at
-    once), so every hit expert's weights are read once. Its A tile holds all T slots' token
-    rows, masked to the slots routed to e:
+moe_decode_up_kernel    grid (T, cdiv(N, BLOCK_N))
+    Program (s, n) owns expert e = ids[s] if s is e's first slot (else it exits at once), so
+    every hit expert's weights are read once. Its A tile holds all T slots' token rows,
+    masked to the slots routed to e:
         h[s', n] = sum_k x[s' // topk, k] * w1[e, n, k]          (gate rows n, up rows N + n)
-    EPI 1: act[s', n] = silu(gate) * up in act's dtype (bf16 / fp32, or fp8 through the
-           static a2 scale: quantized once, here, for GEMM2)
-    EPI 0: fp32 gate/up partials of K-split `k` into part[k, s', 0:2N] (SPLIT_K > 1)
+        act[s', n] = silu(gate) * up   in act's dtype (bf16 / fp32, or fp8 through the static
+                                       a2 scale: quantized once, here, for GEMM2)
 
 moe_decode_down_kernel  grid (M * cdiv(K, BLOCK_N),)   (token fastest: tokens that share an
     expert read the same weight tile at the same time, from L2)
     Program (m, k-tile) loops over its topk slots and their N chunks in one flat loop:
         out[m, k] = sum_j rw[m, j] * sum_n w2[e_j, k, n] * act[m * topk + j, n]
     fp32 accumulation in registers, one store of the output dtype: the routed weight and the
-    top-k reduction ride in the epilogue. A_PARTS > 0: act = silu(gate) * up of the summed
-    K-split partials of the up kernel, computed on load.
+    top-k reduction ride in the epilogue.
 
 A_MODE (activations) as in kernels.moe_gemm: 0 float; 1 fp8 input with a static scale;
 2 static scale, quantized on load; 3 dynamic per-row scale (absmax / 448, one pre-pass).
@@ -29,7 +27,6 @@ the up kernel only before its first activation load.
 """
 from __future__ import annotations
 
-import triton
 import triton.language as tl
 
 from kernels.launch import jit
@@ -44,12 +41,12 @@ def moe_decode_up_kernel(
     N, K, num_slots,
     # strides
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk,
-    stride_cs, stride_cn, stride_cp, stride_se, stride_sn,
+    stride_cs, stride_cn, stride_se, stride_sn,
     # constexprs
-    TOPK: tl.constexpr, EPI: tl.constexpr, MUL_ROUTED: tl.constexpr, A_MODE: tl.constexpr,
+    TOPK: tl.constexpr, MUL_ROUTED: tl.constexpr, A_MODE: tl.constexpr,
     W_SCALE: tl.constexpr, C_FP8: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, FP8_PREROUND: tl.constexpr, USE_PDL: tl.constexpr,
+    FP8_PREROUND: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:                        # let the down kernel's programs launch during our tail
         tl.extra.cuda.gdc_launch_dependents()
@@ -75,10 +72,6 @@ def moe_decode_up_kernel(
     wu_ptrs = wg_ptrs + N * stride_wn
 
     num_k_tiles = tl.cdiv(K, BLOCK_K)
-    tiles_per_split = tl.cdiv(num_k_tiles, SPLIT_K)
-    k_first = tl.program_id(2) * tiles_per_split
-    k_last = tl.minimum(k_first + tiles_per_split, num_k_tiles)
-
     if A_MODE == 3:                                                  # per-token absmax over K
         amax = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k in range(0, num_k_tiles):
@@ -97,10 +90,7 @@ def moe_decode_up_kernel(
     else:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    a_ptrs += k_first * BLOCK_K * stride_xk
-    wg_ptrs += k_first * BLOCK_K * stride_wk
-    wu_ptrs += k_first * BLOCK_K * stride_wk
-    for k in range(k_first, k_last):
+    for k in range(0, num_k_tiles):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=rows[:, None], other=0.0)
             wg = tl.load(wg_ptrs, mask=n_mask[:, None], other=0.0)
@@ -123,7 +113,7 @@ def moe_decode_up_kernel(
         acc_g = tl.trans(acc_g)                                      # [BM, BN]
         acc_u = tl.trans(acc_u)
 
-    # ---- epilogue: dequant, routed weight (on input), SiLU-and-mul or partial store --------
+    # ---- epilogue: dequant, routed weight (on input), SiLU-and-mul, store --------------------
     if A_MODE == 3:
         scale = a_scale[:, None]
     elif A_MODE != 0:
@@ -143,30 +133,10 @@ def moe_decode_up_kernel(
         acc_u = acc_u * rw
     c_mask = rows[:, None] & n_mask[None, :]
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cs + offs_n[None, :] * stride_cn
-    if EPI == 1:
-        res = acc_g * tl.sigmoid(acc_g) * acc_u
-        if C_FP8:
-            res = _quant_fp8(res, 1.0 / tl.load(c_scale_ptr).to(tl.float32), FP8_PREROUND)
-        tl.store(c_ptrs, res.to(c_ptr.dtype.element_ty), mask=c_mask)
-    else:
-        c_ptrs += tl.program_id(2) * stride_cp
-        tl.store(c_ptrs, acc_g, mask=c_mask)
-        tl.store(c_ptrs + N * stride_cn, acc_u, mask=c_mask)
-
-
-@triton.jit
-def _load_act(a_ptrs, mask, up_off, stride_ap, A_PARTS: tl.constexpr):
-    """A chunk; with A_PARTS: silu(sum gate partials) * (sum up partials), fp32."""
-    if A_PARTS == 0:
-        a = tl.load(a_ptrs, mask=mask, other=0.0)
-    else:
-        g = tl.load(a_ptrs, mask=mask, other=0.0)
-        u = tl.load(a_ptrs + up_off, mask=mask, other=0.0)
-        for p in tl.static_range(1, A_PARTS):
-            g += tl.load(a_ptrs + p * stride_ap, mask=mask, other=0.0)
-            u += tl.load(a_ptrs + p * stride_ap + up_off, mask=mask, other=0.0)
-        a = g * tl.sigmoid(g) * u
-    return a
+    res = acc_g * tl.sigmoid(acc_g) * acc_u
+    if C_FP8:
+        res = _quant_fp8(res, 1.0 / tl.load(c_scale_ptr).to(tl.float32), FP8_PREROUND)
+    tl.store(c_ptrs, res.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
 @jit(do_not_specialize=["M"])
@@ -176,11 +146,11 @@ def moe_decode_down_kernel(
     # sizes: K = output columns (hidden), N = reduction (intermediate), M tokens
     K, N, M,
     # strides
-    stride_as, stride_an, stride_ap, stride_we, stride_wk, stride_wn,
+    stride_as, stride_an, stride_we, stride_wk, stride_wn,
     stride_om, stride_ok, stride_se, stride_sk,
     # constexprs
     TOPK: tl.constexpr, MUL_ROUTED: tl.constexpr, A_MODE: tl.constexpr, W_SCALE: tl.constexpr,
-    A_PARTS: tl.constexpr, EVEN_N: tl.constexpr, SWAP_AB: tl.constexpr,
+    EVEN_N: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8_PREROUND: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -197,7 +167,6 @@ def moe_decode_down_kernel(
     offs_kout = pid_k * BLOCK_N + tl.arange(0, BLOCK_N)              # [BN] output columns
     k_mask = offs_kout < K
     offs_c = tl.arange(0, BLOCK_K)                                   # [BK] reduction chunk
-    up_off = N * stride_an
     n_chunks = tl.cdiv(N, BLOCK_K)
     row_ptrs = a_ptr + slots[:, None] * stride_as + offs_c[None, :] * stride_an   # [BM, BK]
 
@@ -207,8 +176,7 @@ def moe_decode_down_kernel(
         amax = tl.zeros([BLOCK_M], dtype=tl.float32)
         for c in range(0, n_chunks):
             cm = offs_c[None, :] < N - c * BLOCK_K
-            a = _load_act(row_ptrs + c * BLOCK_K * stride_an, j_mask[:, None] & cm, up_off,
-                          stride_ap, A_PARTS)
+            a = tl.load(row_ptrs + c * BLOCK_K * stride_an, mask=j_mask[:, None] & cm, other=0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), axis=1))
         row_scale = tl.maximum(amax, 1e-10) / 448.0                  # [BM]
         a_inv = (1.0 / row_scale)[:, None]
@@ -235,7 +203,7 @@ def moe_decode_down_kernel(
             cm = offs_c[None, :] < N - c * BLOCK_K
             a_mask = a_mask & cm
             w_mask = w_mask & cm
-        a = _load_act(row_ptrs + c * BLOCK_K * stride_an, a_mask, up_off, stride_ap, A_PARTS)
+        a = tl.load(row_ptrs + c * BLOCK_K * stride_an, mask=a_mask, other=0.0)
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         if A_MODE >= 2:
             a = _quant_fp8(a, a_inv, FP8_PREROUND)

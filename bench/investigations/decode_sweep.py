@@ -2,10 +2,12 @@
 
 For each (shape, dtype, M) cell with M * topk <= 128 it times, under CUDA-graph replay on
 8 rotating input sets, the aligned path (configs.get_config), the decode heuristic
-(configs.decode_config), and a coordinate search over decode configs (phases: up-kernel
-tile/split, BLOCK_K, stages, down-kernel tile, down stages, PDL), plus the streaming floor
+(heuristics.decode_config), and a coordinate search over decode configs (phases: up-kernel
+tile, BLOCK_K, stages, down-kernel tile, down stages, PDL), plus the streaming floor
 of the cell's expert bytes. Phase-major: each phase's new variants for all cells are
 compiled for sm_90 in a host process pool first. Writes $OUT/decode_sweep.json.
+(The run in bench/results/2026-12-01/decode_sweep was made at commit 747e918, whose decode
+path still had a split-K variant: every split-K cell was 2-20x slower, so it was removed.)
 
     python bench/investigations/decode_sweep.py --out $OUT --budget-s 480
 """
@@ -25,7 +27,7 @@ import torch  # noqa: E402
 
 from floor import floor_us  # noqa: E402
 from shapes import TUNED, UNTUNED  # noqa: E402
-from kernels import configs, tune  # noqa: E402
+from kernels import configs, heuristics, tune  # noqa: E402
 
 SHAPES = {**TUNED, **UNTUNED}  # name: (E, N per rank, K hidden, topk)
 MS = (1, 2, 4, 8, 16, 32, 64)
@@ -44,17 +46,11 @@ def cfg_str(c: dict) -> str:
             f"{'/pdl' if c.get('PDL') else ''}")
 
 
-def up_tiles(c: dict, N: int, K: int, d: float) -> list[dict]:
+def up_tiles(c: dict, N: int) -> list[dict]:
     out = []
     for swap, bn in ((False, 16), (False, 32), (False, 64), (True, 64), (True, 128)):
-        if bn > max(16, 1 << (N - 1).bit_length()):
-            continue
-        auto = configs.split_k_for(int(d * -(-N // bn)), -(-K // c["BLOCK_K"]), 264, 4)
-        for sk in sorted({1, auto, min(16, 2 * auto)}):
-            if sk > -(-K // c["BLOCK_K"]) // 2 and sk > 1:
-                continue
-            down = dict(c["DOWN"], num_stages=c["DOWN"]["num_stages"] if sk == 1 else 2)
-            out.append({**c, "SWAP_AB": swap, "BLOCK_N": bn, "SPLIT_K": sk, "DOWN": down})
+        if bn <= max(16, 1 << (N - 1).bit_length()):
+            out.append({**c, "SWAP_AB": swap, "BLOCK_N": bn})
     return out
 
 
@@ -146,7 +142,7 @@ def main() -> int:
                                              args.replays)
         except Exception as e:  # noqa: BLE001
             c["aligned_error"] = repr(e)[:200]
-        c["heur"] = configs.decode_config(M, E, N, K, topk, dt)
+        c["heur"] = heuristics.decode_config(M, E, N, K, topk, dt)
         c["best"] = c["heur"]
     log(f"baselines for {len(cells)} cells")
     if dev == "cuda":
@@ -157,8 +153,7 @@ def main() -> int:
     save()
 
     phases = [
-        ("up tiles/split", lambda c: up_tiles(c["best"], c["N"], c["K"],
-                                              configs.expected_experts(c["M"], c["E"], c["topk"]))),
+        ("up tiles", lambda c: up_tiles(c["best"], c["N"])),
         ("up BLOCK_K", lambda c: vary(c["best"], "BLOCK_K", [b for b in (64, 128, 256)
                                       if b <= max(16, 1 << (c["K"] - 1).bit_length())])),
         ("up stages", lambda c: vary(c["best"], "num_stages", (3, 4, 5, 6))),

@@ -6,13 +6,16 @@ import torch
 from kernels.warmup import warmup
 
 
-def test_warmup_single_bucket_is_four_variants():
-    # align, gemm1 (+SiLU), gemm2 (+routed weight), top-k sum
-    assert warmup(4, 16, 32, 2, torch.float32, 1, device="cpu") == 4
-    # int64 ids add one align variant; topk == 1 drops the top-k sum
+def test_warmup_counts_the_variants_of_each_path():
+    # M=1, 2 slots over 4 experts: the decode path, up + down kernels
+    assert warmup(4, 16, 32, 2, torch.float32, 1, device="cpu") == 2
+    # int64 ids: both decode kernels read the ids, so both get a second variant
     assert warmup(4, 16, 32, 2, torch.float32, 1, device="cpu",
-                  ids_dtypes=(torch.int32, torch.int64)) == 5
-    assert warmup(4, 16, 32, 1, torch.float32, 1, device="cpu") == 3
+                  ids_dtypes=(torch.int32, torch.int64)) == 4
+    assert warmup(4, 16, 32, 1, torch.float32, 1, device="cpu") == 2
+    # up to M=4: buckets 1 and 2 share the decode variants, bucket 4 (8 slots > 4 experts)
+    # takes the aligned path: align, gemm1 (+SiLU), gemm2 (+routed weight), top-k sum
+    assert warmup(4, 16, 32, 2, torch.float32, 4, device="cpu") == 2 + 4
 
 
 def test_warmup_visits_all_buckets(capsys):
