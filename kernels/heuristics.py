@@ -41,17 +41,18 @@ def decode_config(M: int, E: int, N: int, K: int, topk: int, dtype: str) -> Conf
 
     Up kernel: 32-row weight tiles without swap (mma.sync, BLOCK_K 256) while they give
     fewer than ~160 programs (hit experts x N / 32), else swapped 64-row tiles (wgmma;
-    BLOCK_K 128 bf16 / 256 fp8). Down kernel: swapped 64-row tiles when M x K / 64 >= 64
-    programs, else 32 or 16 rows; BLOCK_K 256 (<= padded N); 4 stages (5 for fp8); PDL."""
+    BLOCK_K 128 bf16 / 256 fp8). Down kernel: swapped 64-row tiles when M x K / 64 >= 16
+    programs (fewer, longer programs won at M = 1 down to K = 1024), else 32 or 16 rows;
+    BLOCK_K 256 (<= padded N); 4 stages (5 for fp8); PDL."""
     fp8 = dtype.startswith("fp8")
     p32 = expected_experts(M, E, topk) * -(-N // 32)
     if p32 < 160:
         swap1, bn1, bk1 = False, 32, 256
     else:
         swap1, bn1, bk1 = True, 64, 256 if fp8 else 128
-    if M * -(-K // 64) >= 64:
+    if M * -(-K // 64) >= 16:
         swap2, bn2 = True, 64
-    elif M * -(-K // 32) >= 64:
+    elif M * -(-K // 32) >= 16:
         swap2, bn2 = False, 32
     else:
         swap2, bn2 = False, 16
