@@ -249,6 +249,7 @@ def part_bench(shapes: dict, ms: tuple, dtypes: tuple, ceiling: float, n_sets: i
     from floor import floor_us
 
     from kernels import configs, precompile, routing
+    from kernels.config_schema import label
     from kernels.fused_moe import num_programs
     from kernels.timing import time_ours, time_vllm
 
@@ -265,7 +266,7 @@ def part_bench(shapes: dict, ms: tuple, dtypes: tuple, ceiling: float, n_sets: i
             for M in ms:
                 row = dict(part=tag, shape=name, dtype=dt, M=M, tuned=tuned)
                 cfg = configs.get_config(M, E, N, K, topk, dt)
-                row["cfg"] = _cfg_label(cfg)
+                row["cfg"] = label(cfg)
                 row["ctas"] = "%d/%d" % num_programs(M, E, N, K, topk, cfg)
                 row["route"] = routing.route(E, N, K, dt, M, topk=topk)  # what serving uses
                 try:
@@ -309,18 +310,6 @@ def part_bench(shapes: dict, ms: tuple, dtypes: tuple, ceiling: float, n_sets: i
             if _OUT is not None:
                 _save(_OUT)
     return rows
-
-
-def _cfg_label(cfg: dict) -> str:
-    d = cfg["DOWN"]
-    if cfg.get("DECODE"):
-        return (f"dec{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}"
-                f"{'s' if cfg['SWAP_AB'] else ''}/st{cfg['num_stages']}|d{d['BLOCK_N']}x"
-                f"{d['BLOCK_K']}{'s' if d['SWAP_AB'] else ''}/st{d['num_stages']}"
-                f"{'/pdl' if cfg.get('PDL') else ''}")
-    return (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}"
-            f"{'s' if cfg['SWAP_AB'] else ''}/sk{cfg['SPLIT_K']}"
-            f"{'' if cfg['FUSE_GU'] else 'u'}/d{d['BLOCK_N']}sk{d['SPLIT_K']}")
 
 
 def part_compiles(shape: tuple, dtype: str, max_m: int) -> dict:

@@ -55,3 +55,17 @@ def validate(cfg: Config) -> Config:
 def down_config(cfg: Config) -> Config:
     """GEMM2's config: cfg with its DOWN overrides applied (SPLIT_K only from DOWN)."""
     return {**{k: cfg[k] for k in KEYS}, "SPLIT_K": 1, **cfg.get("DOWN", {})}
+
+
+def label(cfg: Config) -> str:
+    """Short name of a config for logs and results ('dec16x32x256/st4|d64x256s/st4/pdl',
+    '16x64x128s/sk1/d128sk1')."""
+    d = down_config(cfg)
+    if cfg.get("DECODE"):
+        return (f"dec{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}"
+                f"{'s' if cfg['SWAP_AB'] else ''}/st{cfg['num_stages']}|d{d['BLOCK_N']}x"
+                f"{d['BLOCK_K']}{'s' if d['SWAP_AB'] else ''}/st{d['num_stages']}"
+                f"{'/pdl' if cfg.get('PDL') else ''}")
+    return (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}"
+            f"{'s' if cfg['SWAP_AB'] else ''}/sk{cfg.get('SPLIT_K', 1)}"
+            f"{'' if cfg.get('FUSE_GU', True) else 'u'}/d{d['BLOCK_N']}sk{d['SPLIT_K']}")

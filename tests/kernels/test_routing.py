@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from kernels import configs, make_routing, routing
+from kernels.config_schema import label
 from kernels import plugin_moe_hook as hook
 from kernels import plugin_state
 from kernels import plugin_warmup as pw
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = [ROOT / "bench/results/2026-11-29/kernels_fine_m_bench.json",
-           ROOT / "bench/results/2026-11-29/kernels_untuned.json"]
 SHIPPED = ROOT / "kernels/configs" / routing.file_name("NVIDIA_H200")
+RESULTS = [ROOT / src for src in json.loads(SHIPPED.read_text())["sources"]]  # its raw files
 
 
 def test_ranges_are_conservative():
@@ -43,15 +43,11 @@ def test_shipped_table_is_generated_from_the_results():
         {k: v["ranges"] for k, v in shipped["shapes"].items()}
 
 
-def _cfg_str(cfg):
-    return (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}{'s' if cfg['SWAP_AB'] else ''}"
-            f"/sk{cfg['SPLIT_K']}{'' if cfg['FUSE_GU'] else 'u'}/d{cfg['DOWN']['BLOCK_N']}"
-            f"sk{cfg['DOWN']['SPLIT_K']}")
-
-
 def test_routed_to_ours_configs_are_the_measured_ones():
     """Every measured M routed to ours still gets the config that was measured (the shared
-    memory fit must not have changed a winning config)."""
+    memory fit must not have changed a winning config). Checked where the config does not
+    depend on the machine: tuned tables and the decode heuristic. (An untuned shape's aligned
+    config comes from vLLM's lookup for the GPU it runs on, which a CPU cannot reproduce.)"""
     shipped = json.loads(SHIPPED.read_text())
     sys.path.insert(0, str(ROOT / "bench"))
     n = 0
@@ -62,16 +58,20 @@ def test_routed_to_ours_configs_are_the_measured_ones():
             if routing.route_in(ent["ranges"], int(m)) != "ours":
                 continue
             cfg = configs.get_config(int(m), E, N, K, ent["topk"], dt, "NVIDIA_H200")
-            assert _cfg_str(cfg) == meas["cfg"], (key, m)
+            if not (configs.load_table(E, N, K, dt, "NVIDIA_H200") or cfg.get("DECODE")):
+                continue
+            assert label(cfg) == meas["cfg"], (key, m)
             n += 1
     assert n >= 5
 
 
 def test_route_unmeasured_and_policy(monkeypatch):
     assert routing.route(3, 48, 64, "bf16", 1, "NVIDIA_H200") == "vllm"     # never measured
+    assert routing.route(3, 48, 64, "bf16", 1, "NVIDIA_H200", topk=1) == "ours"   # default rule
+    assert routing.route(3, 48, 64, "bf16", 4, "NVIDIA_H200", topk=1) == "vllm"   # 4 > E
     assert routing.route(128, 96, 2048, "fp8", 4, "NVIDIA_H200") == "ours"  # Qwen3 fp8 M=4
-    assert routing.route(8, 1792, 4096, "fp8", 1, "NVIDIA_H200") == "vllm"  # Mixtral fp8 M=1: 0.95x
-    assert routing.route(8, 1792, 4096, "fp8", 4, "NVIDIA_H200") == "ours"  # M=4: 1.10x
+    assert routing.route(8, 1792, 4096, "fp8", 1, "NVIDIA_H200") == "ours"  # Mixtral fp8 M=1
+    assert routing.route(8, 1792, 4096, "fp8", 64, "NVIDIA_H200") == "vllm"  # M=64: < 1.02x
     assert routing.route(8, 1792, 4096, "bf16", 1, "some_gpu") == "vllm"    # no table
     monkeypatch.setenv(routing.ROUTING_ENV, "ours")
     assert routing.route(3, 48, 64, "bf16", 1, "NVIDIA_H200") == "ours"
