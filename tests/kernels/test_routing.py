@@ -21,9 +21,9 @@ RESULTS = [ROOT / src for src in json.loads(SHIPPED.read_text())["sources"]]  # 
 
 
 def test_ranges_are_conservative():
-    r = make_routing.build_ranges({1: 1.10, 4: 1.05, 16: 1.01, 64: 1.3, 256: None})
+    r = make_routing.build_ranges({1: 1.10, 2: 1.2, 4: 1.05, 16: 1.01, 64: 1.3, 256: None})
     assert routing.route_in(r, 1) == "ours"
-    assert routing.route_in(r, 3) == "ours"          # both neighbours >= 1.02
+    assert routing.route_in(r, 3) == "ours"          # both neighbours >= 1.02, 2x apart
     assert routing.route_in(r, 4) == "ours"
     assert routing.route_in(r, 5) == "vllm"          # 16 is below the threshold
     assert routing.route_in(r, 16) == "vllm"
@@ -33,6 +33,8 @@ def test_ranges_are_conservative():
     assert routing.route_in(r, 10 ** 6) == "vllm"    # above the largest measured M
     assert r[-1] == {"m_min": 65, "m_max": None, "backend": "vllm"}  # merged
     assert make_routing.build_ranges({1: 1.019}) == [{"m_min": 1, "m_max": None, "backend": "vllm"}]
+    wide = make_routing.build_ranges({256: 1.1, 4096: 1.1})   # 16x apart: no interpolation
+    assert routing.route_in(wide, 512) == "vllm" and routing.route_in(wide, 4096) == "ours"
 
 
 @pytest.mark.skipif(not all(p.exists() for p in RESULTS), reason="H200 results not in the tree")
