@@ -126,3 +126,38 @@ def test_prepare_runtime_dir_clears_an_earlier_servers_files(tmp_path: Path, mon
     fresh, created = prepare_runtime_dir()
     assert fresh.is_dir() and created and os.environ["MOE_SERVE_RUNTIME_DIR"] == str(fresh)
     shutil.rmtree(fresh)
+
+
+API = """
+import sys
+from prometheus_client import Counter, CollectorRegistry, generate_latest
+from service.metrics import ServiceMetrics
+from service.worker_metrics import WorkerMetricsCollector
+Counter("vllm:request_success", "what AsyncLLM registers in the API process").inc()
+reg = CollectorRegistry()
+ServiceMetrics(reg, "m")
+reg.register(WorkerMetricsCollector(sys.argv[1]))
+print(generate_latest(reg).decode())
+"""
+
+
+def test_api_process_in_multiprocess_mode_exports_each_series_once(tmp_path: Path) -> None:
+    """With PROMETHEUS_MULTIPROC_DIR set for the API process (the user's, or vLLM's own
+    multi-API-server set-up), vLLM's series come through DefaultRegistryBridge from that dir
+    and the workers' from the runtime dir: each once."""
+    from tests.monitoring_helpers import parse_metrics
+
+    runtime, user = tmp_path / "runtime", tmp_path / "user"
+    runtime.mkdir()
+    user.mkdir()
+    _worker(runtime, 0, [[K, "warmup", "compile", 2]])
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(API), str(runtime)], cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO), "PROMETHEUS_MULTIPROC_DIR": str(user)},
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    samples = parse_metrics(res.stdout)  # raises on a duplicate sample
+    names = {name for name, _ in samples}
+    assert {"vllm:request_success_total", "moe_serve_requests_total", "moe_serve_triton_jit_compiles_total"} <= names
+    assert "vllm:worker_side_total" not in names
+    assert samples[("moe_serve_triton_jit_compiles_total",
+                    frozenset({"kernel": K, "phase": "warmup", "rank": "0"}.items()))] == 2
