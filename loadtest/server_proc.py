@@ -31,11 +31,9 @@ def free_port() -> int:
 def server_core_isolation(env: Mapping[str, str]) -> tuple[dict[str, str], Callable[[], None] | None]:
     """Engine env and a `preexec_fn` that give a CPU-engine server the last core, clients the rest.
 
-    On the 2-vCPU dev/CI VMs, while vLLM's CPU engine generates, its engine-core and worker
-    processes spin (shared-memory queue polling with sched_yield) and starve every other process:
-    a client that needed 0.1 s of CPU got it after 11 s (median of 5; bench/cpu_starvation_probe.py),
-    which made streams look bursty and disconnects look late (bench/RESULTS.md, 2026-11-29).
-    Pinned, 0.1 s took 0.1 s.
+    While vLLM's CPU engine generates, its engine-core and worker processes spin (shared-memory
+    queue polling with sched_yield) and starve every other process on a 2-vCPU machine; pinned,
+    a client's CPU time is its own again (measured: bench/RESULTS.md, "client starvation").
     Off when the caller binds vLLM's threads itself, with MOE_SERVE_PIN_SERVER=0, on a machine
     with an NVIDIA GPU (/dev/nvidia0..) or on < 2 cores.
     """

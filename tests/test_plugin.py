@@ -89,7 +89,7 @@ def test_plugin_loads_in_every_worker_and_every_worker_serves(tp2: ServerProcess
     assert sorted(w["rank"] for w in workers) == [str(r) for r in range(TP)], workers
     pids = {w["pid"] for w in workers}
     assert len(pids) == TP and str(tp2.proc.pid) not in pids, (pids, tp2.proc.pid)  # reported by workers
-    for w in workers:  # rank 1's warm-up failed: it serves anyway (issue 18 item 6)
+    for w in workers:  # rank 1's warm-up failed: it serves anyway
         assert (w["mode"], w["moe_hook"], w["jit_monitor"], w["phase"]) == ("optimized", "installed", "true",
                                                                             "serving"), w
     assert {s.labels["phase"]: s.value for s in _metrics(tp2)["moe_serve_vllm_workers_reporting"]} == \
