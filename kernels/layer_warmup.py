@@ -12,17 +12,15 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
 from kernels import configs, routing
 from kernels.fused_moe import dtype_name
 from kernels.moe_variants import warm_moe_variants
+from kernels.plugin_host import PluginHost
 from kernels.vllm_compat import ApplyCall, call_apply, vllm_config_chooser
-
-if TYPE_CHECKING:
-    from kernels.vllm_plugin import MoePlugin
 
 VLLM_WARMUP_MAX_CALLS_ENV = "MOE_SERVE_VLLM_WARMUP_MAX_CALLS"
 DEFAULT_MAX_TOKENS, DEFAULT_MAX_SEQS = 8192, 256  # when the worker's scheduler config is unknown
@@ -83,7 +81,7 @@ class LayerWarmup:
     """Shapes seen, shapes warmed, and the warm-up itself, for one plugin. warm_variants is the
     function that warms our kernels for one shape (warm_moe_variants)."""
 
-    def __init__(self, plugin: "MoePlugin") -> None:
+    def __init__(self, plugin: PluginHost) -> None:
         self.plugin = plugin
         self.pending: dict[LayerShape, None] = {}
         self.warmed: set[LayerShape] = set()

@@ -11,17 +11,15 @@ unquantized and FP8 paths, while prepare/finalize, routing and CUDA graphs stay 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
 from kernels import routing
 from kernels.fused_moe import FP8, Fp8Scales, fused_moe
-from kernels.layer_warmup import LayerShape, VllmCallTemplate
+from kernels.layer_warmup import LayerShape, LayerWarmup, VllmCallTemplate
+from kernels.plugin_host import PluginHost
 from kernels.vllm_compat import OUTPUT_WRITTEN, ApplyCall, call_apply
-
-if TYPE_CHECKING:
-    from kernels.vllm_plugin import MoePlugin
 
 
 def unsupported_reason(experts: Any, call: ApplyCall, require_cuda: bool = True) -> str | None:
@@ -99,13 +97,14 @@ def layer_shape(call: ApplyCall, scales: Fp8Scales | None) -> LayerShape:
 
 
 class MoeHook:
-    """handle() is what the wrapped TritonExperts.apply does, for one plugin (its metrics and
-    layer warm-up). require_cuda: our kernels run on CUDA tensors only."""
+    """handle() is what the wrapped TritonExperts.apply does, for one plugin (its reporting) and
+    its layer warm-up. require_cuda: our kernels run on CUDA tensors only."""
 
     require_cuda = True
 
-    def __init__(self, plugin: "MoePlugin") -> None:
+    def __init__(self, plugin: PluginHost, layers: LayerWarmup) -> None:
         self.plugin = plugin
+        self.layers = layers
         self._shapes: dict[int, LayerShape] = {}  # id(experts) -> its layer's shape (fixed per layer)
 
     def handle(self, orig: Callable, experts: Any, call: ApplyCall) -> Any:
@@ -117,7 +116,7 @@ class MoeHook:
             shape = self._shapes.get(id(experts))
             if shape is None:
                 shape = layer_shape(call, scales)
-                self.plugin.layers.see(shape, lambda: VllmCallTemplate.of(orig, experts, call))
+                self.layers.see(shape, lambda: VllmCallTemplate.of(orig, experts, call))
                 self._shapes[id(experts)] = shape
         except Exception as exc:  # noqa: BLE001
             return self._fallback(orig, experts, call, f"error:{type(exc).__name__}")

@@ -29,7 +29,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
 import vllm
+from vllm.config import KernelConfig, ParallelConfig, SchedulerConfig
 
 EXPERTS = ("vllm.model_executor.layers.fused_moe.experts.triton_moe", "TritonExperts")
 MODULAR = ("vllm.model_executor.layers.fused_moe.modular_kernel", "FusedMoEExpertsModular")
@@ -193,8 +195,6 @@ def pin_worker() -> str:
 
 
 def pin_config_fields() -> str:
-    from vllm.config import KernelConfig, ParallelConfig, SchedulerConfig
-
     names = {f: set(getattr(c, "__dataclass_fields__", {})) for f, c in
              (("kernel", KernelConfig), ("parallel", ParallelConfig), ("scheduler", SchedulerConfig))}
     assert "moe_backend" in names["kernel"] and "tensor_parallel_size" in names["parallel"]
@@ -211,7 +211,6 @@ def pin_config_chooser() -> str:
 
 
 def pin_workspace_views() -> str:
-    import torch
     from vllm.model_executor.layers.fused_moe.utils import _resize_cache
 
     flat = torch.arange(100.0)

@@ -59,7 +59,7 @@ class MoePlugin:
         self.facts: vc.WorkerFacts | None = None
         self.metrics: PluginMetrics | None = None
         self.layers = LayerWarmup(self)
-        self.moe = MoeHook(self)
+        self.moe = MoeHook(self, self.layers)
         self.swap_ab = "n/a"
         self._last_spec: dict[str, dict[str, Any]] = {}
         self._logged: set[str] = set()

@@ -136,7 +136,7 @@ def test_our_path_maps_arguments_correctly() -> None:
         E, N, K, M, TOPK = 4, 16, 32, 7, 2
         g = torch.Generator().manual_seed(0)
         res = {}
-        hook = MoeHook(None)
+        hook = MoeHook(None, None)
         q = SimpleNamespace(use_fp8_w8a8=False, quant_dtype=None, block_shape=None)
         def call(x, w1, w2, tw, ids, out, a1=None, a2=None):
             return ApplyCall(out, x, w1, w2, tw, ids, "silu", E, None, a1, a2, None, None, None, False)
