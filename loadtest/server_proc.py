@@ -17,6 +17,8 @@ from pathlib import Path
 
 import httpx
 
+from kernels.plugin_metrics import RUNTIME_DIR_ENV
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL_NAME = "moe-serve-tiny-mixtral"
 PROGRESS_EVERY_S = 15.0
@@ -49,7 +51,9 @@ def server_core_isolation(env: Mapping[str, str]) -> tuple[dict[str, str], Calla
 
 class ServerProcess:
     """One server subprocess (in its own session) on a free port, logging to log_dir/log_name
-    (default server-PORT.log)."""
+    (default server-PORT.log). It gets its own runtime dir (worker metrics files) unless `env`
+    names one: a MOE_SERVE_RUNTIME_DIR inherited from this process (set by an app created
+    in-process) would make two servers share, and clear, each other's files."""
 
     def __init__(self, log_dir: Path, *args: str, api_key: str | None = None, env: Mapping[str, str] | None = None,
                  module: str = "service", log_name: str | None = None) -> None:
@@ -60,7 +64,8 @@ class ServerProcess:
         cmd = [sys.executable, "-m", module, "--port", str(self.port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        inherited = {k: v for k, v in os.environ.items() if k != RUNTIME_DIR_ENV}
+        full_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
         pin_env, pin = server_core_isolation(full_env)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env={**full_env, **pin_env}, stdout=log,
