@@ -85,6 +85,7 @@ class LayerWarmup:
         self.plugin = plugin
         self.pending: dict[LayerShape, None] = {}
         self.warmed: set[LayerShape] = set()
+        self.failed: set[LayerShape] = set()  # warm-up raised: not retried, serving may compile
         self.vllm_calls: dict[LayerShape, VllmCallTemplate] = {}
         self.vllm_warmed: set[LayerShape] = set()
         self.seconds = 0.0
@@ -96,7 +97,7 @@ class LayerWarmup:
         capture) is warmed at once: its compiles then count as serving's."""
         if template is not None and shape not in self.vllm_calls:
             self.vllm_calls[shape] = template()
-        if shape in self.warmed or shape in self.pending:
+        if shape in self.warmed or shape in self.pending or shape in self.failed:
             return
         self.pending[shape] = None
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
@@ -106,39 +107,43 @@ class LayerWarmup:
             self.warm_pending()
 
     def warm_pending(self) -> None:
-        """Warm every pending shape (ours and vLLM's kernel), then report the routing per shape."""
+        """Warm every pending shape (ours and vLLM's kernel) and report its routing. A shape
+        whose warm-up raises is counted as a warm-up failure and not retried; the others go on."""
         if not self.pending:
             return
-        p = self.plugin
-        max_tokens = (p.facts and p.facts.max_num_batched_tokens) or DEFAULT_MAX_TOKENS
-        max_seqs = (p.facts and p.facts.max_num_seqs) or DEFAULT_MAX_SEQS
         t0 = time.perf_counter()
         for shape in list(self.pending):
-            s = time.perf_counter()
-            E, N, K, wname = shape.E, shape.N, shape.K, shape.route_dtype
-            tmpl = self.vllm_calls.get(shape)
-            plan = warmup_plan(routing.ranges(E, N, K, wname), max_seqs, max_tokens, shape.topk,
-                               policy=routing.policy(), cfg_key=_chooser(tmpl, shape))
-            desc = routing.describe(E, N, K, wname)
-            n = 0
-            if plan["ours"]:
-                n = self.warm_variants(E, N, K, shape.topk, shape.dtype, max_tokens, fp8=shape.fp8,
-                                       device=shape.device, static_act=shape.static_act,
-                                       router_weight_on_input=shape.router_on_input,
-                                       ids_dtypes=(shape.ids_dtype,))
-                swaps = {bool(configs.get_config(b, E, N, K, shape.topk, wname).get("SWAP_AB"))
-                         for b in configs.buckets_for(E, N, K, wname)}
-                p.set_swap_ab("mixed" if len(swaps) > 1 else str(swaps.pop()).lower())
-            nv = self.warm_vllm(shape, plan["vllm"]) if plan["vllm"] else 0
-            p.report_routing(routing.shape_key(E, N, K, wname), desc)
-            print(f"[moe-serve layer warm-up] rank {p.rank}: E={E} N={N} K={K} topk={shape.topk} "
-                  f"{shape.dtype} fp8={shape.fp8}: ours {n} variants up to M={max_tokens}; vLLM kernel "
-                  f"{nv} calls ({len(plan['vllm'])} planned M) in {time.perf_counter() - s:.1f}s; "
-                  f"routing {desc}", flush=True)
-            self.warmed.add(shape)
             del self.pending[shape]
+            try:
+                self._warm(shape)
+                self.warmed.add(shape)
+            except Exception as exc:  # noqa: BLE001 - serve anyway; the failure is counted
+                self.failed.add(shape)
+                self.plugin.warmup_failed(f"layer warm-up of {shape}", exc)
         self.seconds += time.perf_counter() - t0
-        p.report_warmup(self.seconds, len(self.warmed))
+        self.plugin.report_warmup(self.seconds, len(self.warmed))
+
+    def _warm(self, shape: LayerShape) -> None:
+        p, s = self.plugin, time.perf_counter()
+        max_tokens = (p.facts and p.facts.max_num_batched_tokens) or DEFAULT_MAX_TOKENS
+        max_seqs = (p.facts and p.facts.max_num_seqs) or DEFAULT_MAX_SEQS
+        E, N, K, wname = shape.E, shape.N, shape.K, shape.route_dtype
+        plan = warmup_plan(routing.ranges(E, N, K, wname), max_seqs, max_tokens, shape.topk,
+                           policy=routing.policy(), cfg_key=_chooser(self.vllm_calls.get(shape), shape))
+        desc = routing.describe(E, N, K, wname)
+        n = 0
+        if plan["ours"]:
+            n = self.warm_variants(E, N, K, shape.topk, shape.dtype, max_tokens, fp8=shape.fp8,
+                                   device=shape.device, static_act=shape.static_act,
+                                   router_weight_on_input=shape.router_on_input, ids_dtypes=(shape.ids_dtype,))
+            swaps = {bool(configs.get_config(b, E, N, K, shape.topk, wname).get("SWAP_AB"))
+                     for b in configs.buckets_for(E, N, K, wname)}
+            p.set_swap_ab("mixed" if len(swaps) > 1 else str(swaps.pop()).lower())
+        nv = self.warm_vllm(shape, plan["vllm"]) if plan["vllm"] else 0
+        p.report_routing(routing.shape_key(E, N, K, wname), desc)
+        print(f"[moe-serve layer warm-up] rank {p.rank}: E={E} N={N} K={K} topk={shape.topk} {shape.dtype} "
+              f"fp8={shape.fp8}: ours {n} variants up to M={max_tokens}; vLLM kernel {nv} calls "
+              f"({len(plan['vllm'])} planned M) in {time.perf_counter() - s:.1f}s; routing {desc}", flush=True)
 
     def warm_vllm(self, shape: LayerShape, ms: list[int]) -> int:
         """vLLM's original apply at each M in ms, once per shape; the number of calls made."""

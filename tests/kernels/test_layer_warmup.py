@@ -170,3 +170,29 @@ def test_phase_turns_serving_whatever_warmup_does(plugin, vllm_fails):
     assert _value(plugin, "moe_serve_plugin_warmup_failures_total", rank="0") == 2  # before and after
     plugin._on_jit_event("k", jit_monitor.phase(), "compile", {})
     assert _value(plugin, "moe_serve_triton_jit_compiles_total", kernel="k", phase="serving", rank="0") == 1
+
+
+def test_one_failing_shape_does_not_stop_the_others(plugin, monkeypatch):
+    """A shape whose warm-up raises is counted, not retried (also not when seen again while
+    serving), and the other shapes still warm."""
+    monkeypatch.setenv(routing.ROUTING_ENV, "ours")
+    warmed = []
+
+    def warm_variants(E, N, K, *args, **kwargs) -> int:
+        if E == 8:
+            raise RuntimeError("out of shared memory")
+        warmed.append(E)
+        return 4
+
+    plugin.layers.warm_variants = warm_variants
+    bad = LayerShape(8, N, K, TOPK, torch.float32, None, False, False, torch.int32, "cpu")
+    good = LayerShape(E, N, K, TOPK, torch.float32, None, False, False, torch.int32, "cpu")
+    plugin.layers.see(bad)
+    plugin.layers.see(good)
+    plugin.layers.warm_pending()
+    assert warmed == [E] and plugin.layers.warmed == {good} and plugin.layers.failed == {bad}
+    assert _value(plugin, "moe_serve_plugin_warmup_failures_total", rank="0") == 1
+    plugin.serve()
+    plugin.layers.see(bad)  # seen again while serving: no second attempt
+    assert not plugin.layers.pending and warmed == [E]
+    assert _value(plugin, "moe_serve_plugin_warmup_failures_total", rank="0") == 1
