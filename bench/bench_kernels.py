@@ -316,7 +316,7 @@ def part_compiles(shape: tuple, dtype: str, max_m: int) -> dict:
     """Compiles (jit_monitor) while M sweeps 1..max_m after warm-up, ours and vLLM's."""
     from kernels import jit_monitor
     from kernels.fused_moe import fused_moe
-    from kernels.warmup import warmup
+    from kernels.moe_variants import warm_moe_variants
 
     E, N, K, topk = shape
     jit_monitor.install()
@@ -326,7 +326,7 @@ def part_compiles(shape: tuple, dtype: str, max_m: int) -> dict:
     x, tw, ids = prob["sets"][0]
     w1, w2 = prob["weights"][:2]
     jit_monitor.set_phase("warmup")
-    res["ours_variants"] = warmup(E, N, K, topk, torch.bfloat16, max_m, "per_tensor" if dtype == "fp8"
+    res["ours_variants"] = warm_moe_variants(E, N, K, topk, torch.bfloat16, max_m, "per_tensor" if dtype == "fp8"
                                   else None, DEV, static_act=True, verbose=False)
     before = jit_monitor.snapshot()
     jit_monitor.set_phase("serving")
