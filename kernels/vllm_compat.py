@@ -12,6 +12,9 @@ difference is dispatched here on ``vllm_minor()``:
 | ``<Worker>.compile_or_warm_up_model(self)``           | same            | same                        |
 | ``try_get_optimal_moe_config(w1, w2, top_k, dtype, M)`` | same          | same                        |
 | ``_resize_cache(flat, shape)`` views a workspace's front | same         | same                        |
+| ``moe_align_block_size(topk_ids, block_size, E)``      | same            | same                        |
+| ``fused_experts(x, w1, w2, tw, ids, quant_config=)``   | same            | same                        |
+| ``fp8_w8a8_moe_quant_config(w1_scale=, w2_scale=, a1_scale=, a2_scale=)`` | same | same |
 | VllmConfig fields read by ``worker_facts``            | same            | same                        |
 
 The return of apply: our kernel writes the final [M, K] sum into ``output`` and returns
@@ -167,6 +170,34 @@ def vllm_config_chooser(w1_shape: tuple[int, ...], w2_shape: tuple[int, ...], to
     return choose
 
 
+def moe_config(M: int, E: int, N: int, K: int, topk: int, dtype: str) -> dict[str, Any] | None:
+    """vLLM's fused_moe config for M tokens of (E, N per rank, K), bf16 or fp8 W8A8: its
+    shipped table for this GPU where one exists, else its default; None if it cannot choose."""
+    from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
+
+    try:
+        return dict(try_get_optimal_moe_config((E, 2 * N, K), (E, K, N), topk,
+                                               "fp8_w8a8" if dtype == "fp8" else None, M))
+    except Exception:  # noqa: BLE001 - no config machinery for this platform
+        return None
+
+
+def align_op() -> Callable:
+    """vLLM's moe_align_block_size(topk_ids, block_size, num_experts) -> (sorted_ids,
+    expert_ids, num_tokens_post_pad): the same outputs as kernels.align, a CUDA kernel."""
+    from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
+
+    return moe_align_block_size
+
+
+def fused_experts() -> tuple[Callable, Callable]:
+    """(fused_experts, fp8_w8a8_moe_quant_config): vLLM's Triton MoE, the timing baseline."""
+    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts as fx
+
+    return fx, fp8_w8a8_moe_quant_config
+
+
 def _params(fn: Callable) -> tuple[str, ...]:
     return tuple(inspect.signature(inspect.unwrap(fn)).parameters)
 
@@ -219,5 +250,16 @@ def pin_workspace_views() -> str:
     return "_resize_cache views a flat workspace from its start"
 
 
+def pin_kernel_baselines() -> str:
+    assert _params(align_op())[:3] == ("topk_ids", "block_size", "num_experts")
+    fx, qcfg = fused_experts()
+    assert _params(fx)[:5] == ("hidden_states", "w1", "w2", "topk_weights", "topk_ids")
+    assert "quant_config" in _params(fx)
+    assert {"w1_scale", "w2_scale", "a1_scale", "a2_scale"} <= set(_params(qcfg))
+    assert "BLOCK_SIZE_N" in (moe_config(4, 8, 32, 64, 2, "bf16") or {"BLOCK_SIZE_N": 0})
+    return "moe_align_block_size, fused_experts, fp8_w8a8_moe_quant_config"
+
+
 PINS: tuple[Callable[[], str], ...] = (pin_version, pin_apply, pin_worker, pin_config_fields,
-                                       pin_config_chooser, pin_workspace_views)
+                                       pin_config_chooser, pin_workspace_views,
+                                       pin_kernel_baselines)
