@@ -88,7 +88,7 @@ def _problem(shape, M, dtype, n_sets, weights=None):
 def part_correctness(shapes: dict, ms: tuple, smoke: bool) -> list[dict]:
     """Every path (aligned: plain, swapped, split; decode: heuristic, swapped, split) in bf16
     and fp8 W8A8 against the float64 reference, into NaN-poisoned outputs."""
-    from kernels import configs
+    from kernels import configs, smem
     from reference import quant_fp8
 
     rows = []
@@ -102,12 +102,13 @@ def part_correctness(shapes: dict, ms: tuple, smoke: bool) -> list[dict]:
             x = torch.randn(M, K, device=DEV, generator=g).to(fdt)
             tw, ids = torch.softmax(torch.randn(M, E, device=DEV, generator=g), -1).topk(topk)
             ids = ids.to(torch.int32)
-            base = configs.get_config(M, E, N, K, topk, "bf16")
-            for swap in (False, True, "split", "decode", "decode-swap", "decode-split"):
+            base = configs.aligned_default(M, E, N, K, topk, "bf16")  # aligned variants
+            for swap in (False, True, "split", "decode", "decode-swap", "decode-narrow"):
                 if str(swap).startswith("decode"):
                     if M * topk > 128:
                         continue
-                    cfg = _decode_variant(M, E, N, K, topk, str(swap))
+                    cfg = smem.fit(_decode_variant(M, E, N, K, topk, str(swap)), "bf16",
+                                   topk=topk)         # forced variants must fit 227 KB too
                     rows += _check_variants(name, M, swap, cfg, x, w1, w2, q, tw, ids, fdt,
                                             smoke, E)
                     continue
@@ -121,25 +122,31 @@ def part_correctness(shapes: dict, ms: tuple, smoke: bool) -> list[dict]:
                 if swap == "split":   # un-fused gate/up + split-K in both GEMMs (fp32 atomics)
                     cfg.update(SPLIT_K=2, FUSE_GU=False, BLOCK_N=64)
                     cfg["DOWN"]["SPLIT_K"] = 2
-                from kernels import smem  # forced variants must fit 227 KB too (bf16 >= fp8)
-                cfg = smem.fit(configs.validate(cfg), "bf16")
+                cfg = smem.fit(configs.validate(cfg), "bf16")  # bf16 needs more smem than fp8
                 rows += _check_variants(name, M, swap, cfg, x, w1, w2, q, tw, ids, fdt, smoke, E)
         del w1, w2, q
     return rows
 
 
+def configs_validate(cfg: dict) -> dict:
+    from kernels.config_schema import validate
+
+    return validate(cfg)
+
+
 def _decode_variant(M: int, E: int, N: int, K: int, topk: int, kind: str) -> dict:
-    """The decode heuristic's config, forced swapped (64-row tiles) or split-K (2)."""
+    """The decode heuristic's config, forced to swapped 64-row tiles ('decode-swap') or to
+    16-row mma.sync tiles with BLOCK_K 64 and no PDL ('decode-narrow')."""
     from kernels import heuristics
 
     cfg = heuristics.decode_config(M, E, N, K, topk, "bf16")
     if kind == "decode-swap":
         cfg = {**cfg, "SWAP_AB": True, "BLOCK_N": 64,
                "DOWN": {**cfg["DOWN"], "SWAP_AB": True, "BLOCK_N": 64}}
-    elif kind == "decode-split":
-        cfg = {**cfg, "SPLIT_K": 2, "SWAP_AB": False, "BLOCK_N": 16,
-               "DOWN": {**cfg["DOWN"], "num_stages": 2}}
-    return configs.validate(cfg)
+    elif kind == "decode-narrow":
+        cfg = {**cfg, "SWAP_AB": False, "BLOCK_N": 16, "BLOCK_K": 64, "PDL": False,
+               "DOWN": {**cfg["DOWN"], "SWAP_AB": False, "BLOCK_N": 16, "BLOCK_K": 64}}
+    return configs_validate(cfg)
 
 
 def _check_variants(name, M, swap, cfg, x, w1, w2, q, tw, ids, fdt, smoke, E) -> list[dict]:  # noqa: PLR0913

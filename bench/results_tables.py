@@ -26,6 +26,7 @@ from typing import Callable
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 import results_render as rr  # noqa: E402
+import results_render_kernels as rk  # noqa: E402
 
 RESULTS_MD = BENCH / "RESULTS.md"
 RAW = BENCH / "results"
@@ -51,7 +52,21 @@ class Entry:
 D = "2026-11-29/"
 E2E_RUNS = (D + "e2e_ab_run1_committed_routing", D + "e2e_ab_run2_tuned_reversed")
 FRONT5 = D + "frontend/run5_pinned_gc_frozen/"
+K1 = "2026-12-01/"
+B1 = K1 + "kernels_session_b/bench_results.json"
+B2 = (K1 + "kernels_validation/tuned_fine_m.json", K1 + "kernels_validation/untuned.json")
 REGISTRY: dict[str, Entry] = {
+    "decode-sweep": Entry((K1 + "decode_sweep/decode_sweep.json",), rk.decode_sweep),
+    "decode-correctness-747e918": Entry((K1 + "decode_sweep/correctness.json",), rk.correctness),
+    "kernels-correctness-final": Entry((K1 + "kernels_validation/correctness.json",), rk.correctness),
+    "tune-times": Entry((K1 + "kernels_session_b/tune_bf16.log", K1 + "kernels_session_b/tune_fp8.log"),
+                        rk.tune_times),
+    "kernels-b1-geomeans": Entry((B1,), rk.geomeans),
+    "kernels-b1-served": Entry((B1,), rk.served_below),
+    "kernels-b2-geomeans": Entry(B2, rk.geomeans),
+    "kernels-b2-served": Entry(B2, rk.served_below),
+    "kernels-b2-floor-tuned": Entry(B2[:1], rk.floor_table),
+    "kernels-b2-floor-untuned": Entry(B2[1:], rk.floor_table),
     "kernels-quick-bench": Entry((D + "kernels_quick_bench.json",), rr.kernel_bench, ("bench",)),
     "kernels-quick-bench-compiles": Entry((D + "kernels_quick_bench.json",), rr.kernel_compiles),
     "kernels-untuned": Entry((D + "kernels_untuned.json",), rr.kernel_bench, ("untuned",)),
