@@ -87,7 +87,7 @@ def aligned_default(M: int, E: int, N: int, K: int, topk: int, dtype: str,
 def default_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
                    device: str | None = None) -> Config:
     """The untuned choice for bucket M (see the module doc)."""
-    if heuristics.use_decode_path(M, E, topk):
+    if heuristics.use_decode_path(M, E, topk, N, K):
         return heuristics.decode_config(M, E, N, K, topk, dtype)
     return aligned_default(M, E, N, K, topk, dtype, device)
 

@@ -3,8 +3,9 @@ expert, else the aligned path (vLLM's own config for the shape where vLLM ships 
 
 The decode rules come from a coordinate search over 12 MoE shapes x {bf16, fp8} x M on an
 H200 (bench/results/2026-12-01/decode_sweep): the decode path beat the aligned path in
-every cell with M * topk <= 32 and M * topk <= E (few tokens per expert), and lost where
-many tokens share an expert (Mixtral M >= 8) or the A tile has >= 64 rows.
+nearly every cell with M * topk <= 32 and M * topk <= E (few tokens per expert), and lost
+where many tokens share an expert (Mixtral M >= 8) or the A tile has >= 64 rows; the
+validation run against vLLM (kernels_validation/untuned.json) set the M=1 exception.
 """
 from __future__ import annotations
 
@@ -26,9 +27,14 @@ def decode_block_m(M: int, topk: int) -> int:
     return max(16, 1 << (M * topk - 1).bit_length())
 
 
-def use_decode_path(M: int, E: int, topk: int) -> bool:
-    """Default path choice for bucket M: decode while slots are few and rarely share experts."""
-    return M * topk <= min(DECODE_MAX_SLOTS, E)
+def use_decode_path(M: int, E: int, topk: int, N: int, K: int) -> bool:
+    """Default path choice for bucket M: decode while slots are few and rarely share experts,
+    unless its down kernel would run fewer than 64 programs (M x K / 64) that each stream a
+    wide expert row block (N >= 512): there, on the H200, M=1 lost to vLLM by 0.79-0.94x in
+    every measured shape (K 2048..2880, N 768..1440) and won wherever K >= 4096 or N < 512."""
+    if M * topk > min(DECODE_MAX_SLOTS, E):
+        return False
+    return not (M * -(-K // 64) < 64 and N >= 512)
 
 
 def _pow2_at_most(limit: int, cap: int) -> int:

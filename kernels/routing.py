@@ -64,14 +64,23 @@ def load(device: str) -> dict[str, Any] | None:
     return merged
 
 
-def default_ranges(E: int, topk: int) -> list[dict]:
-    """Ranges of a shape no table names: ours up to the last decode-path bucket."""
-    top = max((b for b in configs.M_BUCKETS if heuristics.use_decode_path(b, E, topk)),
-              default=0)
-    if top == 0:
-        return [{"m_min": 1, "m_max": None, "backend": VLLM}]
-    return [{"m_min": 1, "m_max": top, "backend": OURS},
-            {"m_min": top + 1, "m_max": None, "backend": VLLM}]
+def default_ranges(E: int, N: int, K: int, topk: int) -> list[dict]:
+    """Ranges of a shape no table names: ours for the buckets the decode path serves by
+    default (a bucket b covers M in (previous bucket, b]), vLLM elsewhere."""
+    out: list[dict] = []
+    lo = 1
+    for b in configs.M_BUCKETS:
+        backend = OURS if heuristics.use_decode_path(b, E, topk, N, K) else VLLM
+        if out and out[-1]["backend"] == backend:
+            out[-1]["m_max"] = b
+        else:
+            out.append({"m_min": lo, "m_max": b, "backend": backend})
+        lo = b + 1
+    if out[-1]["backend"] == VLLM:
+        out[-1]["m_max"] = None
+    else:
+        out.append({"m_min": lo, "m_max": None, "backend": VLLM})
+    return out
 
 
 def ranges(E: int, N: int, K: int, dtype: str, device: str | None = None,
@@ -81,7 +90,7 @@ def ranges(E: int, N: int, K: int, dtype: str, device: str | None = None,
     ent = (table or {}).get("shapes", {}).get(shape_key(E, N, K, dtype))
     if ent:
         return list(ent.get("ranges", []))
-    return default_ranges(E, topk) if topk else []
+    return default_ranges(E, N, K, topk) if topk else []
 
 
 def route(E: int, N: int, K: int, dtype: str, M: int, device: str | None = None,

@@ -77,7 +77,7 @@ def _route_shape(shape: MoEShape, device_kind: str, replays: int, deadline: floa
         ranges = make_routing.build_ranges({int(m): v["speedup"] for m, v in measured.items()})
         rule = "measured"
     else:
-        ranges, rule = routing.default_ranges(E, topk), "default rule (vLLM not timed)"
+        ranges, rule = routing.default_ranges(E, N, K, topk), "default rule (vLLM not timed)"
     return {"name": shape.name, "topk": topk, "measured": measured, "ranges": ranges,
             "rule": rule}
 
