@@ -56,6 +56,15 @@ def _w_scale(scale: torch.Tensor, E: int, rows: int, what: str) -> tuple[torch.T
                      f"got shape {tuple(scale.shape)}")
 
 
+def _scales(fp8: Fp8Scales | None, E: int, N: int, K: int) -> tuple:
+    """(w1 scale, its mode, w2 scale, its mode, a1 scale, a2 scale); all None / 0 for bf16."""
+    if fp8 is None:
+        return None, 0, None, 0, None, None
+    w1s, m1 = _w_scale(fp8.w1_scale, E, 2 * N, "w1_scale")
+    w2s, m2 = _w_scale(fp8.w2_scale, E, K, "w2_scale")
+    return w1s, m1, w2s, m2, fp8.a1_scale, fp8.a2_scale
+
+
 def _a_mode(a_dtype: torch.dtype, a_scale: torch.Tensor | None, fp8: bool, what: str) -> int:
     if not fp8:
         return 0
@@ -182,12 +191,7 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     align = moe_align(topk_ids, E, cfg["BLOCK_M"])
     T = M * topk
     dev = hidden_states.device
-    w1s = w2s = a1s = a2s = None
-    w1_mode = w2_mode = 0
-    if use_fp8:
-        w1s, w1_mode = _w_scale(fp8.w1_scale, E, 2 * N, "w1_scale")
-        w2s, w2_mode = _w_scale(fp8.w2_scale, E, K, "w2_scale")
-        a1s, a2s = fp8.a1_scale, fp8.a2_scale
+    w1s, w1_mode, w2s, w2_mode, a1s, a2s = _scales(fp8, E, N, K)
     split1 = int(cfg.get("SPLIT_K", 1))
     split2 = int(down.get("SPLIT_K", 1))
     fused1 = split1 == 1 and cfg.get("FUSE_GU", True)
@@ -243,12 +247,7 @@ def _fused_moe_decode(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, tw: t
     ids = ids.contiguous()
     down = configs.down_config(cfg)
     use_fp8 = fp8 is not None
-    w1s = w2s = a1s = a2s = None
-    w1_mode = w2_mode = 0
-    if use_fp8:
-        w1s, w1_mode = _w_scale(fp8.w1_scale, E, 2 * N, "w1_scale")
-        w2s, w2_mode = _w_scale(fp8.w2_scale, E, K, "w2_scale")
-        a1s, a2s = fp8.a1_scale, fp8.a2_scale
+    w1s, w1_mode, w2s, w2_mode, a1s, a2s = _scales(fp8, E, N, K)
     dummy = tw
     pdl = bool(cfg.get("PDL")) and not _INTERPRET
     a_mode1 = _a_mode(x.dtype, a1s, use_fp8, "a1_scale")
