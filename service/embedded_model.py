@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 # Mistral-instruct style turns with Hermes-style tools: the tool list goes first, assistant tool
 # calls render as <tool_call>{"name": ..., "arguments": {...}}</tool_call> (what vLLM's `hermes`
 # tool parser reads), tool results as <tool_response>...</tool_response>. `bos_token` is added by
-# the template, so the rendered text is encoded without special tokens.
+# the template, so the rendered text is encoded without special tokens. Other roles (vLLM accepts
+# custom ones) render as a user turn naming the role.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% if tools %}{{ '[INST] <<SYS>> You may call functions. Signatures: <tools>' }}"
@@ -32,7 +33,7 @@ CHAT_TEMPLATE = (
     "{{ '[INST] <<SYS>> ' + message['content'] + ' <</SYS>> [/INST]' }}"
     "{% elif message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
     "{% elif message['role'] == 'tool' %}{{ '[INST] <tool_response>' + message['content'] + '</tool_response> [/INST]' }}"
-    "{% elif message['role'] != 'assistant' %}{{ raise_exception('unknown role: ' + message['role']) }}"
+    "{% elif message['role'] != 'assistant' %}{{ '[INST] ' + message['role'] + ': ' + message['content'] + ' [/INST]' }}"
     "{% else %}{% if message['content'] %}{{ message['content'] }}{% endif %}"
     "{% for call in message['tool_calls'] or [] %}"
     "{% set f = call['function'] if call['function'] is defined else call %}"
@@ -57,7 +58,7 @@ class TinyMixtralSpec:
     vocab_size: int = 32000
     max_position_embeddings: int = 4096
     seed: int = 1234
-    format_version: int = 2  # 2: chat template renders tools and tool-call history
+    format_version: int = 3  # 2: chat template renders tools and tool-call history
 
     def cache_key(self) -> str:
         return "tiny-mixtral-" + "-".join(str(v) for v in asdict(self).values())

@@ -96,5 +96,11 @@ async def tokenize(body: compat.TokenizeCompletionRequest | compat.TokenizeChatR
 async def detokenize(body: compat.DetokenizeRequest, request: Request) -> JSONResponse:
     """As `vllm serve`: token ids -> text."""
     reject_unknown_fields(body)
-    frontend = _frontend(_state(request), body.model)
+    state = _state(request)
+    frontend = _frontend(state, body.model)
+    vocab = len(state.engine.tokenizer)
+    bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="tokens",
+                       code="invalid_value")
     return await _tokenization_answer(frontend.tokenization.create_detokenize(body, request))

@@ -89,8 +89,14 @@ def completion_slots(req: Any, settings: Settings) -> int:
 
 
 def check_messages(req: Any, settings: Settings) -> None:
-    """At most --max-messages messages (their size is bounded by --max-request-bytes)."""
+    """At most --max-messages messages (their size is bounded by --max-request-bytes), each an
+    OpenAI message object (vLLM's union also admits harmony `Message` models, which its chat
+    renderer then cannot read: a 500 in `vllm serve`)."""
     count = len(req.messages)
     if count > settings.max_messages:
         raise APIError(400, f"at most {settings.max_messages} messages per request, got {count}",
                        param="messages", code="invalid_value")
+    for i, message in enumerate(req.messages):
+        if not isinstance(message, dict) or "role" not in message:
+            raise APIError(400, f"messages.{i} must be an object with a 'role'", param=f"messages.{i}",
+                           code="invalid_value")

@@ -36,23 +36,19 @@ def _status(err: APIError) -> str:
 
 
 def api_error_from_exception(exc: BaseException) -> APIError:
-    """A handler exception as an error: input errors 4xx as vLLM classifies them, anything else 500."""
+    """An exception from vLLM's handler, classified as `vllm serve` does (its request checks raise
+    ValueError/TypeError/template errors: 4xx); whatever it calls a server error is a logged 500.
+    Engine-side failures arrive as APIError already (service.engine_client)."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, NotImplementedError):  # e.g. a feature this model lacks: the client's request
         return APIError(400, str(exc) or "not supported", code="not_supported")
-    if isinstance(exc, ValueError) or compat.is_client_error(exc) or _is_template_error(exc):
-        err = from_vllm_error(compat.error_response_for(exc).error.model_dump())
-        if err.status < 500:
-            return err
-    logger.error("request failed", exc_info=exc)
-    return APIError(500, "internal error while generating", code="internal_error")
-
-
-def _is_template_error(exc: BaseException) -> bool:
-    import jinja2
-
-    return isinstance(exc, jinja2.TemplateError)
+    err = from_vllm_error(compat.error_response_for(exc).error.model_dump())
+    if err.status >= 500:
+        logger.error("request failed", exc_info=exc)
+    else:
+        logger.info("request rejected: %s: %s", type(exc).__name__, exc)
+    return err
 
 
 def _event_error(event: str) -> APIError:
