@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     from service.engine import default_engine_env, kernel_plugin_installed
     from service.shutdown import ABORT_FLUSH_S, DrainingServer
 
-    default_engine_env()
+    default_engine_env(embedded_model=settings.model is None)
     if settings.moe_kernels == "optimized" and not kernel_plugin_installed():
         # Seen on the H200: run from a source tree, vLLM never loaded our kernels and the
         # "optimized" server silently served stock vLLM. Refuse instead.

@@ -25,15 +25,20 @@ logger = logging.getLogger(__name__)
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% if tools %}{{ '[INST] <<SYS>> You may call functions. Signatures: <tools>' }}"
-    "{% for tool in tools %}{{ tool | tojson }}{% endfor %}"
+    "{% for tool in tools %}{% set f = tool['function'] if tool['function'] is defined else tool %}"
+    "{{ {'name': f['name'], 'description': f['description'] or '',"
+    " 'parameters': f['parameters'] or {}} | tojson }}"
+    "{% endfor %}"
     "{{ '</tools> Call one as <tool_call>{\"name\": <name>, \"arguments\": <JSON object>}</tool_call>"
     " <</SYS>> [/INST]' }}{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] in ('system', 'developer') %}"
     "{{ '[INST] <<SYS>> ' + message['content'] + ' <</SYS>> [/INST]' }}"
     "{% elif message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
-    "{% elif message['role'] == 'tool' %}{{ '[INST] <tool_response>' + message['content'] + '</tool_response> [/INST]' }}"
-    "{% elif message['role'] != 'assistant' %}{{ '[INST] ' + message['role'] + ': ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '[INST] <tool_response>' + message['content'] + '</tool_response> [/INST]' }}"
+    "{% elif message['role'] != 'assistant' %}"
+    "{{ '[INST] ' + message['role'] + ': ' + message['content'] + ' [/INST]' }}"
     "{% else %}{% if message['content'] %}{{ message['content'] }}{% endif %}"
     "{% for call in message['tool_calls'] or [] %}"
     "{% set f = call['function'] if call['function'] is defined else call %}"
@@ -58,7 +63,7 @@ class TinyMixtralSpec:
     vocab_size: int = 32000
     max_position_embeddings: int = 4096
     seed: int = 1234
-    format_version: int = 3  # 2: chat template renders tools and tool-call history
+    format_version: int = 4  # 2: chat template renders tools and tool-call history
 
     def cache_key(self) -> str:
         return "tiny-mixtral-" + "-".join(str(v) for v in asdict(self).values())

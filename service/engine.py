@@ -53,7 +53,13 @@ def build_engine_args(settings: Settings, model_path: str) -> Any:
         kwargs["quantization"] = settings.quantization
     if settings.max_num_seqs is not None:
         kwargs["max_num_seqs"] = settings.max_num_seqs
+    if settings.model is None:  # the embedded model: see EMBEDDED_STRUCTURED_OUTPUTS
+        kwargs["structured_outputs_config"] = dict(EMBEDDED_STRUCTURED_OUTPUTS)
     kwargs.update(settings.engine_args)
+    if isinstance(kwargs.get("structured_outputs_config"), dict):  # e.g. from --engine-arg as JSON
+        from vllm.config import StructuredOutputsConfig
+
+        kwargs["structured_outputs_config"] = StructuredOutputsConfig(**kwargs["structured_outputs_config"])
     from kernels import backend_policy
 
     backend_policy.apply(kwargs, settings.moe_kernels, model_path)  # an explicit moe_backend wins
@@ -61,6 +67,9 @@ def build_engine_args(settings: Settings, model_path: str) -> Any:
 
 
 EMBEDDED_TOOL_PARSER = "hermes"
+# A random-weight model, left free, fills JSON with whitespace until max_tokens: the embedded model's
+# structured outputs allow none (vLLM's `--structured-outputs-config` of the same name).
+EMBEDDED_STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
 
 
 def frontend_flags(settings: Settings) -> list[str]:
@@ -193,8 +202,13 @@ def kernel_plugin_installed() -> bool:
     return any(ep.name == PLUGIN_NAME for ep in entry_points(group=PLUGIN_GROUP))
 
 
-def default_engine_env() -> None:
+def default_engine_env(embedded_model: bool = False) -> None:
     """Environment defaults vLLM needs here (set only where the user has not)."""
+    if embedded_model:
+        # Named/required tool choice through vLLM's JSON-schema structured outputs (which honour
+        # EMBEDDED_STRUCTURED_OUTPUTS) instead of xgrammar structural tags (which allow any
+        # whitespace, where a random-weight model stays). Read when vLLM's tool parsers are imported.
+        os.environ.setdefault("VLLM_ENFORCE_STRICT_TOOL_CALLING", "0")
     # vLLM 0.26 on the H200 hung at engine start without spawn (DESIGN.md).
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")

@@ -8,14 +8,16 @@ chat, tokenization and models handlers are built exactly as `vllm serve` builds 
 versions. Each name imported here is pinned by tests/test_vllm_compat.py (on 0.32); the 0.26
 paths were checked by reading its source (/work/vllm026/vllm).
 
-| what                            | 0.32                                          | 0.26                                  |
-|---------------------------------|-----------------------------------------------|---------------------------------------|
-| init_app_state                  | entrypoints.launchers.api_server.app_state    | entrypoints.openai.api_server         |
-| make_arg_parser, validate_...   | entrypoints.launchers.cli_args                | entrypoints.openai.cli_args           |
-| validate_api_server_args        | entrypoints.launchers.launcher                | entrypoints.openai.api_server         |
-| ErrorResponse                   | entrypoints.serve.engine.protocol             | entrypoints.openai.engine.protocol    |
-| create_error_response           | entrypoints.serve                             | entrypoints.serve.utils.error_response|
-| client-error base class         | exceptions.VLLMClientError                    | VLLMValidationError, ...Unprocessable |
+| what                          | 0.32                                        | 0.26                               |
+|-------------------------------|---------------------------------------------|------------------------------------|
+| init_app_state                | entrypoints.launchers.api_server.app_state  | entrypoints.openai.api_server      |
+| make_arg_parser, validate_... | entrypoints.launchers.cli_args              | entrypoints.openai.cli_args        |
+| validate_api_server_args      | entrypoints.launchers.launcher              | entrypoints.openai.api_server      |
+| ErrorResponse                 | entrypoints.serve.engine.protocol           | entrypoints.openai.engine.protocol |
+| create_error_response         | entrypoints.serve                           | entrypoints.serve.utils.error_...  |
+| client-error base class       | exceptions.VLLMClientError                  | VLLMValidationError, ...           |
+
+Versions between 0.26 and 0.32 are untested; the split below follows the module layout.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.exceptions import EngineDeadError
 
-__all__ = ["ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "EngineDeadError", "ErrorResponse", "Frontend",
-           "RequestOutput", "RequestOutputKind", "TokenizeChatRequest", "TokenizeCompletionRequest",
-           "CLIENT_ERRORS", "VLLM_VERSION", "build_frontend", "error_response_for", "is_client_error", "merge_final"]
+__all__ = ["CLIENT_ERRORS", "ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "EngineDeadError",
+           "ErrorResponse", "Frontend", "RequestOutput", "RequestOutputKind", "TokenizeChatRequest",
+           "TokenizeCompletionRequest", "VLLM_VERSION", "build_frontend", "error_response_for", "is_client_error",
+           "merge_final", "serve_args"]
 
 
 def _version_tuple(text: str) -> tuple[int, int]:

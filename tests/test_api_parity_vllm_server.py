@@ -13,6 +13,7 @@ import pytest
 
 from loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
 from service.embedded_model import ensure_embedded_model
+from service.engine import EMBEDDED_STRUCTURED_OUTPUTS
 
 pytestmark = pytest.mark.engine
 VOLATILE = {"id", "created", "system_fingerprint"}  # differ between any two responses
@@ -67,8 +68,10 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
     """vLLM's api_server, flags as moe-serve gives its frontend for the embedded model."""
     srv = start_server(Path(tmp_path_factory.mktemp("vllm-api")), "--model", str(ensure_embedded_model()),
                        "--served-model-name", MODEL_NAME, "--kv-cache-memory-bytes", str(512 * 1024 ** 2),
-                       "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                       module="vllm.entrypoints.openai.api_server", ready_timeout=400)
+                       "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--structured-outputs-config",
+                       json.dumps(EMBEDDED_STRUCTURED_OUTPUTS),
+                       module="vllm.entrypoints.openai.api_server", ready_timeout=400,
+                       env={"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"})  # as default_engine_env(embedded_model=True)
     yield srv
     srv.stop()
 

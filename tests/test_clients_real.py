@@ -93,9 +93,9 @@ def test_litellm_completion_stream_and_tool_call(server: ServerProcess, model: s
     Pet.model_validate_json(call.function.arguments)
 
 
-DOCS = [{"question": "The sky is", "choices": [" blue", " green", " loud"], "answer": 0},
-        {"question": "Two plus two is", "choices": [" four", " five"], "answer": 0},
-        {"question": "Cats say", "choices": [" meow", " moo", " quack", " bark"], "answer": 1}]
+DOCS = [{"question": "The sky is", "choices": ["blue", "green", "loud"], "answer": 0},  # lm-eval joins with " "
+        {"question": "Two plus two is", "choices": ["four", "five"], "answer": 0},
+        {"question": "Cats say", "choices": ["meow", "moo", "quack", "bark"], "answer": 1}]
 
 
 def _write_task(root: Path) -> Path:
@@ -140,8 +140,8 @@ def test_lm_eval_local_completions_loglikelihood(server: ServerProcess, model: s
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer))
-    context = tok.encode(DOCS[0]["question"])
-    whole = tok.encode(DOCS[0]["question"] + DOCS[0]["choices"][0])
+    context = tok(DOCS[0]["question"], add_special_tokens=False).input_ids  # as lm-eval encodes (no BOS)
+    whole = tok(DOCS[0]["question"] + " " + DOCS[0]["choices"][0], add_special_tokens=False).input_ids
     body = http.post("/v1/completions", json={"model": model, "prompt": whole, "max_tokens": 1, "echo": True,
                                               "logprobs": 1, "temperature": 0}).json()
     direct = sum(body["choices"][0]["logprobs"]["token_logprobs"][len(context):len(whole)])
