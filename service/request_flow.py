@@ -128,6 +128,7 @@ async def _events(first: str, rest: AsyncIterator[str], ctx: RequestContext, dea
     try:
         while event is not None:
             if event.startswith(_ERROR_EVENT):
+                logger.info("stream failed after it started: %s", event[:500].strip())
                 raise ctx.error or _event_error(event)
             yield event
             event = await next_before(rest, deadline)
@@ -140,5 +141,6 @@ async def _events(first: str, rest: AsyncIterator[str], ctx: RequestContext, dea
     finally:
         await rest.aclose()
     outcome.status = _status(err)
+    logger.info("stream ends with error %d (%s): %s", err.status, err.code, err.message)
     yield sse_error_event(err)
     yield DONE_EVENT

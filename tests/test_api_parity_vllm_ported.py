@@ -246,7 +246,8 @@ def test_prompt_logprobs_chat(client: openai.OpenAI, model: str, prompt_logprobs
 
 
 def test_more_than_one_prompt_logprobs_chat(client: openai.OpenAI, model: str) -> None:
-    params = {"model": model, "messages": HISTORY, "max_completion_tokens": 4}  # test_more_than_one_prompt_logprobs_chat
+    # test_more_than_one_prompt_logprobs_chat
+    params = {"model": model, "messages": HISTORY, "max_completion_tokens": 4}
     one = client.chat.completions.create(**params, extra_body={"prompt_logprobs": 1})
     two = client.chat.completions.create(**params, extra_body={"prompt_logprobs": 2})
     # a position's entry holds the prompt token itself plus the top k (one entry when they coincide)
@@ -296,7 +297,7 @@ def test_chat_completion_stream_options(client: openai.OpenAI, model: str) -> No
     assert last == 10
 
 
-def test_structured_outputs_choice_chat(client: openai.OpenAI, model: str) -> None:  # test_structured_outputs_choice_chat
+def test_structured_outputs_choice_chat(client: openai.OpenAI, model: str) -> None:  # same name upstream
     messages = [SYSTEM, {"role": "user", "content": "The best language for type-safe systems programming is "}]
     for _ in range(2):
         out = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=10,
@@ -311,7 +312,8 @@ def test_structured_outputs_json_chat(client: openai.OpenAI, model: str) -> None
     messages = [SYSTEM, {"role": "user", "content": f"Give an example JSON for an employee: {EMPLOYEE_SCHEMA}"}]
     for _ in range(2):
         out = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=200,
-                                             temperature=0.0, extra_body={"structured_outputs": {"json": EMPLOYEE_SCHEMA}})
+                                             temperature=0.0,
+                                             extra_body={"structured_outputs": {"json": EMPLOYEE_SCHEMA}})
         content = out.choices[0].message.content
         jsonschema.validate(instance=json.loads(content), schema=EMPLOYEE_SCHEMA)
         messages = messages + [{"role": "assistant", "content": content},
@@ -476,7 +478,8 @@ def test_named_tool_use(client: openai.OpenAI, model: str) -> None:  # test_name
 
 def test_inconsistent_tool_choice_and_tools(client: openai.OpenAI, model: str) -> None:
     tool = {"type": "function", "function": {"name": "dummy_function_name", "parameters": EMPLOYEE_SCHEMA}}
-    kwargs = dict(model=model, messages=ONE_PLUS_ONE, max_completion_tokens=10)  # test_inconsistent_tool_choice_and_tools
+    # test_inconsistent_tool_choice_and_tools
+    kwargs = dict(model=model, messages=ONE_PLUS_ONE, max_completion_tokens=10)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "dummy_function_name"}},
                                        **kwargs)
@@ -532,7 +535,7 @@ def test_tokenize_chat(http: httpx.Client, model: str, tools) -> None:  # test_t
             assert result["tokens"] == tokens and result["count"] == len(tokens)
 
 
-def test_tokenize_with_return_token_strs(http: httpx.Client, model: str) -> None:  # test_tokenize_with_return_token_strs
+def test_tokenize_with_return_token_strs(http: httpx.Client, model: str) -> None:  # same name upstream
     prompt = "This is a token_strs test prompt! vllm1"
     result = http.post("/tokenize", json={"prompt": prompt, "model": model, "return_token_strs": True}).json()
     tokens = _tokenizer().encode(prompt, add_special_tokens=True)

@@ -51,7 +51,8 @@ def _unknown_fields():
 
 @hypothesis.settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
 @hypothesis.given(case=_fuzz_strategy(), unknown=_unknown_fields())
-def test_fuzzed_requests_never_5xx_and_every_4xx_is_an_openai_error(case, unknown, limited_server: ServerProcess) -> None:
+def test_fuzzed_requests_never_5xx_and_every_4xx_is_an_openai_error(case, unknown,
+                                                                    limited_server: ServerProcess) -> None:
     if unknown and isinstance(case.body, dict):
         case.body = {**case.body, **unknown}
     response = case.call(base_url=limited_server.base_url, timeout=60)
