@@ -24,7 +24,6 @@ from service.metrics import RequestObserver
 
 if TYPE_CHECKING:
     from service.admission import Admission
-    from service.engine import EngineHandle
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +49,8 @@ def _prompt_len(prompt: Any) -> int:
 class ObservedEngineClient:
     """Duck-typed `EngineClient`: `AsyncLLM` attributes, plus an observed `generate`."""
 
-    def __init__(self, handle: "EngineHandle") -> None:
+    def __init__(self, handle: Any) -> None:
+        """`handle`: the service.engine.EngineHandle (engine, active, note_engine_failure)."""
         self._handle = handle
 
     def __getattr__(self, name: str) -> Any:
@@ -109,7 +109,7 @@ def _remember(ctx: RequestContext | None, err: APIError) -> None:
         ctx.error = err
 
 
-def _classified(handle: "EngineHandle", ctx: RequestContext | None, exc: Exception) -> Exception:
+def _classified(handle: Any, ctx: RequestContext | None, exc: Exception) -> Exception:
     """Engine-input errors pass through (vLLM answers 400 naming the parameter); others become APIError."""
     if handle.note_engine_failure(exc):
         err = APIError(503, "the engine has stopped; the server is shutting down", code="engine_dead")
