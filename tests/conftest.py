@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
+from tests.plugin_env import plugin_server_env
 
 API_KEY = "test-key-0123456789"
 
@@ -17,12 +18,13 @@ API_KEY = "test-key-0123456789"
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """The real server with an API key set, shared by every test that needs an engine.
 
-    Its vLLM worker compiles a probe Triton kernel (for sm_90, on the CPU) once in warm-up and
-    once after serving starts, so the JIT-compile series, dashboard panels and alert inputs carry
-    real data on a machine whose MoE path never compiles Triton (see kernels/vllm_plugin.py).
+    Through the test-only vLLM plugin (tests/vllm_test_plugin), its worker compiles a probe
+    Triton kernel (for sm_90, on the CPU) once in warm-up and once after serving starts, so the
+    JIT-compile series, dashboard panels and alert inputs carry real data on a machine whose MoE
+    path never compiles Triton.
     """
     tmp = tmp_path_factory.mktemp("server")
-    env = {"MOE_SERVE_TEST_JIT_KERNEL": "1", "TRITON_CACHE_DIR": str(tmp / "triton-cache")}
+    env = {**plugin_server_env(probe_kernel="1"), "TRITON_CACHE_DIR": str(tmp / "triton-cache")}
     srv = start_server(tmp, api_key=API_KEY, env=env)
     yield srv
     srv.stop()

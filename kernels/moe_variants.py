@@ -1,8 +1,10 @@
-"""Compile every kernel variant serving can hit, ahead of time.
+"""Warm up moe-serve's fused-MoE kernels: compile every variant serving can hit, ahead of time.
 
 Variants = one per distinct (kernel, constexprs, argument dtypes) over the config of every
 M bucket up to max_tokens. With every run-time-varying int in do_not_specialize, M itself
-never causes a compile, so after warmup() serving compiles nothing.
+never causes a compile, so after warm_moe_variants() serving compiles nothing.
+(The plugin's per-layer warm-up is kernels/layer_warmup.py; the HTTP start-up warm-up is
+service/warmup.py.)
 """
 from __future__ import annotations
 
@@ -13,11 +15,9 @@ from typing import Any
 import torch
 
 from kernels import configs
+from kernels.aot import compile_launches
 from kernels.fused_moe import FP8, Fp8Scales, dtype_name, fused_moe
 from kernels.launch import kernel_name, record_launches
-
-_WARMED: set[tuple] = set()
-
 
 def _variant_key(kernel: Any, args: tuple, kwargs: dict) -> tuple:
     dtypes = tuple(str(a.dtype) if isinstance(a, torch.Tensor) else None for a in args)
@@ -43,7 +43,7 @@ def _inputs(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dtype, fp8: 
     return x, w1, w2, tw, ids, scales
 
 
-def warmup(E: int, N: int, K: int, topk: int, dtype: torch.dtype, max_tokens: int,
+def warm_moe_variants(E: int, N: int, K: int, topk: int, dtype: torch.dtype, max_tokens: int,
            fp8: str | None = None, device: str | torch.device = "cuda", *,
            static_act: bool = False, router_weight_on_input: bool = False,
            ids_dtypes: tuple[torch.dtype, ...] = (torch.int32,), compile_only: bool = False,
@@ -75,8 +75,6 @@ def warmup(E: int, N: int, K: int, topk: int, dtype: torch.dtype, max_tokens: in
             new = [ln for ln in launches if _variant_key(ln[0], ln[2], ln[3]) not in variants]
             variants.update(_variant_key(ln[0], ln[2], ln[3]) for ln in launches)
             if compile_only:
-                from kernels.aot import compile_launches
-
                 compile_launches(new)
             else:
                 fused_moe(x, w1, w2, tw, ids, fp8=scales,
@@ -87,5 +85,4 @@ def warmup(E: int, N: int, K: int, topk: int, dtype: torch.dtype, max_tokens: in
                   f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-    _WARMED.add((E, N, K, topk, wname, fp8, static_act))
     return len(variants)

@@ -1,6 +1,6 @@
 """Raw chunk timestamps of concurrent streams: TTFT and the gaps between SSE chunks.
 
-    .venv/bin/python bench/stream_probe.py http://127.0.0.1:8000 [--chat] [--concurrency 1 4]
+    .venv/bin/python bench/investigations/stream_probe.py http://127.0.0.1:8000 [--chat] [--concurrency 1 4]
 """
 
 from __future__ import annotations

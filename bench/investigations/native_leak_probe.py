@@ -1,7 +1,7 @@
 """Where does the API process's memory grow? memray (native stacks) over a window of load.
 
     .venv/bin/pip install memray==1.20.0                      # a diagnostic tool, not a dependency
-    .venv/bin/python bench/native_leak_probe.py --out /tmp/leak --seconds 240   # ~6 min on the CPU engine
+    .venv/bin/python bench/investigations/native_leak_probe.py --out /tmp/leak --seconds 240   # ~6 min on the CPU engine
 
 Starts the server (embedded model, its own core) with this file as a wrapper ($CAPTURE_ENV set:
 `python -m service` with the same arguments in the same process): SIGUSR1 starts a
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CAPTURE_ENV = "MOE_SERVE_LEAK_PROBE_CAPTURE"
 
 
@@ -81,7 +81,7 @@ def main() -> int:
     from loadtest.server_proc import MODEL_NAME, start_server
 
     capture = (a.out / "window.bin").resolve()
-    server = start_server(a.out, env={CAPTURE_ENV: str(capture)}, module="bench.native_leak_probe",
+    server = start_server(a.out, env={CAPTURE_ENV: str(capture)}, module="bench.investigations.native_leak_probe",
                           log_name="server.log", ready_timeout=400)
 
     def load(seconds: float, tag: str) -> int:

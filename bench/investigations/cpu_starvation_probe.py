@@ -5,7 +5,7 @@ keeps the engine generating, and meanwhile measures in this (client) process, --
 the wall time of 0.1 s of CPU work, and a /health round trip on a raw socket. Usage (CPU, ~1 min
 per mode):
 
-    .venv/bin/python bench/cpu_starvation_probe.py --out /tmp/starve --modes unpinned,pinned
+    .venv/bin/python bench/investigations/cpu_starvation_probe.py --out /tmp/starve --modes unpinned,pinned
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from loadtest.server_proc import MODEL_NAME, start_server  # noqa: E402

@@ -1,6 +1,6 @@
 """Latency of one request after the server sat idle for a given gap: ours vs vLLM's api_server.
 
-    .venv/bin/python bench/idle_probe.py --out /tmp/idle          # both servers, ~3 min on the CPU engine
+    .venv/bin/python bench/investigations/idle_probe.py --out /tmp/idle          # both servers, ~3 min on the CPU engine
 
 Each server starts on the embedded model (its own core, loadtest/server_proc), then gets one
 non-streamed 4-token completion after each idle gap in --gaps (seconds), from one kept-alive
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench.frontend_vs_vllm import OURS, VLLM, start_vllm_api_server  # noqa: E402
