@@ -10,7 +10,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from service.admission import Admission
-from service.engine import EngineDead, EngineHandle, EngineNotReady
+from service.engine import EngineHandle
 from service.metrics import ServiceMetrics
 from service.settings import Settings
 from service.worker_metrics import WorkerMetricsCollector, prepare_runtime_dir
@@ -63,9 +63,3 @@ class ServerState:
     def in_flight(self) -> int:
         """Requests admitted and not yet finished (streams included)."""
         return self.admission.running
-
-    def engine_unavailable(self) -> Exception:
-        """The exception that explains why the engine cannot take requests now."""
-        if self.engine.dead or self.engine.start_error is not None:
-            return EngineDead("engine is not running")
-        return EngineNotReady("engine is starting")

@@ -40,14 +40,28 @@ def _fuzz_strategy():
     return st.one_of([result.ok().as_strategy() for result in schema.get_all_operations()])
 
 
+def _unknown_fields():
+    """Fields no request model has (mixed into about half of the JSON bodies): each must be a 400."""
+    from hypothesis import strategies as st
+
+    names = st.text(alphabet="abcdefghijklmnopqrstuvwxyz_", min_size=3, max_size=12).map(lambda s: "x_" + s)
+    return st.one_of(st.none(), st.dictionaries(names, st.one_of(st.integers(), st.text(max_size=5), st.none()),
+                                                min_size=1, max_size=2))
+
+
 @hypothesis.settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
-@hypothesis.given(case=_fuzz_strategy())
-def test_fuzzed_requests_never_5xx_and_every_4xx_is_an_openai_error(case, limited_server: ServerProcess) -> None:
+@hypothesis.given(case=_fuzz_strategy(), unknown=_unknown_fields())
+def test_fuzzed_requests_never_5xx_and_every_4xx_is_an_openai_error(case, unknown,
+                                                                    limited_server: ServerProcess) -> None:
+    if unknown and isinstance(case.body, dict):
+        case.body = {**case.body, **unknown}
     response = case.call(base_url=limited_server.base_url, timeout=60)
     assert response.status_code < 500, (case.method, case.path, case.body, response.text[:500])
     if response.status_code >= 400:
         body = response.json()
         assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    elif unknown and isinstance(case.body, dict) and case.method == "POST":
+        raise AssertionError(f"unknown fields {sorted(unknown)} were accepted: {case.path} {case.body}")
 
 
 def test_server_still_serves_after_fuzzing(limited_server: ServerProcess) -> None:
