@@ -1,5 +1,5 @@
-"""Device check of the vLLM plugin (issue 4): our kernels active in every worker, and Triton
-compiles while serving, for --moe-kernels optimized vs vllm, on a dummy-weight MoE model.
+"""Device check of the vLLM plugin: our kernels active in every worker, and Triton compiles
+while serving, for --moe-kernels optimized vs vllm, on a dummy-weight MoE model.
 
     python bench/device_plugin_check.py --out $OUT                       # H200, vLLM 0.26, <= --deadline 510 s
     python bench/device_plugin_check.py --model qwen3-30b-a3b --layers 2 --out $OUT
@@ -8,8 +8,10 @@ compiles while serving, for --moe-kernels optimized vs vllm, on a dummy-weight M
 Per mode: starts `python -m service` (own session, log in --out), waits for /health (bounded),
 reads the workers' reports from /metrics, drives concurrent waves of 1..64 requests with
 varied prompt lengths (asyncio + httpx), reads /metrics again and prints the serving-phase
-Triton compiles per kernel, launches through our kernels, and a final table. Every wait is
-bounded; progress is printed with flush.
+Triton compiles per kernel, launches through our kernels, and a final table. Serving compiles
+count only from workers in phase `serving` (a worker still in `warmup` would count its
+compiles as warm-up ones): the table says n/a otherwise. Every wait is bounded; progress is
+printed with flush.
 """
 from __future__ import annotations
 
@@ -110,7 +112,6 @@ def run_mode(a: argparse.Namespace, mode: str, base_args: list[str], model: str,
         res["sweep"] = asyncio.run(sweep(srv.base_url, model, a.concurrency, a.max_tokens,
                                    min(a.sweep_timeout, max(10.0, a.deadline - (time.monotonic() - T0) - 45))))
         res["sweep_s"] = round(time.monotonic() - t, 1)
-        time.sleep(2.5)  # worker reports flush every second
         after = scrape(srv.base_url)
         res["workers"] = workers(after)
         res["serving_compiles"] = compiles(after, "serving")
@@ -119,7 +120,7 @@ def run_mode(a: argparse.Namespace, mode: str, base_args: list[str], model: str,
         res["warn_lines"] = [ln[:300] for ln in srv.log_path.read_text(errors="replace").splitlines()
                              if "during serving" in ln][:20]
         res["warmup_lines"] = [ln[:200] for ln in srv.log_path.read_text(errors="replace").splitlines()
-                               if "[moe-serve warmup]" in ln and "done in" in ln][:16]
+                               if "[moe-serve layer warm-up]" in ln][:16]
     except Exception as exc:  # noqa: BLE001 - report and continue with the next mode
         res["error"] = repr(exc)
         log(f"  ERROR {exc!r}; log tail: {srv.tail(15)}")
@@ -141,9 +142,20 @@ def checks(r: dict, cpu: bool) -> list[str]:
         out.append(f"{'OK ' if n > 0 or cpu else 'BAD'} our kernel calls: {n:.0f}"
                    f"{' (CPU: vLLM cpu_fused_moe path, 0 expected)' if cpu else ''}; "
                    f"fallback: {(r.get('launches') or {}).get('fallback', 0):.0f}")
+    serving = bool(ws) and all(w["phase"] == "serving" for w in ws)
+    out.append(f"{'OK ' if serving else 'BAD'} every worker in phase serving: {[w['phase'] for w in ws]}")
     total = sum((r.get("serving_compiles") or {}).values())
-    out.append(f"{'OK ' if total == 0 else 'NOTE'} serving-phase compiles: {total:.0f} {r.get('serving_compiles')}")
+    if serving:
+        out.append(f"{'OK ' if total == 0 else 'NOTE'} serving-phase compiles: {total:.0f} {r.get('serving_compiles')}")
     return out
+
+
+def serving_compiles(r: dict) -> str:
+    """Serving-phase compiles, or n/a when a worker never reached phase serving."""
+    ws = r.get("workers") or []
+    if not ws or any(w["phase"] != "serving" for w in ws):
+        return "n/a (worker not in phase serving)"
+    return f"{sum((r.get('serving_compiles') or {}).values()):.0f}"
 
 
 def table(results: list[dict]) -> str:
@@ -155,7 +167,7 @@ def table(results: list[dict]) -> str:
         rows.append(f"| {r['mode']} | {r.get('ready_s', '-')} | {len(r.get('workers') or [])} | "
                     f"{la.get('optimized', 0):.0f}/{la.get('fallback', 0):.0f} | "
                     f"{sum((r.get('warmup_compiles') or {}).values()):.0f} | "
-                    f"{sum((r.get('serving_compiles') or {}).values()):.0f} | {sw.get('ok', 0)}/{sw.get('err', 0)} |")
+                    f"{serving_compiles(r)} | {sw.get('ok', 0)}/{sw.get('err', 0)} |")
     return "\n".join(rows)
 
 

@@ -1,4 +1,4 @@
-"""End-to-end A/B on one GPU (issue 8): stock vLLM MoE vs moe-serve's kernels, same load.
+"""End-to-end A/B on one GPU: stock vLLM MoE vs moe-serve's kernels, same load.
 
     python bench/e2e_ab.py --out /root/e2e                              # Mixtral-8x7B, one TP=8 rank, bf16: 525 s on one H200
     python bench/e2e_ab.py --out /root/e2e2 --variants optimized,vllm   # the other order (pool runs: bench/e2e_pool.py)

@@ -7,7 +7,7 @@ RSS time series `rss.csv`. On >= 2 cores the server gets its own core
 (loadtest/server_proc.server_core_isolation):
 
     .venv/bin/python bench/soak.py --minutes 30 --users 16 --out /tmp/soak
-Pass/fail per issue 7: errors == 0, RSS growth (after the first --warmup-min) < 5 %.
+Pass/fail: errors == 0, RSS growth (after the first --warmup-min) < 5 %.
 """
 
 from __future__ import annotations

@@ -4,20 +4,22 @@ Kept light on purpose: importing ``kernels`` imports neither torch nor triton.
 Public entry points live in submodules::
 
     from kernels.fused_moe import fused_moe, Fp8Scales
-    from kernels.warmup import warmup
+    from kernels.moe_variants import warm_moe_variants
     from kernels import jit_monitor
+
+The modules and their layers: docs/architecture.md.
 """
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-__all__ = ["fused_moe", "Fp8Scales", "warmup", "jit_monitor"]
+__all__ = ["fused_moe", "Fp8Scales", "warm_moe_variants", "jit_monitor"]
 
 _LAZY = {
     "fused_moe": ("kernels.fused_moe", "fused_moe"),
     "Fp8Scales": ("kernels.fused_moe", "Fp8Scales"),
-    "warmup": ("kernels.warmup", "warmup"),
+    "warm_moe_variants": ("kernels.moe_variants", "warm_moe_variants"),
 }
 
 

@@ -7,6 +7,9 @@ Given topk_ids [M, topk] it writes, for a block size BLOCK_M:
   num_post_pad [1] int32: total padded length (multiple of BLOCK_M).
 Output sizes depend only on (M, topk, E, BLOCK_M), so the call is CUDA-graph capturable.
 Order inside one expert's run follows the token-slot order (deterministic).
+
+On a GPU with vLLM installed, `moe_align` uses vLLM's CUDA op instead (same outputs, one
+multi-block kernel: the single-program scan here grows linearly with M * topk).
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import vllm_kernels
 from kernels.launch import jit, launch
 
 
@@ -78,6 +82,9 @@ def moe_align(
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"topk_ids must be int32/int64, got {topk_ids.dtype}")
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    op = vllm_kernels.align_op() if ids.is_cuda else None
+    if op is not None:
+        return op(ids, block_m, num_experts)
     num_slots = ids.numel()
     max_padded = max_padded_len(num_slots, num_experts, block_m)
     max_blocks = triton.cdiv(max_padded, block_m)

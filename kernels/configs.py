@@ -1,17 +1,14 @@
-"""Kernel configs: JSON files keyed by M bucket, plus a default heuristic for untuned shapes.
+"""Which kernel config serves M tokens of a shape: a tuned table, else a default.
 
-File name: ``E={E},N={N},K={K},dtype={dtype},device={device}.json`` in kernels/configs/ (or the
-dir in $MOE_SERVE_KERNEL_CONFIG_DIR, searched first). Content::
+Tables: ``E={E},N={N},K={K},dtype={dtype},device={device}.json`` (schema: kernels.config_schema),
+keyed by M bucket; M maps to the smallest bucket >= M (else the largest), so the set of
+configs, hence of compiled variants, is finite. Searched in order: $MOE_SERVE_KERNEL_CONFIG_DIR,
+the tuner's cache ($MOE_SERVE_CACHE/kernels/<device>/triton-<version>, written by
+`moe-serve tune`), then the tables shipped in kernels/configs/.
 
-    {"1": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4,
-           "num_stages": 4, "SWAP_AB": true, "DOWN": {...same keys but BLOCK_M...}}, ...}
-
-The top-level entry is GEMM1 (gate/up); "DOWN" (optional) overrides it for GEMM2. Both share
-BLOCK_M (one alignment). Optional keys: "SPLIT_K" (default 1; K-splits reduced with fp32
-atomics, GEMM1's and DOWN's independent) and "FUSE_GU" (GEMM1 only, default true: one program
-computes both the gate and the up tile; false: 2N/BLOCK_N programs). GEMM1 with SPLIT_K > 1 or
-FUSE_GU false writes the fp32 pre-activation and GEMM2 applies SiLU-and-mul on load. M is mapped to the smallest bucket >= M (else the largest), so the
-set of configs, hence of compiled variants, is finite.
+Default for a shape with no table: the decode path while tokens per expert are few
+(heuristics.use_decode_path), else the aligned path with vLLM's own config for the shape
+when vLLM is importable on a GPU (kernels.vllm_kernels), else heuristics.aligned_config.
 """
 from __future__ import annotations
 
@@ -19,16 +16,14 @@ import functools
 import json
 import os
 from pathlib import Path
-from typing import Any
+
+from kernels import heuristics, smem, vllm_kernels
+from kernels.config_schema import KEYS, Config, down_config, validate
 
 M_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
-KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SWAP_AB")
-OPTIONAL = {"SPLIT_K": 1, "FUSE_GU": True}   # absent in older files: today's fused path
-MAX_SPLIT_K = 16
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-NUM_SMS_DEFAULT = 132  # H100/H200 SXM
 
-Config = dict[str, Any]
+__all__ = ["KEYS", "Config", "down_config", "validate", "get_config", "load_table"]
 
 
 def device_name() -> str:
@@ -53,110 +48,24 @@ def bucket_of(M: int, buckets: tuple[int, ...] = M_BUCKETS) -> int:
     return buckets[-1]
 
 
-def validate(cfg: Config) -> Config:
-    """Check a config's keys and the tl.dot / wgmma constraints; return it normalised."""
-    missing = [k for k in KEYS if k not in cfg]
-    if missing:
-        raise ValueError(f"config {cfg} lacks {missing}")
-    out = {k: (bool(cfg[k]) if k == "SWAP_AB" else int(cfg[k])) for k in KEYS}
-    out["SPLIT_K"] = int(cfg.get("SPLIT_K", 1))
-    out["FUSE_GU"] = bool(cfg.get("FUSE_GU", True))
-    for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
-        v = out[k]
-        if v < 16 or v & (v - 1):
-            raise ValueError(f"{k}={v} must be a power of two >= 16")
-    sk = out["SPLIT_K"]
-    if sk < 1 or sk & (sk - 1) or sk > MAX_SPLIT_K:
-        raise ValueError(f"SPLIT_K={sk} must be a power of two in 1..{MAX_SPLIT_K}")
-    down = cfg.get("DOWN")
-    if down:
-        d = validate({**{k: out[k] for k in KEYS}, "SPLIT_K": 1,
-                      **{k: v for k, v in down.items() if k not in ("BLOCK_M", "FUSE_GU")}})
-        out["DOWN"] = {k: d[k] for k in KEYS + ("SPLIT_K",) if k != "BLOCK_M"}
-    return out
+def cache_dir(device: str | None = None) -> Path:
+    """Where `moe-serve tune` writes tables for this device and Triton version."""
+    import triton
+
+    root = Path(os.environ.get("MOE_SERVE_CACHE", Path.home() / ".cache" / "moe-serve"))
+    return root / "kernels" / (device or device_name()) / f"triton-{triton.__version__}"
 
 
-def _tile_n(n_out: int, active_blocks: int, allow_small: bool, num_sms: int) -> int:
-    """Largest BLOCK_N in {128, 64, (32, 16)} that still gives ~num_sms programs."""
-    choices = (128, 64, 32, 16) if allow_small else (128, 64)
-    for bn in choices:
-        if active_blocks * -(-n_out // bn) >= num_sms:
-            return bn
-    return choices[-1]
-
-
-def split_k_for(programs: int, k_tiles: int, target: int, min_tiles: int = 2) -> int:
-    """Smallest power-of-two SPLIT_K giving >= target programs, keeping >= min_tiles K tiles
-    per split (each program must still stream a pipeline's worth of weight)."""
-    s = 1
-    while programs * s < target and s * 2 <= MAX_SPLIT_K and k_tiles >= 2 * s * min_tiles:
-        s *= 2
-    return s
-
-
-def default_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
-                   num_sms: int = NUM_SMS_DEFAULT) -> Config:
-    """Heuristic config for bucket M. Decode is weight-bandwidth bound: choose tiles that
-    give >= ~1 wave of programs over the SMs, swap AB while BLOCK_M < 64 (weight rows in
-    wgmma's M slot), deep pipelines at small M; large M uses 128-wide tiles.
-
-    Small M: when GEMM1's fused gate+up grid (hit experts x N/BLOCK_N) is under ~2 programs
-    per SM, un-fuse gate/up (2N/BLOCK_N programs, each half the bytes) and split K until the
-    grid reaches ~2 x num_sms; GEMM2 likewise splits K (its reduction dim N) when
-    hit experts x K/BLOCK_N is short."""
-    fp8 = dtype.startswith("fp8")
-    slots = M * topk
-    tokens_per_expert = slots / E
-    block_m = 16 if tokens_per_expert <= 16 else 32 if tokens_per_expert <= 32 else \
-        64 if tokens_per_expert <= 96 else 128
-    active_blocks = max(1, min(slots, E)) if block_m < 64 else max(1, slots // block_m)
-    swap = block_m < 64
-    bk = 128 if fp8 else 64
-    if block_m <= 32:
-        bk = 256 if fp8 else 128
-    stages = 4 if block_m <= 32 else 3
-    gate = {"BLOCK_M": block_m, "BLOCK_K": min(bk, max(16, 1 << (K - 1).bit_length())),
-            "GROUP_M": 1 if tokens_per_expert < 128 else 8,
-            "num_warps": 4 if block_m <= 64 else 8, "num_stages": stages}
-    bn1 = _tile_n(N, active_blocks, not swap, num_sms)
-    bn2 = _tile_n(K, active_blocks, not swap, num_sms)
-    if block_m >= 128:
-        bn1 = bn2 = 128
-    cfg = {**gate, "BLOCK_N": bn1, "SWAP_AB": swap, "SPLIT_K": 1, "FUSE_GU": True}
-    down_bk = min(bk, max(16, 1 << (N - 1).bit_length()))
-    down = {"BLOCK_N": bn2, "BLOCK_K": down_bk, "GROUP_M": gate["GROUP_M"],
-            "num_warps": gate["num_warps"], "num_stages": stages, "SWAP_AB": swap, "SPLIT_K": 1}
-    target = 2 * num_sms
-    if block_m < 64:
-        p1 = active_blocks * -(-N // bn1)
-        if p1 < target:
-            bn1 = 64 if swap else bn1
-            cfg["BLOCK_N"] = bn1
-            cfg["FUSE_GU"] = False
-            p1 = active_blocks * -(-2 * N // bn1)
-            cfg["SPLIT_K"] = split_k_for(p1, -(-K // cfg["BLOCK_K"]), target)
-        p2 = active_blocks * -(-K // bn2)
-        down["SPLIT_K"] = split_k_for(p2, -(-N // down_bk), target)
-        if down["SPLIT_K"] > 1 or not cfg["FUSE_GU"]:  # fp32 h tiles double A's smem
-            down["num_stages"] = min(stages, 3)
-    # stages beyond a program's K tiles only cost shared memory (hence occupancy)
-    cfg["num_stages"] = max(2, min(cfg["num_stages"],
-                                   -(-K // (cfg["BLOCK_K"] * cfg["SPLIT_K"]))))
-    down["num_stages"] = max(2, min(down["num_stages"], -(-N // (down_bk * down["SPLIT_K"]))))
-    cfg["DOWN"] = down
-    return validate(cfg)
-
-
-def config_dirs() -> list[Path]:
+def config_dirs(device: str | None = None) -> list[Path]:
     env = os.environ.get("MOE_SERVE_KERNEL_CONFIG_DIR")
-    return ([Path(env)] if env else []) + [CONFIG_DIR]
+    return ([Path(env)] if env else []) + [cache_dir(device), CONFIG_DIR]
 
 
 @functools.lru_cache(maxsize=None)
 def load_table(E: int, N: int, K: int, dtype: str, device: str) -> dict[int, Config] | None:
     """The tuned table {bucket: config} for this shape, or None when no file matches."""
     name = config_file_name(E, N, K, dtype, device)
-    for d in config_dirs():
+    for d in config_dirs(device):
         path = d / name
         if path.is_file():
             raw = json.loads(path.read_text())
@@ -164,30 +73,41 @@ def load_table(E: int, N: int, K: int, dtype: str, device: str) -> dict[int, Con
     return None
 
 
+def aligned_default(M: int, E: int, N: int, K: int, topk: int, dtype: str,
+                    device: str | None = None) -> Config:
+    """The aligned path's untuned config: vLLM's own for the shape on a GPU where vLLM is
+    importable (its shipped table for the device, else its default), else our heuristic."""
+    on_gpu = (device or device_name()) != "cpu"
+    vcfg = vllm_kernels.moe_config(M, E, N, K, topk, dtype) if on_gpu else None
+    if vcfg is not None:
+        return heuristics.from_vllm_config(vcfg)
+    return heuristics.aligned_config(M, E, N, K, topk, dtype)
+
+
+def default_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
+                   device: str | None = None) -> Config:
+    """The untuned choice for bucket M (see the module doc)."""
+    if heuristics.use_decode_path(M, E, topk, N, K):
+        return heuristics.decode_config(M, E, N, K, topk, dtype)
+    return aligned_default(M, E, N, K, topk, dtype, device)
+
+
 @functools.lru_cache(maxsize=4096)
 def get_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
                device: str | None = None, act_bytes: int = 2) -> Config:
-    """Config for M tokens: tuned table entry for M's bucket, else the default heuristic;
-    either way fitted to Hopper's 227 KB of shared memory per CTA (kernels.smem.fit: fewer
-    stages, then smaller BLOCK_K). act_bytes: itemsize of fp8 layers' hidden states (bf16 2)."""
-    from kernels import smem
-
+    """Config for M tokens: tuned table entry for M's bucket, else the default; either way
+    fitted to Hopper's 227 KB of shared memory per CTA (smem.fit). act_bytes: itemsize of
+    fp8 layers' hidden states (bf16 2)."""
     device = device or device_name()
     table = load_table(E, N, K, dtype, device)
     if table:
-        keys = tuple(sorted(table))
-        cfg = table[bucket_of(M, keys)]
+        cfg = table[bucket_of(M, tuple(sorted(table)))]
     else:
-        cfg = default_config(bucket_of(M), E, N, K, topk, dtype)
-    return smem.fit(cfg, dtype, act_bytes)
+        cfg = default_config(bucket_of(M), E, N, K, topk, dtype, device)
+    return smem.fit(cfg, dtype, act_bytes, topk)
 
 
 def buckets_for(E: int, N: int, K: int, dtype: str, device: str | None = None) -> tuple[int, ...]:
     """The M buckets that select configs for this shape (tuned keys or M_BUCKETS)."""
     table = load_table(E, N, K, dtype, device or device_name())
     return tuple(sorted(table)) if table else M_BUCKETS
-
-
-def down_config(cfg: Config) -> Config:
-    """GEMM2's config: cfg with its DOWN overrides applied (SPLIT_K only from DOWN)."""
-    return {**{k: cfg[k] for k in KEYS}, "SPLIT_K": 1, **cfg.get("DOWN", {})}

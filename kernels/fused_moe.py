@@ -18,9 +18,10 @@ from typing import Any
 import torch
 import triton
 
-from kernels import configs
-from kernels.align import moe_align
+from kernels import configs, smem
+from kernels.align import max_padded_len, moe_align
 from kernels.launch import launch
+from kernels.moe_decode import moe_decode_down_kernel, moe_decode_up_kernel
 from kernels.moe_gemm import moe_gemm_kernel, topk_sum_kernel
 
 FP8 = torch.float8_e4m3fn
@@ -55,6 +56,15 @@ def _w_scale(scale: torch.Tensor, E: int, rows: int, what: str) -> tuple[torch.T
                      f"got shape {tuple(scale.shape)}")
 
 
+def _scales(fp8: Fp8Scales | None, E: int, N: int, K: int) -> tuple:
+    """(w1 scale, its mode, w2 scale, its mode, a1 scale, a2 scale); all None / 0 for bf16."""
+    if fp8 is None:
+        return None, 0, None, 0, None, None
+    w1s, m1 = _w_scale(fp8.w1_scale, E, 2 * N, "w1_scale")
+    w2s, m2 = _w_scale(fp8.w2_scale, E, K, "w2_scale")
+    return w1s, m1, w2s, m2, fp8.a1_scale, fp8.a2_scale
+
+
 def _a_mode(a_dtype: torch.dtype, a_scale: torch.Tensor | None, fp8: bool, what: str) -> int:
     if not fp8:
         return 0
@@ -84,8 +94,6 @@ def _launch_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, n_out: int, 
     except Exception as exc:
         if type(exc).__name__ != "OutOfResources":
             raise
-        from kernels import smem
-
         est = smem.estimate(bm, bn, cfg["BLOCK_K"], cfg["num_stages"], a.element_size(),
                             w.element_size(), gate_up, a_silu)
         raise KernelConfigError(
@@ -120,11 +128,11 @@ def _launch_checked(grid, cfg, a, w, c, a_scale, w_scale, w_mode, a_mode, topk_w
 
 
 def num_programs(M: int, E: int, N: int, K: int, topk: int, cfg: dict[str, Any]) -> tuple[int, int]:
-    """(GEMM1, GEMM2) programs of a config when every (token, expert) pair is a distinct
-    expert (decode worst case for the block count: min(T, E) hit experts)."""
-    from kernels.align import max_padded_len
-
+    """(GEMM1, GEMM2) programs of a config that do work when every (token, expert) pair is
+    a distinct expert (decode worst case for the block count: min(T, E) hit experts)."""
     T = M * topk
+    if cfg.get("DECODE"):
+        return min(T, E) * -(-N // cfg["BLOCK_N"]), M * -(-K // configs.down_config(cfg)["BLOCK_N"])
     blocks = -(-max_padded_len(T, E, cfg["BLOCK_M"]) // cfg["BLOCK_M"])
     down = configs.down_config(cfg)
     rows1 = N if cfg.get("FUSE_GU", True) else 2 * N
@@ -176,16 +184,14 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
 
     cfg = config or configs.get_config(M, E, N, K, topk, dtype_name(w1.dtype),
                                        act_bytes=hidden_states.element_size())
+    if cfg.get("DECODE"):
+        return _fused_moe_decode(hidden_states, w1, w2, topk_weights, topk_ids, fp8,
+                                 apply_router_weight_on_input, out, cfg)
     down = configs.down_config(cfg)
     align = moe_align(topk_ids, E, cfg["BLOCK_M"])
     T = M * topk
     dev = hidden_states.device
-    w1s = w2s = a1s = a2s = None
-    w1_mode = w2_mode = 0
-    if use_fp8:
-        w1s, w1_mode = _w_scale(fp8.w1_scale, E, 2 * N, "w1_scale")
-        w2s, w2_mode = _w_scale(fp8.w2_scale, E, K, "w2_scale")
-        a1s, a2s = fp8.a1_scale, fp8.a2_scale
+    w1s, w1_mode, w2s, w2_mode, a1s, a2s = _scales(fp8, E, N, K)
     split1 = int(cfg.get("SPLIT_K", 1))
     split2 = int(down.get("SPLIT_K", 1))
     fused1 = split1 == 1 and cfg.get("FUSE_GU", True)
@@ -225,4 +231,58 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         bk = min(1024, triton.next_power_of_2(K))
         launch(topk_sum_kernel, (M, triton.cdiv(K, bk)),
                c2, out, K, c2.stride(0), out.stride(0), TOPK=topk, BLOCK_K=bk, num_warps=4)
+    return out
+
+
+def _fused_moe_decode(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, tw: torch.Tensor,
+                      ids: torch.Tensor, fp8: Fp8Scales | None, on_input: bool, out: torch.Tensor,
+                      cfg: dict[str, Any]) -> torch.Tensor:
+    """The two-launch small-batch path (kernels.moe_decode); shapes checked by fused_moe."""
+    M, K = x.shape
+    E, N = w1.shape[0], w1.shape[1] // 2
+    topk = ids.shape[1]
+    T = M * topk
+    if T > cfg["BLOCK_M"]:
+        raise ValueError(f"decode config BLOCK_M={cfg['BLOCK_M']} < M*topk={T}")
+    ids = ids.contiguous()
+    down = configs.down_config(cfg)
+    use_fp8 = fp8 is not None
+    w1s, w1_mode, w2s, w2_mode, a1s, a2s = _scales(fp8, E, N, K)
+    dummy = tw
+    pdl = bool(cfg.get("PDL")) and not _INTERPRET
+    a_mode1 = _a_mode(x.dtype, a1s, use_fp8, "a1_scale")
+    c_fp8 = use_fp8 and a2s is not None           # quantized once, in GEMM1's epilogue
+    act = torch.empty((T, N), dtype=FP8 if c_fp8 else out.dtype, device=x.device)  # [T, N]
+    a_mode2 = 0 if not use_fp8 else 1 if c_fp8 else 3
+    ws1 = w1s if w1s is not None else dummy
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    launch(
+        moe_decode_up_kernel, (T, triton.cdiv(N, bn)),
+        x, w1, act, ids, tw, a1s if a1s is not None else dummy, ws1,
+        a2s if c_fp8 else dummy,
+        N, K, T,
+        x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
+        act.stride(0), act.stride(1),
+        ws1.stride(0) if w1_mode else 0, ws1.stride(1) if w1_mode == 2 else 0,
+        TOPK=topk, MUL_ROUTED=on_input, A_MODE=a_mode1, W_SCALE=w1_mode, C_FP8=c_fp8,
+        EVEN_K=K % bk == 0, SWAP_AB=cfg["SWAP_AB"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
+        BLOCK_K=bk, FP8_PREROUND=a_mode1 >= 2 and _INTERPRET, USE_PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    ws2 = w2s if w2s is not None else dummy
+    bn2, bk2 = down["BLOCK_N"], down["BLOCK_K"]
+    launch(
+        moe_decode_down_kernel, (M * triton.cdiv(K, bn2),),
+        act, w2, out, ids, tw, a2s if a2s is not None else dummy, ws2,
+        K, N, M,
+        act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+        out.stride(0), out.stride(1),
+        ws2.stride(0) if w2_mode else 0, ws2.stride(1) if w2_mode == 2 else 0,
+        TOPK=topk, MUL_ROUTED=not on_input, A_MODE=a_mode2, W_SCALE=w2_mode,
+        EVEN_N=N % bk2 == 0, SWAP_AB=down["SWAP_AB"],
+        BLOCK_M=max(16, triton.next_power_of_2(topk)), BLOCK_N=bn2, BLOCK_K=bk2,
+        FP8_PREROUND=a_mode2 >= 2 and _INTERPRET, USE_PDL=pdl,
+        num_warps=down["num_warps"], num_stages=down["num_stages"],
+        **({"launch_pdl": True} if pdl else {}),
+    )
     return out

@@ -7,11 +7,12 @@ loaded from the on-disk cache. We tell them apart with ``knobs.compilation.liste
 (a disk-cache load takes milliseconds, a compile hundreds).
 
 In interpreter mode (TRITON_INTERPRET=1) nothing is compiled and no hook fires: counts stay 0.
-Compiles for sm_90 can still happen on CPU through ``kernels.aot`` (fake CUDA driver), which
-the tests use.
+Compiles for sm_90 can still happen on CPU through ``kernels.aot`` (fake CUDA driver).
 
+Triton's hooks are process-wide, so this module is the process's one monitor.
 API: install(), set_phase(phase), snapshot() -> {(kernel, phase, kind): count},
-add_listener(cb(kernel, phase, kind, info)), reset(). kind is 'compile' or 'cache_load'.
+add_listener(cb(kernel, phase, kind, info)), reset(), spec_diff(old, new) for a compile's cause.
+kind is 'compile' or 'cache_load'.
 """
 from __future__ import annotations
 
@@ -55,13 +56,32 @@ def reset() -> None:
 
 def add_listener(cb: Listener) -> None:
     """cb(kernel, phase, kind, info) after each event; info has 'key', 'signature',
-    'constants', 'repr', 'seconds' where Triton provides them."""
+    'constants', 'spec' (spec_of), 'repr', 'seconds' where Triton provides them."""
     _listeners.append(cb)
 
 
 def remove_listener(cb: Listener) -> None:
     if cb in _listeners:
         _listeners.remove(cb)
+
+
+def spec_of(comp: dict[str, Any]) -> dict[str, Any]:
+    """{param: (type, constant, attrs)} of one compile's kwargs['compile'] dict."""
+    def flat(d: dict) -> dict:
+        return {(k[0] if isinstance(k, tuple) and len(k) == 1 else k): v for k, v in d.items()}
+
+    consts = flat(comp.get("constants") or {})
+    attrs = flat((comp.get("configs") or [{}])[0] or {})
+    return {name: (ty, consts.get(i, consts.get(name)), attrs.get(i, attrs.get(name)))
+            for i, (name, ty) in enumerate((comp.get("signature") or {}).items())}
+
+
+def spec_diff(old: dict[str, Any] | None, new: dict[str, Any]) -> str:
+    """Which parameters' specialization changed between two compiles of one kernel."""
+    if old is None:
+        return "first compile of this kernel in this process"
+    changed = [f"{p}: {old.get(p)} -> {v}" for p, v in new.items() if old.get(p) != v]
+    return "; ".join(changed) if changed else "same specialization (new options or a fresh cache)"
 
 
 def _chain(name: str, kwargs: dict[str, Any]) -> Any:
@@ -94,7 +114,7 @@ def _post_hook(**kwargs: Any) -> Any:
     comp = kwargs.get("compile") or {}
     info = {"key": kwargs.get("key"), "repr": kwargs.get("repr"), "seconds": seconds,
             "signature": comp.get("signature"), "constants": comp.get("constants"),
-            "is_warmup": kwargs.get("is_manual_warmup")}
+            "spec": spec_of(comp), "is_warmup": kwargs.get("is_manual_warmup")}
     ph = _phase
     with _lock:
         _counts[(kernel, ph, kind)] += 1

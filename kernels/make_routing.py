@@ -5,7 +5,8 @@
 
 Rule (conservative): at a measured M, "ours" iff our speed-up over vLLM's fused_experts is
 >= THRESHOLD (1.02: beyond run-to-run noise of graph-replay medians); strictly between two
-adjacent measured M, "ours" iff BOTH neighbours are >= THRESHOLD; above the largest measured
+adjacent measured M at most MAX_GAP (2x) apart, "ours" iff BOTH neighbours are >= THRESHOLD
+(a wider gap is "vllm": DeepSeek-V3 bf16 won at M=256 and 4096 and lost at 512); above the largest measured
 M, and for rows that errored (no speed-up), "vllm". Shapes never measured are absent: they
 route to vLLM (kernels.routing). The measured config string of each point is kept, so a test
 can check that the configs routed to ours are still the ones that were measured.
@@ -20,6 +21,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 THRESHOLD = 1.02
+MAX_GAP = 2          # interpolate "ours" only between measured M at most 2x apart
 
 
 def shape_table() -> dict[str, tuple[int, int, int, int]]:
@@ -39,7 +41,7 @@ def build_ranges(points: dict[int, float | None], threshold: float = THRESHOLD) 
     for i, m in enumerate(ms):
         raw.append((m, m, "ours" if win[m] else "vllm"))
         if i + 1 < len(ms) and ms[i + 1] > m + 1:
-            both = win[m] and win[ms[i + 1]]
+            both = win[m] and win[ms[i + 1]] and ms[i + 1] <= MAX_GAP * m
             raw.append((m + 1, ms[i + 1] - 1, "ours" if both else "vllm"))
     raw.append(((ms[-1] + 1) if ms else 1, None, "vllm"))
     merged: list[dict] = []
@@ -79,8 +81,8 @@ def build(results: list[dict[str, Any]], device: str, sources: list[str],
         ent["ranges"] = build_ranges(pts, threshold)
     return {"device": device, "threshold": threshold, "sources": sources,
             "rule": "ours iff speedup >= threshold at a measured M, or at both measured "
-                    "neighbours in between; above the largest measured M, errors, unmeasured "
-                    "shapes: vllm", "shapes": dict(sorted(acc.items()))}
+                    "neighbours at most 2x apart in between; above the largest measured M, "
+                    "errors, unmeasured M gaps: vllm", "shapes": dict(sorted(acc.items()))}
 
 
 def main(argv: list[str] | None = None) -> int:

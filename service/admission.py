@@ -1,7 +1,9 @@
-"""Admission control: bounded concurrency, a bounded wait queue, a prompt-token budget.
+"""Admission control: bounded concurrency in slots, a bounded wait queue, a prompt-token budget.
 
-Beyond the limits a request is answered 429 with `Retry-After` at once, so load turns
-into fast rejections instead of an unbounded pile of waiting requests.
+A request takes one slot per engine sequence it will start (prompts x n) before anything is
+tokenized; beyond `max_running` slots it waits in a bounded queue, beyond that it is answered
+429 with `Retry-After` at once. The prompt-token budget is charged per engine request once its
+prompt is tokenized (`charge`), and waits while other prompts hold the budget.
 """
 
 from __future__ import annotations
@@ -13,21 +15,34 @@ from service.errors import APIError
 
 
 class Ticket:
-    """One admitted request; `release()` is idempotent."""
+    """One admitted request holding `slots`; `release()` is idempotent."""
 
-    def __init__(self, admission: "Admission", prompt_tokens: int) -> None:
+    def __init__(self, admission: "Admission", slots: int) -> None:
         self._admission = admission
-        self.prompt_tokens = prompt_tokens
+        self.slots = slots
         self._released = False
 
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self._admission._release(self)
+            self._admission._release_slots(self.slots)
+
+
+class TokenCharge:
+    """Prompt tokens of one engine request held against the budget; `release()` is idempotent."""
+
+    def __init__(self, admission: "Admission", tokens: int) -> None:
+        self._admission = admission
+        self.tokens = tokens
+
+    def release(self) -> None:
+        if self.tokens:
+            tokens, self.tokens = self.tokens, 0
+            self._admission._release_tokens(tokens)
 
 
 class Admission:
-    """`acquire()` admits (maybe after waiting in the queue) or raises 429."""
+    """`acquire(slots)` admits (maybe after waiting in the queue) or raises 429."""
 
     def __init__(self, max_running: int, max_queued: int, max_prompt_tokens: int | None,
                  retry_after_s: int = 1) -> None:
@@ -35,9 +50,10 @@ class Admission:
         self.max_queued = max_queued
         self.max_prompt_tokens = max_prompt_tokens
         self.retry_after_s = retry_after_s
-        self.running = 0
-        self.prompt_tokens = 0
-        self._waiters: deque[asyncio.Future] = deque()
+        self.running = 0  # slots held by admitted requests
+        self.prompt_tokens = 0  # tokens charged by running engine requests
+        self._waiters: deque[tuple[asyncio.Future, int]] = deque()
+        self._token_waiters: list[asyncio.Future] = []
         self.closed = False
 
     @property
@@ -48,52 +64,72 @@ class Admission:
         return APIError(429, f"server is at capacity ({why}); retry later", code="rate_limit_exceeded",
                         headers={"Retry-After": str(self.retry_after_s)})
 
-    def _fits(self, prompt_tokens: int) -> bool:
-        if self.running >= self.max_running:
-            return False
-        budget = self.max_prompt_tokens
-        return budget is None or self.running == 0 or self.prompt_tokens + prompt_tokens <= budget
+    def _fits(self, slots: int) -> bool:
+        return self.running == 0 or self.running + slots <= self.max_running
 
-    async def acquire(self, prompt_tokens: int) -> Ticket:
+    async def acquire(self, slots: int = 1) -> Ticket:
+        """A ticket for `slots` engine sequences; 400 if more than the server can ever run at once."""
         if self.closed:
             raise APIError(503, "server is shutting down", code="shutting_down")
-        if self.max_prompt_tokens is not None and prompt_tokens > self.max_prompt_tokens:
-            raise APIError(400, f"prompt has {prompt_tokens} tokens, more than the server's in-flight budget of "
-                           f"{self.max_prompt_tokens}", param="prompt", code="context_length_exceeded")
-        if not self._waiters and self._fits(prompt_tokens):
-            return self._admit(prompt_tokens)
+        if slots > self.max_running:
+            raise APIError(400, f"the request needs {slots} concurrent sequences (prompts x n); this server "
+                           f"runs at most {self.max_running}", param="n", code="invalid_value")
+        if not self._waiters and self._fits(slots):
+            return self._admit(slots)
         if len(self._waiters) >= self.max_queued:
             raise self._reject(f"{self.running} running, {len(self._waiters)} queued")
         waiter = asyncio.get_running_loop().create_future()
-        waiter.prompt_tokens = prompt_tokens  # type: ignore[attr-defined]
-        self._waiters.append(waiter)
+        entry = (waiter, slots)
+        self._waiters.append(entry)
         try:
             await waiter
         except asyncio.CancelledError:
-            if waiter in self._waiters:
-                self._waiters.remove(waiter)
+            if entry in self._waiters:
+                self._waiters.remove(entry)
             elif waiter.done() and not waiter.cancelled():
                 waiter.result().release()  # admitted just as we were cancelled
             raise
         return waiter.result()
 
-    def _admit(self, prompt_tokens: int) -> Ticket:
-        self.running += 1
-        self.prompt_tokens += prompt_tokens
-        return Ticket(self, prompt_tokens)
+    def _admit(self, slots: int) -> Ticket:
+        self.running += slots
+        return Ticket(self, slots)
 
-    def _release(self, ticket: Ticket) -> None:
-        self.running -= 1
-        self.prompt_tokens -= ticket.prompt_tokens
-        while self._waiters and self._fits(self._waiters[0].prompt_tokens):  # type: ignore[attr-defined]
-            waiter = self._waiters.popleft()
+    def _release_slots(self, slots: int) -> None:
+        self.running -= slots
+        while self._waiters and self._fits(self._waiters[0][1]):
+            waiter, wanted = self._waiters.popleft()
             if not waiter.done():
-                waiter.set_result(self._admit(waiter.prompt_tokens))  # type: ignore[attr-defined]
+                waiter.set_result(self._admit(wanted))
+
+    async def charge(self, tokens: int) -> TokenCharge:
+        """Hold `tokens` prompt tokens of one engine request; waits while the budget is taken."""
+        budget = self.max_prompt_tokens
+        if budget is not None and tokens > budget:
+            raise APIError(400, f"prompt has {tokens} tokens, more than the server's in-flight budget of "
+                           f"{budget}", param="prompt", code="context_length_exceeded")
+        while budget is not None and self.prompt_tokens and self.prompt_tokens + tokens > budget:
+            waiter = asyncio.get_running_loop().create_future()
+            self._token_waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._token_waiters:
+                    self._token_waiters.remove(waiter)
+        self.prompt_tokens += tokens
+        return TokenCharge(self, tokens)
+
+    def _release_tokens(self, tokens: int) -> None:
+        self.prompt_tokens -= tokens
+        waiters, self._token_waiters = self._token_waiters, []
+        for waiter in waiters:  # each re-checks the budget
+            if not waiter.done():
+                waiter.set_result(None)
 
     def close(self) -> None:
         """Refuse new requests and fail every waiter (graceful shutdown)."""
         self.closed = True
         while self._waiters:
-            waiter = self._waiters.popleft()
+            waiter, _ = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_exception(APIError(503, "server is shutting down", code="shutting_down"))

@@ -21,6 +21,7 @@ from service.openai_api import router as openai_router
 from service.settings import Settings
 from service.state import ServerState
 from service.warmup import warm_up_request_path
+from service.worker_metrics import workers_summary
 
 logger = logging.getLogger(__name__)
 ENGINE_WATCH_INTERVAL_S = 1.0
@@ -102,10 +103,8 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
             vllm_version = vllm.__version__
         except ImportError:
             vllm_version = None
-        from kernels.jit_export import summary
-
         return {"version": __version__, "vllm": vllm_version, "model": settings.model_name,
-                "moe_kernels": settings.moe_kernels, **summary(state.runtime_dir)}
+                "moe_kernels": settings.moe_kernels, **workers_summary(state.runtime_dir)}
 
     @app.get("/metrics")
     async def metrics(_: Request) -> Response:

@@ -73,6 +73,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-n", type=int, default=int(e("max_n", 16)))
     p.add_argument("--max-tokens-limit", type=int, default=e("max_tokens_limit"))
     p.add_argument("--max-stop-sequences", type=int, default=int(e("max_stop_sequences", 8)))
+    p.add_argument("--max-batch-prompts", type=int, default=int(e("max_batch_prompts", 128)),
+                   help="most prompts in one /v1/completions request (400 beyond)")
+    p.add_argument("--max-messages", type=int, default=int(e("max_messages", 1024)),
+                   help="most messages in one chat request (400 beyond)")
+    p.add_argument("--default-max-tokens", type=int, default=int(e("default_max_tokens", 4096)),
+                   help="output cap for requests that set no max_tokens; 0: up to the context length")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   default=e("enable_auto_tool_choice", "0") in ("1", "true"),
+                   help="as in vllm serve (default on for the embedded model)")
+    p.add_argument("--tool-call-parser", default=e("tool_call_parser"),
+                   help="a vLLM tool parser name, as in vllm serve (embedded model: hermes)")
+    p.add_argument("--reasoning-parser", default=e("reasoning_parser"), help="a vLLM reasoning parser name")
+    p.add_argument("--chat-template", default=e("chat_template"), help="chat template file or string")
+    p.add_argument("--frontend-arg", action="append", default=[], metavar="FLAG",
+                   help="another `vllm serve` frontend flag, passed to vLLM's OpenAI layer as given "
+                        "(repeatable; e.g. --frontend-arg=--return-tokens-as-token-ids)")
     p.add_argument("--drain-timeout", type=float, default=float(e("drain_timeout", 30.0)),
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--malloc-trim-interval", type=float, default=float(e("malloc_trim_interval", 60.0)),
@@ -105,6 +121,10 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
         max_prompt_tokens_in_flight=opt_int(args.max_prompt_tokens_in_flight),
         max_request_bytes=args.max_request_bytes, max_n=args.max_n,
         max_tokens_limit=opt_int(args.max_tokens_limit), max_stop_sequences=args.max_stop_sequences,
+        max_batch_prompts=args.max_batch_prompts, max_messages=args.max_messages,
+        default_max_tokens=args.default_max_tokens or None, enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        chat_template=args.chat_template, frontend_args=tuple(args.frontend_arg),
         drain_timeout_s=args.drain_timeout, malloc_trim_interval_s=args.malloc_trim_interval,
         log_level=args.log_level,
         request_timeout_s=args.request_timeout, access_log=args.access_log, access_log_json=args.access_log_json,
@@ -113,6 +133,11 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["tune"]:                      # moe-serve tune ... (kernels.tune_cli)
+        from kernels.tune_cli import main as tune_main
+
+        return tune_main(args[1:])
     try:
         settings = settings_from_args(argv)
     except SettingsError as exc:
@@ -126,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     from service.engine import default_engine_env, kernel_plugin_installed
     from service.shutdown import ABORT_FLUSH_S, DrainingServer
 
-    default_engine_env()
+    default_engine_env(embedded_model=settings.model is None)
     if settings.moe_kernels == "optimized" and not kernel_plugin_installed():
         # Seen on the H200: run from a source tree, vLLM never loaded our kernels and the
         # "optimized" server silently served stock vLLM. Refuse instead.

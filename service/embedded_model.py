@@ -17,14 +17,34 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-# Mistral-instruct style template; `bos_token` is added by the template, so the rendered
-# text is encoded without special tokens.
+# Mistral-instruct style turns with Hermes-style tools: the tool list goes first, assistant tool
+# calls render as <tool_call>{"name": ..., "arguments": {...}}</tool_call> (what vLLM's `hermes`
+# tool parser reads), tool results as <tool_response>...</tool_response>. `bos_token` is added by
+# the template, so the rendered text is encoded without special tokens. Other roles (vLLM accepts
+# custom ones) render as a user turn naming the role.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}{{ '[INST] <<SYS>> You may call functions. Signatures: <tools>' }}"
+    "{% for tool in tools %}{% set f = tool['function'] if tool['function'] is defined else tool %}"
+    "{{ {'name': f['name'], 'description': f['description'] or '',"
+    " 'parameters': f['parameters'] or {}} | tojson }}"
+    "{% endfor %}"
+    "{{ '</tools> Call one as <tool_call>{\"name\": <name>, \"arguments\": <JSON object>}</tool_call>"
+    " <</SYS>> [/INST]' }}{% endif %}"
     "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}{{ '[INST] <<SYS>> ' + message['content'] + ' <</SYS>> [/INST]' }}"
+    "{% if message['role'] in ('system', 'developer') %}"
+    "{{ '[INST] <<SYS>> ' + message['content'] + ' <</SYS>> [/INST]' }}"
     "{% elif message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
-    "{% else %}{{ message['content'] + eos_token }}{% endif %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '[INST] <tool_response>' + message['content'] + '</tool_response> [/INST]' }}"
+    "{% elif message['role'] != 'assistant' %}"
+    "{{ '[INST] ' + message['role'] + ': ' + message['content'] + ' [/INST]' }}"
+    "{% else %}{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% set f = call['function'] if call['function'] is defined else call %}"
+    "{{ '<tool_call>{\"name\": \"' + f['name'] + '\", \"arguments\": ' }}"
+    "{{ f['arguments'] if f['arguments'] is string else f['arguments'] | tojson }}{{ '}</tool_call>' }}"
+    "{% endfor %}{{ eos_token }}{% endif %}"
     "{% endfor %}"
 )
 
@@ -43,7 +63,7 @@ class TinyMixtralSpec:
     vocab_size: int = 32000
     max_position_embeddings: int = 4096
     seed: int = 1234
-    format_version: int = 1
+    format_version: int = 4  # 2: chat template renders tools and tool-call history
 
     def cache_key(self) -> str:
         return "tiny-mixtral-" + "-".join(str(v) for v in asdict(self).values())

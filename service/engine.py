@@ -12,7 +12,6 @@ import gc
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from service.settings import Settings, visible_gpu_count
@@ -25,22 +24,8 @@ class EngineNotReady(RuntimeError):
     """The engine is still starting (or failed to start)."""
 
 
-class EngineClientError(ValueError):
-    """vLLM rejected the request as invalid (a 400 for the client)."""
-
-
 class EngineDead(RuntimeError):
     """The engine core died; the server cannot serve any more."""
-
-
-def _is_client_error(exc: BaseException) -> bool:
-    """vLLM 0.26 raises ValueError subclasses, 0.32 `VLLMClientError`, for bad requests."""
-    names = {cls.__name__ for cls in type(exc).__mro__}
-    return "VLLMClientError" in names or "VLLMValidationError" in names or isinstance(exc, ValueError)
-
-
-def _is_engine_dead(exc: BaseException) -> bool:
-    return any(cls.__name__ == "EngineDeadError" for cls in type(exc).__mro__)
 
 
 def build_engine_args(settings: Settings, model_path: str) -> Any:
@@ -68,15 +53,45 @@ def build_engine_args(settings: Settings, model_path: str) -> Any:
         kwargs["quantization"] = settings.quantization
     if settings.max_num_seqs is not None:
         kwargs["max_num_seqs"] = settings.max_num_seqs
+    if settings.model is None:  # the embedded model: see EMBEDDED_STRUCTURED_OUTPUTS
+        kwargs["structured_outputs_config"] = dict(EMBEDDED_STRUCTURED_OUTPUTS)
     kwargs.update(settings.engine_args)
+    if isinstance(kwargs.get("structured_outputs_config"), dict):  # e.g. from --engine-arg as JSON
+        from vllm.config import StructuredOutputsConfig
+
+        kwargs["structured_outputs_config"] = StructuredOutputsConfig(**kwargs["structured_outputs_config"])
     from kernels import backend_policy
 
     backend_policy.apply(kwargs, settings.moe_kernels, model_path)  # an explicit moe_backend wins
     return AsyncEngineArgs(**kwargs)
 
 
+EMBEDDED_TOOL_PARSER = "hermes"
+# A random-weight model, left free, fills JSON with whitespace until max_tokens: the embedded model's
+# structured outputs allow none (vLLM's `--structured-outputs-config` of the same name).
+EMBEDDED_STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
+
+
+def frontend_flags(settings: Settings) -> list[str]:
+    """`vllm serve` flags for vLLM's OpenAI layer (tool calling, reasoning, chat template, extras)."""
+    flags: list[str] = []
+    parser = settings.tool_call_parser
+    auto = settings.enable_auto_tool_choice
+    if settings.model is None and parser is None:  # the embedded model's template writes Hermes tool calls
+        parser, auto = EMBEDDED_TOOL_PARSER, True
+    if auto:
+        flags.append("--enable-auto-tool-choice")
+    if parser:
+        flags += ["--tool-call-parser", parser]
+    if settings.reasoning_parser:
+        flags += ["--reasoning-parser", settings.reasoning_parser]
+    if settings.chat_template:
+        flags += ["--chat-template", settings.chat_template]
+    return flags + list(settings.frontend_args)
+
+
 class EngineHandle:
-    """Owns the `AsyncLLM`: start, generate, abort, health, shutdown."""
+    """Owns the `AsyncLLM` and vLLM's OpenAI handlers around it: start, abort, health, shutdown."""
 
     def __init__(self, settings: Settings, model_path: str) -> None:
         self.settings = settings
@@ -89,6 +104,7 @@ class EngineHandle:
         self.ready = asyncio.Event()
         self.dead = False
         self.active: set[str] = set()  # engine request ids being generated now
+        self.frontend: Any = None  # service.vllm_compat.Frontend: vLLM's OpenAI handlers
 
     async def start(self) -> None:
         """Build the engine (blocking work runs in a thread); set `ready` or `start_error`."""
@@ -97,6 +113,11 @@ class EngineHandle:
         began = time.perf_counter()
         os.environ["MOE_SERVE_MOE_KERNELS"] = self.settings.moe_kernels  # read by the plugin in every worker
         try:
+            from service import vllm_compat
+            from service.engine_client import ObservedEngineClient
+
+            serve_args = vllm_compat.serve_args(self.model_path, self.settings.model_name,
+                                                frontend_flags(self.settings))  # bad parser names fail here
             args = build_engine_args(self.settings, self.model_path)
             logger.info("starting vLLM engine: model=%s tp=%s", self.model_path, args.tensor_parallel_size)
             # Built in a thread so /health answers 503 meanwhile; AsyncLLM starts its output
@@ -112,6 +133,7 @@ class EngineHandle:
             bounded = bound_bpe_caches(self.tokenizer)
             logger.info("BPE cache bounded to %d entries in %d tokenizer object(s)", BPE_CACHE_ENTRIES, bounded)
             self.max_model_len = int(self.engine.model_config.max_model_len)
+            self.frontend = await vllm_compat.build_frontend(ObservedEngineClient(self), serve_args)
         except BaseException as exc:  # noqa: BLE001 - reported via /health and the exit code
             self.start_error = exc
             logger.exception("engine failed to start")
@@ -138,29 +160,13 @@ class EngineHandle:
         # vLLM 0.32 has AsyncLLM.get_num_unfinished_requests; 0.26 only its output processor's.
         return int(self.engine.output_processor.get_num_unfinished_requests())
 
-    async def generate(
-        self, prompt_token_ids: list[int], sampling_params: Any, request_id: str
-    ) -> AsyncIterator[Any]:
-        """Yield `RequestOutput`s; closing the iterator early aborts the engine request."""
-        if not self.healthy:
-            raise EngineDead("engine is not running") if self.dead else EngineNotReady("engine is starting")
-        from vllm.inputs import TokensPrompt
+    def note_engine_failure(self, exc: BaseException) -> bool:
+        """Mark the engine dead if `exc` (from a request) says its core died; True if so."""
+        from service.vllm_compat import EngineDeadError
 
-        stream = self.engine.generate(TokensPrompt(prompt_token_ids=prompt_token_ids), sampling_params, request_id)
-        self.active.add(request_id)
-        try:
-            async for output in stream:
-                yield output
-        except Exception as exc:
-            if _is_engine_dead(exc) or getattr(self.engine, "errored", False):
-                self.dead = True
-                raise EngineDead(str(exc) or "engine core died") from exc
-            if _is_client_error(exc):
-                raise EngineClientError(str(exc)) from exc
-            raise
-        finally:
-            self.active.discard(request_id)
-            await stream.aclose()
+        if isinstance(exc, EngineDeadError) or getattr(self.engine, "errored", False):
+            self.dead = True
+        return self.dead
 
     async def abort_all(self) -> None:
         """Abort every running request; their streams end with finish_reason 'abort'."""
@@ -196,8 +202,13 @@ def kernel_plugin_installed() -> bool:
     return any(ep.name == PLUGIN_NAME for ep in entry_points(group=PLUGIN_GROUP))
 
 
-def default_engine_env() -> None:
+def default_engine_env(embedded_model: bool = False) -> None:
     """Environment defaults vLLM needs here (set only where the user has not)."""
+    if embedded_model:
+        # Named/required tool choice through vLLM's JSON-schema structured outputs (which honour
+        # EMBEDDED_STRUCTURED_OUTPUTS) instead of xgrammar structural tags (which allow any
+        # whitespace, where a random-weight model stays). Read when vLLM's tool parsers are imported.
+        os.environ.setdefault("VLLM_ENFORCE_STRICT_TOOL_CALLING", "0")
     # vLLM 0.26 on the H200 hung at engine start without spawn (DESIGN.md).
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")

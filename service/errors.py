@@ -62,6 +62,14 @@ def error_response(err: APIError) -> JSONResponse:
                         headers=err.headers)
 
 
+def from_vllm_error(error: dict) -> APIError:
+    """Our error for vLLM's `{"message", "type", "param", "code": <HTTP status>}` (5xx text withheld)."""
+    status = error.get("code") if isinstance(error.get("code"), int) else 500
+    if status >= 500:
+        return APIError(status, "internal error while generating", code="internal_error")
+    return APIError(status, str(error.get("message") or HTTPStatus(status).phrase), param=error.get("param"))
+
+
 def sse_error_event(err: APIError) -> str:
     """The final `data: {"error": ...}` event of a stream that failed after it started."""
     return f"data: {json.dumps(error_body(err.status, err.message, err.param, err.code))}\n\n"
@@ -85,13 +93,14 @@ async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONR
     errors = exc.errors()
     first = errors[0] if errors else {}
     loc = tuple(first.get("loc", ()))
+    named = getattr((first.get("ctx") or {}).get("error"), "parameter", None)  # vLLM's validators name it
     if first.get("type") == "json_invalid":
         message = "request body is not valid JSON"
     else:
         message = "; ".join(
             f"{_param_of(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg', 'invalid')}" for e in errors[:5]
         )
-    return error_response(APIError(400, message, param=_param_of(loc), code="invalid_value"))
+    return error_response(APIError(400, message, param=named or _param_of(loc), code="invalid_value"))
 
 
 async def _on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -104,7 +113,18 @@ async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
     return error_response(APIError(500, "internal server error", code="internal_error"))
 
 
+async def _on_vllm_client_error(_: Request, exc: Exception) -> JSONResponse:
+    """vLLM's request validators raise its own errors (0.32: not ValueErrors, so not pydantic's)."""
+    from service import vllm_compat
+
+    return error_response(from_vllm_error(vllm_compat.error_response_for(exc).error.model_dump()))
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    from service import vllm_compat  # heavy: vLLM
+
+    for cls in vllm_compat.CLIENT_ERRORS:
+        app.add_exception_handler(cls, _on_vllm_client_error)
     app.add_exception_handler(APIError, _on_api_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)

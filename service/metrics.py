@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -187,7 +187,7 @@ class RequestObserver:
         self.m = metrics
         self.arrival = time.perf_counter()
         self.first_token_at: float | None = None
-        self._last_token_at: dict[int, float] = {}  # per sequence index
+        self._last_token_at: dict[Hashable, float] = {}  # per sequence (engine request, choice)
         self._finish_reasons: list[str] = []
         self.prompt_tokens = prompt_tokens
         self.generation_tokens = 0
@@ -201,7 +201,7 @@ class RequestObserver:
             self.m.queue.labels(self.m.model).observe(self.admitted_at - self.arrival)
             self.m.in_flight.labels(self.m.model).inc()
 
-    def on_tokens(self, sequence: int, new_tokens: int, finish_reason: str | None = None) -> None:
+    def on_tokens(self, sequence: Hashable, new_tokens: int, finish_reason: str | None = None) -> None:
         """Record `new_tokens` of sequence `sequence` that arrived now (and its finish reason, if last)."""
         if finish_reason is not None:
             self._finish_reasons.append(finish_reason)

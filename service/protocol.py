@@ -1,104 +1,102 @@
-"""OpenAI request bodies (pydantic) and the checks that need no engine.
+"""Request checks moe-serve adds around vLLM's own OpenAI request models (vllm_compat re-exports them).
 
-Responses are built as plain dicts in `service.responses` (cheaper per SSE chunk).
+vLLM's request models accept unknown fields and ignore them (extra="allow"). Here every unknown
+field, at any depth of the pydantic models, is a 400 naming it, except `ALLOWED_EXTRA_FIELDS` at
+the top level (OpenAI fields with no effect on a self-hosted server). Then the server's own input
+limits (n, stop strings, batch size, message count, output cap) are applied, before admission and
+before anything is tokenized.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import BaseModel
 
+from service.errors import APIError
+from service.settings import Settings
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
-
-
-class SamplingFields(BaseModel):
-    """Fields shared by completions and chat completions."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: StrictStr
-    n: Annotated[int, Field(ge=1)] = 1
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    user: str | None = None
-    # vLLM extensions.
-    ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
-    top_k: StrictInt | None = None
-
-    @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> "SamplingFields":
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
-        return self
-
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+# OpenAI request fields that vLLM does not know and that change nothing here (no storage, no
+# tiers, no prompt-cache routing): accepted and ignored. `user` is a vLLM field (also ignored).
+ALLOWED_EXTRA_FIELDS = frozenset({"metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
 
 
-TokenIds = list[StrictInt]
+def reject_unknown_fields(model: BaseModel, prefix: str = "") -> None:
+    """400 for the first field that no model of the request declares (allowlist at the top only)."""
+    for key in model.model_extra or {}:
+        if not prefix and key in ALLOWED_EXTRA_FIELDS:
+            continue
+        name = prefix + key
+        raise APIError(400, f"unknown field '{name}': this server does not support it", param=name,
+                       code="unknown_parameter")
+    for key, value in model.__dict__.items():
+        _check_nested(value, f"{prefix}{key}")
 
 
-class CompletionRequest(SamplingFields):
-    """POST /v1/completions."""
-
-    prompt: Union[StrictStr, list[StrictStr], TokenIds, list[TokenIds]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
-
-    def prompts(self) -> list[str | list[int]]:
-        """The prompt as a batch: each item is text or token ids."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if not p:
-            raise ValueError("prompt must not be empty")
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+def _check_nested(value: Any, path: str) -> None:
+    if isinstance(value, BaseModel):
+        reject_unknown_fields(value, path + ".")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if isinstance(item, BaseModel):
+                reject_unknown_fields(item, f"{path}.{i}.")
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: StrictStr | list[dict[str, Any]] | None = None
-    name: str | None = None
-
-    def text(self) -> str:
-        """Content as plain text (text parts joined); other part types are rejected."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
 
 
-class ChatCompletionRequest(SamplingFields):
-    """POST /v1/chat/completions."""
+def check_common(req: Any, settings: Settings) -> None:
+    """Limits shared by completions and chat: n, stop strings, beam search, max_tokens."""
+    n = req.n or 1
+    if n > settings.max_n:
+        raise APIError(400, f"n must be <= {settings.max_n}, got {n}", param="n", code="invalid_value")
+    stops = _stop_list(req.stop)
+    if len(stops) > settings.max_stop_sequences:
+        raise APIError(400, f"at most {settings.max_stop_sequences} stop sequences are allowed, got {len(stops)}",
+                       param="stop", code="invalid_value")
+    if any(s == "" for s in stops):
+        raise APIError(400, "stop sequences must be non-empty", param="stop", code="invalid_value")
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool = False
 
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+def cap_output(req: Any, fields: tuple[str, ...], settings: Settings) -> None:
+    """Apply --max-tokens-limit (400 if asked for more) and --default-max-tokens (if none asked)."""
+    name = next((f for f in fields if getattr(req, f, None) is not None), None)
+    limit = settings.max_tokens_limit
+    if name is not None:
+        asked = getattr(req, name)
+        if limit is not None and asked > limit:
+            raise APIError(400, f"{name} must be <= {limit}, got {asked}", param=name, code="invalid_value")
+        return
+    caps = [c for c in (settings.default_max_tokens, limit) if c is not None]
+    if caps:
+        setattr(req, fields[0], min(caps))
+
+
+def completion_slots(req: Any, settings: Settings) -> int:
+    """Admission slots of a completion request (prompts x n); 400 beyond --max-batch-prompts."""
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        count = len(prompt)  # a batch of texts or of token-id lists
+    else:
+        count = 1
+    if count > settings.max_batch_prompts:
+        raise APIError(400, f"at most {settings.max_batch_prompts} prompts per request, got {count}",
+                       param="prompt", code="invalid_value")
+    return count * (req.n or 1)
+
+
+def check_messages(req: Any, settings: Settings) -> None:
+    """At most --max-messages messages (their size is bounded by --max-request-bytes), each an
+    OpenAI message object (vLLM's union also admits harmony `Message` models, which its chat
+    renderer then cannot read: a 500 in `vllm serve`)."""
+    count = len(req.messages)
+    if count > settings.max_messages:
+        raise APIError(400, f"at most {settings.max_messages} messages per request, got {count}",
+                       param="messages", code="invalid_value")
+    for i, message in enumerate(req.messages):
+        if not isinstance(message, dict) or "role" not in message:
+            raise APIError(400, f"messages.{i} must be an object with a 'role'", param=f"messages.{i}",
+                           code="invalid_value")

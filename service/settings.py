@@ -53,6 +53,15 @@ class Settings:
     max_n: int = 16
     max_tokens_limit: int | None = None  # cap on max_tokens per request (None: context length)
     max_stop_sequences: int = 8
+    max_batch_prompts: int = 128  # prompts in one /v1/completions request
+    max_messages: int = 1024  # messages in one chat request
+    default_max_tokens: int | None = 4096  # output cap for requests that set none (None: the context)
+    # vLLM's OpenAI layer (service/vllm_compat.py): `vllm serve` flags of the same names.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # with the embedded model: hermes (and auto tool choice)
+    reasoning_parser: str | None = None
+    chat_template: str | None = None
+    frontend_args: tuple[str, ...] = ()  # further `vllm serve` frontend flags, passed as given
     request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S  # None: no timeout
     drain_timeout_s: float = 30.0
     malloc_trim_interval_s: float = 60.0  # 0 disables (service/memory_trim.py)
@@ -88,13 +97,15 @@ class Settings:
         if self.moe_kernels not in ("optimized", "vllm"):
             raise SettingsError(f"--moe-kernels must be 'optimized' or 'vllm', got {self.moe_kernels!r}")
         for name in ("max_concurrent_requests", "max_queued_requests", "max_request_bytes", "max_n",
-                     "max_stop_sequences"):
+                     "max_stop_sequences", "max_batch_prompts", "max_messages"):
             if getattr(self, name) < 1 and name != "max_queued_requests":
                 raise SettingsError(f"--{name.replace('_', '-')} must be >= 1")
         if self.max_queued_requests < 0:
             raise SettingsError("--max-queued-requests must be >= 0")
         if any(not key for key in self.api_keys):
             raise SettingsError("API keys must be non-empty")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise SettingsError("--default-max-tokens must be >= 1 (0 on the command line: no cap)")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise SettingsError("--request-timeout must be > 0")
         if self.drain_timeout_s < 0:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -11,9 +10,10 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from service.admission import Admission
-from service.engine import EngineDead, EngineHandle, EngineNotReady
+from service.engine import EngineHandle
 from service.metrics import ServiceMetrics
 from service.settings import Settings
+from service.worker_metrics import WorkerMetricsCollector, prepare_runtime_dir
 
 
 @dataclass
@@ -28,18 +28,14 @@ class ServerState:
     shutting_down: bool = False
     warmed: bool = False  # the start-up warm-up requests are done (service/warmup.py); /health waits for it
     exit_code: int = 0
-    runtime_dir: Path | None = None  # where vLLM workers write their reports
+    runtime_dir: Path | None = None  # where vLLM workers write their metrics (service/worker_metrics.py)
     owns_runtime_dir: bool = False  # a temp dir we made (removed at exit)
 
     @classmethod
     def create(cls, settings: Settings, engine: EngineHandle) -> "ServerState":
         registry = CollectorRegistry()
-        # vLLM workers report (plugin state, Triton JIT compiles) into files in this dir.
-        from kernels.jit_export import RUNTIME_DIR_ENV, WorkerCollector, prepare_runtime_dir
-
-        owns_runtime_dir = not os.environ.get(RUNTIME_DIR_ENV)
-        runtime_dir = prepare_runtime_dir()
-        registry.register(WorkerCollector(runtime_dir))
+        runtime_dir, owns_runtime_dir = prepare_runtime_dir()
+        registry.register(WorkerMetricsCollector(runtime_dir))
         admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests,
                               settings.max_prompt_tokens_in_flight)
         return cls(
@@ -67,9 +63,3 @@ class ServerState:
     def in_flight(self) -> int:
         """Requests admitted and not yet finished (streams included)."""
         return self.admission.running
-
-    def engine_unavailable(self) -> Exception:
-        """The exception that explains why the engine cannot take requests now."""
-        if self.engine.dead or self.engine.start_error is not None:
-            return EngineDead("engine is not running")
-        return EngineNotReady("engine is starting")

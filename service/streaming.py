@@ -12,6 +12,8 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Send
 
+from service.errors import APIError
+
 T = TypeVar("T")
 DONE_EVENT = "data: [DONE]\n\n"
 
@@ -49,12 +51,14 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`; if the client disconnects first, cancel it and raise ClientGone."""
+async def until_disconnect(request: Request, work: Awaitable[T], deadline: float | None = None) -> T:
+    """Await `work` as a task; if the client disconnects first raise ClientGone, if the loop time
+    `deadline` passes first raise 408; either way the task is cancelled and awaited first."""
     work_task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    timeout = None if deadline is None else max(deadline - asyncio.get_running_loop().time(), 0.0)
     try:
-        done, _ = await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({work_task, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
         work_task.cancel()
         raise
@@ -63,5 +67,22 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     if work_task in done:
         return work_task.result()
     work_task.cancel()
-    await asyncio.gather(work_task, return_exceptions=True)
-    raise ClientGone()
+    await asyncio.gather(work_task, return_exceptions=True)  # its result (if it swallowed the cancel) is dropped
+    if watcher in done:
+        raise ClientGone()
+    raise request_timeout()
+
+
+def request_timeout() -> APIError:
+    return APIError(408, "the request took longer than the server's request timeout", code="timeout")
+
+
+async def next_before(stream: AsyncIterator[T], deadline: float | None) -> T | None:
+    """The stream's next item (None at its end); 408 if the loop time `deadline` passes first."""
+    if deadline is None:
+        return await anext(stream, None)
+    try:  # not asyncio.wait_for: on 3.11 it can swallow a cancellation (client disconnect)
+        async with asyncio.timeout_at(deadline):
+            return await anext(stream, None)
+    except TimeoutError:
+        raise request_timeout() from None

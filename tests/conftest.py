@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
+from tests.plugin_env import plugin_server_env
 
 API_KEY = "test-key-0123456789"
 STRICT_KEY = "strict-key-0123456789"
@@ -20,19 +21,20 @@ def strict_flags(model_dir: str) -> list[str]:
     """The second server's flags but its --api-key STRICT_KEY (also used to rebuild its app in-process)."""
     return ["--model", model_dir, "--metrics-api-key", STRICT_METRICS_KEY, "--enable-docs",
             "--forwarded-allow-ips", "127.0.0.1", "--access-log-json",
-            "--max-concurrent-requests", "2", "--max-queued-requests", "2"]
+            "--max-concurrent-requests", "32", "--max-queued-requests", "2"]
 
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """The real server with an API key set, shared by every test that needs an engine.
 
-    Its vLLM worker compiles a probe Triton kernel (for sm_90, on the CPU) once in warm-up and
-    once after serving starts, so the JIT-compile series, dashboard panels and alert inputs carry
-    real data on a machine whose MoE path never compiles Triton (see kernels/vllm_plugin.py).
+    Through the test-only vLLM plugin (tests/vllm_test_plugin), its worker compiles a probe
+    Triton kernel (for sm_90, on the CPU) once in warm-up and once after serving starts, so the
+    JIT-compile series, dashboard panels and alert inputs carry real data on a machine whose MoE
+    path never compiles Triton.
     """
     tmp = tmp_path_factory.mktemp("server")
-    env = {"MOE_SERVE_TEST_JIT_KERNEL": "1", "TRITON_CACHE_DIR": str(tmp / "triton-cache")}
+    env = {**plugin_server_env(probe_kernel="1"), "TRITON_CACHE_DIR": str(tmp / "triton-cache")}
     srv = start_server(tmp, api_key=API_KEY, env=env)
     yield srv
     srv.stop()
@@ -49,8 +51,8 @@ def embedded_model_dir() -> str:
 def strict_server(tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: str) -> Iterator[ServerProcess]:
     """A second real server for the non-default flags (strict_flags): the embedded model given
     by its path (default served name: the directory's name), an API key and a separate
-    /metrics key, docs on, 127.0.0.1 as a trusted proxy, a JSON access log, 2 running + 2
-    queued requests. Its `headers` carry STRICT_KEY."""
+    /metrics key, docs on, 127.0.0.1 as a trusted proxy, a JSON access log, 32 running engine
+    sequences + 2 queued requests. Its `headers` carry STRICT_KEY."""
     srv = start_server(tmp_path_factory.mktemp("strict"), *strict_flags(embedded_model_dir), api_key=STRICT_KEY)
     yield srv
     srv.stop()

@@ -21,8 +21,9 @@ MONITORING = REPO / "monitoring"
 DASHBOARD = MONITORING / "grafana" / "dashboards" / "moe-serve.json"
 ALERTS = MONITORING / "alerts.yml"
 PROMETHEUS_YML = MONITORING / "prometheus.yml"
-# Families exported by the kernels plugin's collector (issue 4), not by service/metrics.py.
-PLUGIN_FAMILIES = ("moe_serve_triton_jit_compiles_total", "moe_serve_moe_kernel_info")
+# Families the vLLM workers' plugin reports (kernels/plugin_metrics.py), not service/metrics.py.
+PLUGIN_FAMILIES = ("moe_serve_triton_jit_compiles_total", "moe_serve_moe_kernel_info",
+                   "moe_serve_plugin_warmup_failures_total")
 SampleKey = tuple[str, frozenset]
 
 

@@ -17,12 +17,12 @@ def run(coro):
 def test_admits_up_to_the_limit_then_queues_then_rejects_with_retry_after() -> None:
     async def scenario() -> None:
         adm = Admission(max_running=2, max_queued=1, max_prompt_tokens=None)
-        a, b = await adm.acquire(10), await adm.acquire(10)
-        waiting = asyncio.create_task(adm.acquire(10))
+        a, b = await adm.acquire(1), await adm.acquire(1)
+        waiting = asyncio.create_task(adm.acquire(1))
         await asyncio.sleep(0)
         assert adm.running == 2 and adm.queued == 1 and not waiting.done()
         with pytest.raises(APIError) as exc:
-            await adm.acquire(10)
+            await adm.acquire(1)
         assert exc.value.status == 429 and exc.value.headers["Retry-After"]
         a.release()
         c = await asyncio.wait_for(waiting, 1)
@@ -34,18 +34,40 @@ def test_admits_up_to_the_limit_then_queues_then_rejects_with_retry_after() -> N
     run(scenario())
 
 
-def test_prompt_token_budget_holds_requests_back_and_rejects_oversized_prompts() -> None:
+def test_prompt_token_budget_holds_engine_requests_back_and_rejects_oversized_prompts() -> None:
     async def scenario() -> None:
         adm = Admission(max_running=10, max_queued=5, max_prompt_tokens=100)
-        a = await adm.acquire(80)
-        waiting = asyncio.create_task(adm.acquire(30))
+        a = await adm.charge(80)
+        waiting = asyncio.create_task(adm.charge(30))
         await asyncio.sleep(0)
-        assert not waiting.done()
+        assert not waiting.done() and adm.prompt_tokens == 80
         with pytest.raises(APIError) as exc:
-            await adm.acquire(101)
-        assert exc.value.status == 400
+            await adm.charge(101)
+        assert exc.value.status == 400 and exc.value.param == "prompt"
         a.release()
-        (await asyncio.wait_for(waiting, 1)).release()
+        b = await asyncio.wait_for(waiting, 1)
+        assert adm.prompt_tokens == 30
+        b.release()
+        b.release()  # idempotent
+        assert adm.prompt_tokens == 0
+
+    run(scenario())
+
+
+def test_a_batch_takes_one_slot_per_sequence_and_waits_for_all_of_them() -> None:
+    async def scenario() -> None:
+        adm = Admission(max_running=8, max_queued=4, max_prompt_tokens=None)
+        small = await adm.acquire(3)
+        batch = asyncio.create_task(adm.acquire(6))  # 3 + 6 > 8: waits for the slots
+        await asyncio.sleep(0)
+        assert adm.running == 3 and adm.queued == 1 and not batch.done()
+        with pytest.raises(APIError) as exc:
+            await adm.acquire(9)  # more than the server can ever run at once
+        assert exc.value.status == 400
+        small.release()
+        big = await asyncio.wait_for(batch, 1)
+        assert adm.running == 6
+        big.release()
         assert adm.running == 0
 
     run(scenario())

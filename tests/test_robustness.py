@@ -17,7 +17,6 @@ import pytest
 import schemathesis
 
 from loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
-from tests.conftest import STRICT_KEY
 
 pytestmark = pytest.mark.engine
 LIMITS = ["--max-concurrent-requests", "2", "--max-queued-requests", "2", "--max-tokens-limit", "32",
@@ -37,25 +36,35 @@ def _fuzz_strategy():
     """Cases for every operation of the server's own OpenAPI schema (valid and invalid bodies)."""
     from hypothesis import strategies as st
 
-    from kernels.jit_export import RUNTIME_DIR_ENV
     from service.app import create_app
     from service.settings import Settings
 
-    had = os.environ.get(RUNTIME_DIR_ENV)
     schema = schemathesis.openapi.from_dict(create_app(Settings(), "/unused").openapi())
-    if had is None:  # create_app exports a runtime dir; servers started later must not share it
-        os.environ.pop(RUNTIME_DIR_ENV, None)
     return st.one_of([result.ok().as_strategy() for result in schema.get_all_operations()])
 
 
+def _unknown_fields():
+    """Fields no request model has (mixed into about half of the JSON bodies): each must be a 400."""
+    from hypothesis import strategies as st
+
+    names = st.text(alphabet="abcdefghijklmnopqrstuvwxyz_", min_size=3, max_size=12).map(lambda s: "x_" + s)
+    return st.one_of(st.none(), st.dictionaries(names, st.one_of(st.integers(), st.text(max_size=5), st.none()),
+                                                min_size=1, max_size=2))
+
+
 @hypothesis.settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
-@hypothesis.given(case=_fuzz_strategy())
-def test_fuzzed_requests_never_5xx_and_every_4xx_is_an_openai_error(case, limited_server: ServerProcess) -> None:
+@hypothesis.given(case=_fuzz_strategy(), unknown=_unknown_fields())
+def test_fuzzed_requests_never_5xx_and_every_4xx_is_an_openai_error(case, unknown,
+                                                                    limited_server: ServerProcess) -> None:
+    if unknown and isinstance(case.body, dict):
+        case.body = {**case.body, **unknown}
     response = case.call(base_url=limited_server.base_url, timeout=60)
     assert response.status_code < 500, (case.method, case.path, case.body, response.text[:500])
     if response.status_code >= 400:
         body = response.json()
         assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    elif unknown and isinstance(case.body, dict) and case.method == "POST":
+        raise AssertionError(f"unknown fields {sorted(unknown)} were accepted: {case.path} {case.body}")
 
 
 def test_server_still_serves_after_fuzzing(limited_server: ServerProcess) -> None:
@@ -64,7 +73,7 @@ def test_server_still_serves_after_fuzzing(limited_server: ServerProcess) -> Non
     assert resp.status_code == 200, resp.text
 
 
-# --- over capacity: 2 running + 2 queued held by a gate the test controls, then 429s ---
+# --- over capacity: every slot held by a gate the test controls, 2 queued, then 429s ---
 
 HOLD_TOKENS, HOLD_N = 4000, 16  # n: the default --max-n
 EVENT_BYTES = 150  # an SSE chunk of one token is larger than this
@@ -106,8 +115,9 @@ def _health(srv: ServerProcess, until, timeout: float = 60.0) -> dict:
 
 def test_over_capacity_gets_429_and_queued_requests_run_once_the_gate_opens(strict_server: ServerProcess,
                                                                             embedded_model_dir: str) -> None:
-    """2 running (held) + 2 queued = full: every further request, streamed or not, gets 429 with
-    Retry-After and an OpenAI error; when the held ones go, the queued ones run to the end."""
+    """2 held streams of HOLD_N sequences take the strict server's 32 slots, 2 requests wait in its
+    queue of 2: every further request, streamed or not, gets 429 with Retry-After and an OpenAI
+    error; when the held ones go, the queued ones run to the end."""
     model = Path(embedded_model_dir).name
     queued: list[httpx.Response] = []
 
@@ -121,7 +131,7 @@ def test_over_capacity_gets_429_and_queued_requests_run_once_the_gate_opens(stri
         for t in waiters:
             t.start()
         full = _health(strict_server, lambda b: b.get("queued") == 2)
-        assert (full.get("running"), full.get("queued")) == (2, 2), full
+        assert (full.get("running"), full.get("queued")) == (2 * HOLD_N, 2), full
         with httpx.Client(base_url=strict_server.base_url, headers=strict_server.headers, timeout=60) as http:
             for stream in (False, True, False, True, False, True):
                 r = http.post("/v1/completions", json={"model": model, "prompt": "over", "max_tokens": 4,
@@ -135,7 +145,7 @@ def test_over_capacity_gets_429_and_queued_requests_run_once_the_gate_opens(stri
                                                             "messages": [{"role": "user", "content": "over"}]})
             assert chat.status_code == 429, chat.text
         still = _health(strict_server, lambda b: True)
-        assert (still.get("running"), still.get("queued")) == (2, 2), still
+        assert (still.get("running"), still.get("queued")) == (2 * HOLD_N, 2), still
         assert not queued, "a queued request finished while the gate was closed"
     for t in waiters:
         t.join(120)

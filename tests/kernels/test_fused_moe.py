@@ -186,17 +186,18 @@ def test_split_k_router_weight_on_input(fp8):
     assert rel_err(out, ref) < (FP8_TOL_EXACT if fp8 else 1e-5)
 
 
-def test_default_heuristic_splits_at_decode():
-    """Untuned decode shapes get >= ~1 wave of programs (split-K / un-fused gate+up)."""
-    from kernels import configs
+def test_aligned_heuristic_splits_at_small_m():
+    """The aligned path's own heuristic fills >= ~1 wave (split-K / un-fused gate+up) at
+    small M and never splits at large M."""
+    from kernels import heuristics
     from kernels.fused_moe import num_programs
 
     for E, N, K, topk in [(8, 1792, 4096, 2), (256, 256, 7168, 8), (128, 96, 2048, 8)]:
         for dt in ("bf16", "fp8"):
-            cfg = configs.default_config(1, E, N, K, topk, dt)
+            cfg = heuristics.aligned_config(1, E, N, K, topk, dt)
             g1, g2 = num_programs(1, E, N, K, topk, cfg)
             assert g1 >= 96 and g2 >= 132, (E, dt, g1, g2, cfg)
-        big = configs.default_config(4096, E, N, K, topk, "bf16")
+        big = heuristics.aligned_config(4096, E, N, K, topk, "bf16")
         assert big["SPLIT_K"] == 1 and big["FUSE_GU"] and big["DOWN"]["SPLIT_K"] == 1
 
 

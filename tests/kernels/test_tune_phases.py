@@ -1,33 +1,63 @@
 """kernels.tune.tune_shape's search logic with a stand-in cost (no GPU): phase D gives a bucket
-its neighbour's winner when one-dimension walks cannot reach it."""
+its neighbour's winner when one-dimension walks cannot reach it; the decode family wins the
+buckets where it is cheaper; a resumed search skips the phases it already finished."""
 from __future__ import annotations
 
-from kernels import configs, tune
+from kernels import configs, heuristics, precompile, tune
 
 E, N, K, TOPK = 8, 1792, 4096, 2
 
 
-def test_neighbours_winner_reaches_a_bucket_the_one_dim_walk_cannot(monkeypatch) -> None:
-    base = configs.default_config(128, E, N, K, TOPK, "bf16")
-    # two GEMM1 dimensions away from bucket 128's start: phase B moves one at a time
-    far = configs.validate({**base, "BLOCK_K": 64 if base["BLOCK_K"] == 128 else 128,
-                            "num_stages": 3 if base["num_stages"] != 3 else 4})
-    assert tune._legal(far, N, K, "bf16")
-    start = configs.default_config
-    monkeypatch.setattr(configs, "default_config",
-                        lambda M, *a, **k: far if M == 256 else start(M, *a, **k))
+def _stub(monkeypatch, cost) -> list[tuple[int, dict]]:
     monkeypatch.setattr(tune, "make_problem", lambda *a, **k: {"M": a[4], "weights": None})
-    monkeypatch.setattr(tune, "_compiles_ok", lambda *a: True)
+    monkeypatch.setattr(precompile, "compiles_ok", lambda *a: True)
     timed: list[tuple[int, dict]] = []
 
     def cost_us(prob: dict, cfg: dict, replays: int = 20) -> float:
         timed.append((prob["M"], cfg))
-        same = configs.validate(cfg) == far
-        return {256: 1.0 if same else 2.0, 128: 1.5 if same else 2.0}.get(prob["M"], 2.0)
+        return cost(prob["M"], configs.validate(cfg))
 
     monkeypatch.setattr(tune, "time_ours", cost_us)
+    return timed
+
+
+def test_neighbours_winner_reaches_a_bucket_the_one_dim_walk_cannot(monkeypatch) -> None:
+    base = configs.aligned_default(128, E, N, K, TOPK, "bf16", "cpu")
+    # two GEMM1 dimensions away from bucket 128's start: phase B moves one at a time
+    far = configs.validate({**base, "BLOCK_K": 64 if base["BLOCK_K"] == 128 else 128,
+                            "num_stages": 3 if base["num_stages"] != 3 else 4})
+    assert tune.legal(far, N, K, TOPK, "bf16")
+    start = configs.aligned_default
+    monkeypatch.setattr(configs, "aligned_default",
+                        lambda M, *a, **k: far if M == 256 else start(M, *a, **k))
+    timed = _stub(monkeypatch, lambda M, c: {256: 1.0 if c == far else 2.0,
+                                             128: 1.5 if c == far else 2.0}.get(M, 2.0))
     table = tune.tune_shape(E, N, K, TOPK, "bf16", (64, 128, 256), budget_s=600, device="cpu",
                             log=lambda *a: None, parallel=False)
     assert configs.validate(table[256]) == far
     assert configs.validate(table[128]) == far      # only phase D offers it to bucket 128
     assert any(m == 128 and configs.validate(c) == far for m, c in timed)
+
+
+def test_decode_family_wins_where_cheaper_and_resume_skips_done_phases(monkeypatch) -> None:
+    _stub(monkeypatch, lambda M, c: (1.0 if c.get("DECODE") else 2.0) if M <= 2 else
+          (3.0 if c.get("DECODE") else 2.0))
+    saved: list[dict] = []
+    table = tune.tune_shape(E, N, K, TOPK, "bf16", (1, 2, 16), budget_s=600, device="cpu",
+                            log=lambda *a: None, parallel=False,
+                            on_phase=lambda st: saved.append({"done": list(st["done"])}))
+    assert table[1].get("DECODE") and table[2].get("DECODE") and not table[16].get("DECODE")
+    assert table[1]["BLOCK_M"] >= 1 * TOPK and table[2]["BLOCK_M"] >= 2 * TOPK
+    assert saved[-1]["done"][0] == "starts" and "D neighbours" in saved[-1]["done"]
+    # resume: every phase done -> nothing is timed again, the saved winners are returned
+    state = {"done": saved[-1]["done"], "best": {"decode": {1: [1.0, table[1]]},
+                                                 "aligned": {16: [2.0, table[16]]}}}
+    timed = _stub(monkeypatch, lambda M, c: 0.5)
+    again = tune.tune_shape(E, N, K, TOPK, "bf16", (1, 16), budget_s=600, device="cpu",
+                            log=lambda *a: None, parallel=False, state=state)
+    assert timed == [] and again[1] == table[1] and again[16] == table[16]
+
+
+def test_decode_defaults_hold_all_slots() -> None:
+    for M in (1, 2, 4, 8):
+        assert heuristics.decode_config(M, 128, 96, 2048, 8, "fp8")["BLOCK_M"] >= M * 8

@@ -1,0 +1,118 @@
+"""Markdown for RESULTS.md's 2026-12-01 kernel sections (decode path, floor, tuner), computed
+from the raw files (bench/results_tables.py's registry calls these)."""
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from pathlib import Path
+
+NAN = float("nan")
+
+
+def _rows(path: Path, part: str = "bench") -> list[dict]:
+    return json.loads(path.read_text())[part]
+
+
+def _geomean(xs: list[float]) -> float:
+    return math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else NAN
+
+
+def _f(v: float | None, nd: int = 2) -> str:
+    return "" if v is None or v != v else f"{v:.{nd}f}"
+
+
+def floor_table(path: Path, max_m: int = 64) -> list[str]:
+    """Per cell at M <= max_m: ours, vLLM, floor (µs), speed-up, both / floor, route, config."""
+    out = ["| shape | dtype | M | ours µs | vLLM µs | floor µs | speed-up | ours / floor | "
+           "vLLM / floor | served by | our config |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in _rows(path):
+        if r["M"] > max_m or "ours_us" not in r:
+            continue
+        out.append(f"| {r['shape']} | {r['dtype']} | {r['M']} | {_f(r['ours_us'], 1)} | "
+                   f"{_f(r.get('vllm_us'), 1)} | {_f(r.get('floor_us'), 1)} | {_f(r.get('speedup'))} | "
+                   f"{_f(r.get('ours_vs_floor'))} | {_f(r.get('vllm_vs_floor'))} | {r['route']} | "
+                   f"`{r['cfg']}` |")
+    return out
+
+
+def geomeans(*paths: Path) -> list[str]:
+    """Per (shape, dtype) over all given runs' rows: geomean speed-up at M <= 64 against the
+    issue's target (tuned: bf16 1.1x, fp8 1.5x; default config: 1.0x and no cell below 0.9x),
+    worst cell, worst ours/floor at M <= 64, and the served minimum over every measured M."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for p in paths:
+        for r in _rows(p):
+            if "speedup" in r:
+                groups.setdefault((r["shape"], r["dtype"]), []).append(r)
+    out = ["| shape | dtype | config | geomean M<=64 | target | min M<=64 | max ours/floor M<=64 | "
+           "served min (all M) | cells |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for (shape, dt), rs in groups.items():
+        small = [r for r in rs if r["M"] <= 64]
+        tuned = bool(rs[0].get("tuned"))
+        target = (1.5 if dt == "fp8" else 1.1) if tuned else 1.0
+        gm = _geomean([r["speedup"] for r in small])
+        floors = [r["ours_vs_floor"] for r in small if "ours_vs_floor" in r]
+        out.append(f"| {shape} | {dt} | {'tuned' if tuned else 'default'} | **{gm:.2f}x** | "
+                   f"{target}x | {min(r['speedup'] for r in small):.2f}x | "
+                   f"{max(floors) if floors else NAN:.2f} | "
+                   f"{min(r['served_speedup'] for r in rs):.2f}x | {len(rs)} |")
+    return out
+
+
+def served_below(*paths: Path, limit: float = 0.98) -> list[str]:
+    """Cells where what serving runs (ours where routed, else vLLM's kernel) was below limit."""
+    out = []
+    for p in paths:
+        for r in _rows(p):
+            if r.get("served_speedup", 1.0) < limit:
+                out.append(f"- {p.parent.name}/{p.name}: {r['shape']} {r['dtype']} M={r['M']}: "
+                           f"{r['served_speedup']:.2f}x (routed {r['route']})")
+    return out or [f"- none below {limit}x"]
+
+
+def decode_sweep(path: Path) -> list[str]:
+    """The 2026-12-01 sweep: per cell the best decode config's time against the floor and
+    against our aligned path, plus the counts that set the default path rule."""
+    cells = json.loads(path.read_text())["cells"]
+    out = ["| shape | dtype | M | floor µs | aligned µs | best decode µs | decode / floor | "
+           "aligned / decode | best decode config |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    rule_wins = rule_cells = 0
+    for c in cells:
+        gain = c["aligned_us"] / c["best_us"]
+        out.append(f"| {c['shape']} | {c['dtype']} | {c['M']} | {c['floor_us']:.1f} | "
+                   f"{c['aligned_us']:.1f} | {c['best_us']:.1f} | {c['best_us'] / c['floor_us']:.2f} | "
+                   f"{gain:.2f} | `{c['best_cfg']}` |")
+        if c["M"] * c["topk"] <= min(32, c["E"]):
+            rule_cells += 1
+            rule_wins += gain >= 1.0
+    out += ["", f"Cells with M * topk <= min(32, E) (the default decode rule): the decode path was "
+                f"at least as fast as the aligned path in {rule_wins} of {rule_cells}."]
+    return out
+
+
+def correctness(path: Path) -> list[str]:
+    """GPU correctness: pass count and max relative error per variant family."""
+    rows = json.loads(path.read_text())["correctness"]
+    fam: dict[str, list[dict]] = {}
+    for r in rows:
+        fam.setdefault(f"{r['swap']} / {r['variant'].split(' ')[0]}", []).append(r)
+    out = [f"{sum(r['ok'] for r in rows)}/{len(rows)} PASS.", "",
+           "| path / variant | pass | max ‖out−ref‖/‖ref‖ | failures |", "|---|---:|---:|---|"]
+    for k, rs in fam.items():
+        errs = [r["rel_err"] for r in rs if r["rel_err"] == r["rel_err"]]
+        bad = "; ".join(f"{r['shape']} M={r['M']} {r['variant']}" for r in rs if not r["ok"])
+        out.append(f"| {k} | {sum(r['ok'] for r in rs)}/{len(rs)} | "
+                   f"{max(errs) if errs else NAN:.2e} | {bad} |")
+    return out
+
+
+def tune_times(*logs: Path) -> list[str]:
+    """`moe-serve tune` wall time per model and dtype (TUNE_TIME lines of the session logs)."""
+    out = ["| model | TP | dtype | wall time (process start to table written) |", "|---|---|---|---:|"]
+    for log in logs:
+        for m in re.finditer(r"^TUNE_TIME (\S+) tp(\d+) (\w+) (\d+)s$", log.read_text(), re.M):
+            out.append(f"| {m[1]} | {m[2]} | {m[3]} | {m[4]} s |")
+    return out

@@ -1,0 +1,135 @@
+"""RESULTS.md's tables, recomputed from the committed raw files under bench/results/.
+
+Each generated block of RESULTS.md sits between two marker lines::
+
+    <!-- results_tables: NAME -->
+    ...generated, do not edit...
+    <!-- /results_tables -->
+
+and REGISTRY maps NAME to its raw files and the function (bench/results_render.py) that renders
+them. A new section: commit its raw files under bench/results/<date>/, add a render function
+and one REGISTRY entry, and put the two marker lines where the table goes.
+
+    python bench/results_tables.py            # rewrite every block of RESULTS.md from the raw files
+    python bench/results_tables.py --check    # exit 1 with a diff when RESULTS.md differs (CI)
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+import results_render as rr  # noqa: E402
+import results_render_kernels as rk  # noqa: E402
+
+RESULTS_MD = BENCH / "RESULTS.md"
+RAW = BENCH / "results"
+BLOCK = re.compile(r"(<!-- results_tables: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /results_tables -->)", re.S)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One generated block: render(*args, *raw paths) -> markdown lines (args first)."""
+
+    raw: tuple[str, ...]                 # paths relative to bench/results/
+    render: Callable[..., list[str]]
+    args: tuple = ()
+
+    def lines(self) -> list[str]:
+        paths = [RAW / p for p in self.raw]
+        missing = [str(p) for p in paths if not p.exists()]
+        if missing:
+            raise FileNotFoundError(f"raw files missing: {missing}")
+        return self.render(*self.args, *paths)
+
+
+D = "2026-11-29/"
+E2E_RUNS = (D + "e2e_ab_run1_committed_routing", D + "e2e_ab_run2_tuned_reversed")
+FRONT5 = D + "frontend/run5_pinned_gc_frozen/"
+K1 = "2026-12-01/"
+B1 = K1 + "kernels_session_b/bench_results.json"
+B2 = (K1 + "kernels_validation/tuned_fine_m.json", K1 + "kernels_validation/untuned.json")
+REGISTRY: dict[str, Entry] = {
+    "decode-sweep": Entry((K1 + "decode_sweep/decode_sweep.json",), rk.decode_sweep),
+    "decode-correctness-747e918": Entry((K1 + "decode_sweep/correctness.json",), rk.correctness),
+    "kernels-correctness-final": Entry((K1 + "kernels_validation/correctness.json",), rk.correctness),
+    "tune-times": Entry((K1 + "kernels_session_b/tune_bf16.log", K1 + "kernels_session_b/tune_fp8.log"),
+                        rk.tune_times),
+    "kernels-b1-geomeans": Entry((B1,), rk.geomeans),
+    "kernels-b1-served": Entry((B1,), rk.served_below),
+    "kernels-b2-geomeans": Entry(B2, rk.geomeans),
+    "kernels-b2-served": Entry(B2, rk.served_below),
+    "kernels-b2-floor-tuned": Entry(B2[:1], rk.floor_table),
+    "kernels-b2-floor-untuned": Entry(B2[1:], rk.floor_table),
+    "kernels-quick-bench": Entry((D + "kernels_quick_bench.json",), rr.kernel_bench, ("bench",)),
+    "kernels-quick-bench-compiles": Entry((D + "kernels_quick_bench.json",), rr.kernel_compiles),
+    "kernels-untuned": Entry((D + "kernels_untuned.json",), rr.kernel_bench, ("untuned",)),
+    "plugin-check": Entry((D + "plugin_check.json",), rr.plugin_check),
+    "kernels-tuned": Entry((D + "kernels_quick_bench_tuned.json", D + "kernels_quick_bench.json"),
+                           rr.kernel_bench_tuned),
+    "e2e-spike-stages": Entry(E2E_RUNS, rr.e2e_stages, ("spike-sizes",)),
+    "e2e-spike-all": Entry(E2E_RUNS, rr.e2e_all_requests, ("spike-sizes",)),
+    "e2e-step-stages": Entry(E2E_RUNS, rr.e2e_stages, ("step",)),
+    "e2e-step-all": Entry(E2E_RUNS, rr.e2e_all_requests, ("step",)),
+    "cpu-starvation": Entry((D + "cpu_starvation/starvation.json",), rr.cpu_starvation),
+    "gc-freeze": Entry(tuple(D + "gc_freeze/" + f for f in ("step_before_freeze.md", "step_after_freeze.md",
+                                                             "gc_pauses_before.txt", "gc_pauses_after.txt")),
+                       rr.gc_freeze),
+    "frontend-run5": Entry((FRONT5 + "summary.md", *(FRONT5 + f"rep{i}.md" for i in range(4))), rr.frontend),
+    "idle-probe": Entry((D + "idle_probe/idle.json",), rr.idle_probe),
+    "soak-run1": Entry((D + "soak/soak.json",), rr.soak),
+    "soak-run2": Entry((D + "soak_run2_locust_pinned/soak.json",), rr.soak),
+    "soak-run3-curve": Entry((D + "soak_run3_malloc_trim/rss.csv", D + "soak_run3_malloc_trim/soak.json"),
+                             rr.soak_curve),
+    "soak-run6-curve": Entry((D + "soak_run6_bpe_cache_bounded_30min/rss.csv",
+                              D + "soak_run6_bpe_cache_bounded_30min/soak.json"), rr.soak_curve),
+}
+
+
+def render(text: str) -> str:
+    """text with every registered block regenerated; raises on an unknown or unused name."""
+    seen: set[str] = set()
+
+    def block(m: re.Match) -> str:
+        name = m["name"]
+        if name not in REGISTRY:
+            raise KeyError(f"RESULTS.md block {name!r} is not in REGISTRY")
+        seen.add(name)
+        return m.group(1) + "\n".join(REGISTRY[name].lines()) + "\n" + m.group(4)
+
+    out = BLOCK.sub(block, text)
+    unused = set(REGISTRY) - seen
+    if unused:
+        raise KeyError(f"REGISTRY entries without a block in RESULTS.md: {sorted(unused)}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true", help="compare only; exit 1 when RESULTS.md differs")
+    p.add_argument("--results", type=Path, default=RESULTS_MD)
+    a = p.parse_args(argv)
+    old = a.results.read_text()
+    new = render(old)
+    if a.check:
+        if new != old:
+            sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
+                                                       str(a.results), "regenerated from bench/results/"))
+            print(f"\n{a.results} differs from its raw files: run python bench/results_tables.py", file=sys.stderr)
+            return 1
+        print(f"{a.results}: {len(REGISTRY)} blocks match their raw files")
+        return 0
+    if new != old:
+        a.results.write_text(new)
+    print(f"{a.results}: {len(REGISTRY)} blocks written")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The served model's MoE shapes against the tuned kernel tables for this GPU.
+
+At start the server reads the model's config.json (kernels.model_shapes), looks up a tuned
+table for each per-rank shape (kernels.configs: env dir, `moe-serve tune`'s cache, shipped
+tables), logs one warning per untuned shape naming the command that tunes it, and exports
+`moe_serve_moe_shape_info{shape, tuned, routing}` and `moe_serve_moe_untuned_shapes`.
+`--tune-on-start` runs that command (bounded) before the engine starts. The GPU's name comes
+from NVML, so the API process never creates a CUDA context of its own.
+"""
+from __future__ import annotations
+
+import logging
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Gauge
+
+from kernels import configs, routing
+from kernels.model_shapes import ModelConfigError, MoEShape, moe_shapes, read_config
+
+logger = logging.getLogger(__name__)
+
+
+def gpu_name() -> str:
+    """configs.device_name()'s form of GPU 0's name via NVML ('cpu' without an NVIDIA GPU)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no NVML library or no GPU
+        return "cpu"
+    name = (name.decode() if isinstance(name, bytes) else name).replace(" ", "_")
+    return "NVIDIA_H200" if "H200" in name.split("_") else name
+
+
+@dataclass(frozen=True)
+class ShapeStatus:
+    shape: MoEShape
+    tuned: bool
+    routing: str                     # kernels.routing.describe(): '1-4:ours,5+:vllm'
+
+    @property
+    def key(self) -> str:
+        s = self.shape
+        return f"E={s.E},N={s.N},K={s.K},topk={s.topk},dtype={s.dtype}"
+
+
+def tune_command(model: str, tp: int, quantization: str | None) -> list[str]:
+    cmd = ["moe-serve", "tune", "--model", model, "--tensor-parallel-size", str(tp)]
+    return cmd + (["--quantization", quantization] if quantization == "fp8" else [])
+
+
+def shape_statuses(model: str, tp: int, quantization: str | None,
+                   device: str | None = None) -> list[ShapeStatus]:
+    """Per MoE shape of one rank: tuned table present? and how routing splits it."""
+    try:
+        shapes = moe_shapes(read_config(model), tp, quantization)
+    except (ModelConfigError, OSError, ValueError) as exc:
+        logger.warning("MoE kernel tables: cannot read the model's MoE shapes (%s)", exc)
+        return []
+    dev = device or gpu_name()
+    out = []
+    for s in shapes:
+        tuned = configs.load_table(s.E, s.N, s.K, s.dtype, dev) is not None
+        out.append(ShapeStatus(s, tuned, routing.describe(s.E, s.N, s.K, s.dtype, dev, s.topk)))
+    return out
+
+
+def warn_untuned(statuses: list[ShapeStatus], model: str, tp: int, quantization: str | None,
+                 device: str) -> None:
+    cmd = shlex.join(tune_command(model, tp, quantization))
+    for st in statuses:
+        if not st.tuned:
+            logger.warning("MoE shape %s has no tuned kernel table for %s: our kernels use their "
+                           "default configs (routing %s). Tune it on this GPU (minutes): %s",
+                           st.key, device, st.routing, cmd)
+
+
+def export(statuses: list[ShapeStatus], registry: CollectorRegistry) -> None:
+    info = Gauge("moe_serve_moe_shape_info", "The served model's per-rank MoE shapes: 1 per "
+                 "shape, with whether a tuned table exists and the routing.",
+                 ["shape", "tuned", "routing"], registry=registry)
+    untuned = Gauge("moe_serve_moe_untuned_shapes", "MoE shapes of the served model with no "
+                    "tuned kernel table for this GPU (run `moe-serve tune`).", registry=registry)
+    for st in statuses:
+        info.labels(st.key, str(st.tuned).lower(), st.routing).set(1)
+    untuned.set(sum(not st.tuned for st in statuses))
+
+
+def tune_on_start(model: str, tp: int, quantization: str | None, budget_minutes: float) -> int:
+    """Run `moe-serve tune` for the model in a subprocess (its CUDA context ends with it)."""
+    cmd = [sys.executable, "-c", "import sys; from service.cli import main; sys.exit(main())",
+           *tune_command(model, tp, quantization)[1:], "--budget-minutes", str(budget_minutes)]
+    logger.info("tuning the model's MoE kernels before serving (budget %.1f min): %s",
+                budget_minutes, shlex.join(cmd[3:]))
+    rc = subprocess.run(cmd, timeout=budget_minutes * 60 * 1.5 + 120).returncode
+    configs.load_table.cache_clear()
+    configs.get_config.cache_clear()
+    routing.load.cache_clear()
+    if rc:
+        logger.warning("moe-serve tune exited %d; serving with the default configs", rc)
+    return rc

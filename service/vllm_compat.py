@@ -1,0 +1,131 @@
+"""Every use of vLLM's OpenAI serving layer and internals, with per-version dispatch.
+
+moe-serve runs on vLLM 0.32 (CPU: dev, CI) and 0.26 (GPU host). The two put the same classes in
+different modules and construct the serving objects with different keyword arguments. Instead of
+calling those constructors, `build_frontend` runs vLLM's own `init_app_state` (what `vllm serve`
+runs) on an args namespace made by vLLM's own `vllm serve` argument parser, so the completion,
+chat, tokenization and models handlers are built exactly as `vllm serve` builds them, on both
+versions. Each name imported here is pinned by tests/test_vllm_compat.py (on 0.32); the 0.26
+paths were checked by reading its source (/work/vllm026/vllm).
+
+| what                          | 0.32                                        | 0.26                               |
+|-------------------------------|---------------------------------------------|------------------------------------|
+| init_app_state                | entrypoints.launchers.api_server.app_state  | entrypoints.openai.api_server      |
+| make_arg_parser, validate_... | entrypoints.launchers.cli_args              | entrypoints.openai.cli_args        |
+| validate_api_server_args      | entrypoints.launchers.launcher              | entrypoints.openai.api_server      |
+| ErrorResponse                 | entrypoints.serve.engine.protocol           | entrypoints.openai.engine.protocol |
+| create_error_response         | entrypoints.serve                           | entrypoints.serve.utils.error_...  |
+| client-error base class       | exceptions.VLLMClientError                  | VLLMValidationError, ...           |
+
+Versions between 0.26 and 0.32 are untested; the split below follows the module layout.
+"""
+
+from __future__ import annotations
+
+import traceback
+from argparse import Namespace
+from dataclasses import dataclass
+from typing import Any
+
+import vllm
+from vllm import exceptions as vllm_exceptions
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.serve.tokenize.protocol import (DetokenizeRequest, TokenizeChatRequest,
+                                                      TokenizeCompletionRequest)
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.exceptions import EngineDeadError
+
+__all__ = ["CLIENT_ERRORS", "ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "EngineDeadError",
+           "ErrorResponse", "Frontend", "RequestOutput", "RequestOutputKind", "TokenizeChatRequest",
+           "TokenizeCompletionRequest", "VLLM_VERSION", "build_frontend", "error_response_for", "is_client_error",
+           "merge_final", "serve_args"]
+
+
+def _version_tuple(text: str) -> tuple[int, int]:
+    major, minor = text.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+VLLM_VERSION = _version_tuple(vllm.__version__)
+NEW_LAYOUT = VLLM_VERSION >= (0, 27)  # launchers/ and serve/ modules (0.32); openai/ (0.26)
+
+if NEW_LAYOUT:
+    from vllm.entrypoints.launchers import cli_args as _cli_args
+    from vllm.entrypoints.launchers import launcher as _launcher
+    from vllm.entrypoints.launchers.api_server import app_state as _app_state
+    from vllm.entrypoints.serve import create_error_response as _create_error_response
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+    CLIENT_ERRORS: tuple[type[BaseException], ...] = (vllm_exceptions.VLLMClientError,)
+else:  # 0.26
+    from vllm.entrypoints.openai import api_server as _app_state  # type: ignore[no-redef]
+    from vllm.entrypoints.openai import api_server as _launcher  # type: ignore[no-redef]
+    from vllm.entrypoints.openai import cli_args as _cli_args  # type: ignore[no-redef]
+    from vllm.entrypoints.openai.engine.protocol import ErrorResponse  # type: ignore[no-redef]
+    from vllm.entrypoints.serve.utils.error_response import (  # type: ignore[no-redef]
+        create_error_response as _create_error_response)
+
+    CLIENT_ERRORS = (vllm_exceptions.VLLMValidationError, vllm_exceptions.VLLMUnprocessableEntityError,
+                      vllm_exceptions.VLLMNotFoundError)
+
+# 0.26 raises plain ValueErrors for invalid input in these modules (0.32: VLLMValidationError).
+_INPUT_CHECK_MODULES = ("vllm/v1/engine/input_processor.py", "vllm/sampling_params.py", "vllm/renderers/",
+                        "vllm/inputs/")
+
+
+@dataclass
+class Frontend:
+    """vLLM's OpenAI handlers, built as `vllm serve` builds them."""
+
+    completion: Any  # OpenAIServingCompletion
+    chat: Any  # OpenAIServingChat
+    tokenization: Any  # ServingTokenization
+    models: Any  # OpenAIServingModels
+    args: Namespace
+
+
+def serve_args(model_path: str, served_name: str, extra: list[str]) -> Namespace:
+    """The namespace `vllm serve --model PATH --served-model-name NAME EXTRA...` would parse."""
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = _cli_args.make_arg_parser(FlexibleArgumentParser(prog="moe-serve-frontend"))
+    args = parser.parse_args(["--model", model_path, "--served-model-name", served_name, *extra])
+    _cli_args.validate_parsed_serve_args(args)
+    _launcher.validate_api_server_args(args)  # tool / reasoning parser names (KeyError if unknown)
+    return args
+
+
+async def build_frontend(engine_client: Any, args: Namespace) -> Frontend:
+    """Run vLLM's own `init_app_state` into a private State and take its OpenAI handlers."""
+    from starlette.datastructures import State
+
+    state = State()
+    tasks = await engine_client.get_supported_tasks()
+    await _app_state.init_app_state(engine_client, state, args, tasks)
+    return Frontend(completion=state.openai_serving_completion, chat=state.openai_serving_chat,
+                    tokenization=state.serving_tokenization, models=state.openai_serving_models, args=args)
+
+
+def is_client_error(exc: BaseException) -> bool:
+    """True when the engine rejected the request's input (HTTP 400), not for engine faults."""
+    if isinstance(exc, CLIENT_ERRORS):
+        return True
+    if NEW_LAYOUT or type(exc) is not ValueError:
+        return False
+    frames = traceback.extract_tb(exc.__traceback__)  # 0.26: untyped ValueError from the input checks
+    return bool(frames) and any(m in frames[-1].filename.replace("\\", "/") for m in _INPUT_CHECK_MODULES)
+
+
+def error_response_for(exc: BaseException) -> Any:
+    """vLLM's own ErrorResponse (status in `.error.code`) for an exception from its serving layer."""
+    return _create_error_response(exc)
+
+
+def merge_final(first: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """Fold DELTA outputs into what FINAL_ONLY would have returned (texts, token ids, logprobs)."""
+    if first is None:
+        return delta
+    first.add(delta, aggregate=True)
+    return first

