@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from service import __version__
+from service import kernel_tables
 from service.engine import EngineHandle
 from service.errors import install_error_handlers
 from service.memory_trim import trim_periodically
@@ -34,9 +35,30 @@ def _request_exit(state: ServerState, why: str) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-async def _start_and_watch_engine(app: FastAPI, state: ServerState) -> None:
-    """Start the engine, warm the request path, then poll the engine; if it dies, fail health
-    and exit non-zero."""
+async def _check_kernel_tables(state: ServerState, model_path: str) -> None:
+    """The model's MoE shapes against this GPU's tuned tables: warn per untuned shape, export
+    the shape metrics, and with --tune-on-start tune them first (health stays 503)."""
+    s = state.settings
+    if s.moe_kernels != "optimized":
+        return
+    tp, quant, device = s.resolved_tensor_parallel_size(), s.quantization, kernel_tables.gpu_name()
+    statuses = await asyncio.to_thread(kernel_tables.shape_statuses, model_path, tp, quant, device)
+    if s.tune_on_start and device != "cpu" and any(not st.tuned for st in statuses):
+        await asyncio.to_thread(kernel_tables.tune_on_start, model_path, tp, quant,
+                                s.tune_budget_minutes)
+        statuses = await asyncio.to_thread(kernel_tables.shape_statuses, model_path, tp, quant,
+                                           device)
+    kernel_tables.warn_untuned(statuses, model_path, tp, quant, device)
+    kernel_tables.export(statuses, state.registry)
+
+
+async def _start_and_watch_engine(app: FastAPI, state: ServerState, model_path: str) -> None:
+    """Check the kernel tables, start the engine, warm the request path, then poll the engine;
+    if it dies, fail health and exit non-zero."""
+    try:
+        await _check_kernel_tables(state, model_path)
+    except Exception:  # noqa: BLE001 - a broken table check must not stop serving
+        logger.exception("MoE kernel table check failed; serving with whatever tables load")
     try:
         await state.engine.start()
     except Exception:  # noqa: BLE001 - logged by start(); health stays 503
@@ -56,7 +78,7 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        watcher = asyncio.create_task(_start_and_watch_engine(app, state))
+        watcher = asyncio.create_task(_start_and_watch_engine(app, state, model_path))
         trimmer = asyncio.create_task(trim_periodically(settings.malloc_trim_interval_s))
         try:
             yield

@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bearer key for /metrics instead of the API key")
     p.add_argument("--enable-docs", action="store_true", default=e("enable_docs", "0") in ("1", "true"),
                    help="serve /docs, /redoc and /openapi.json (behind the API key when one is set); default off")
+    p.add_argument("--tune-on-start", action="store_true",
+                   default=e("tune_on_start", "0") in ("1", "true"),
+                   help="before serving, run `moe-serve tune` for MoE shapes with no tuned table for "
+                   "this GPU (results cached for the next start); default off")
+    p.add_argument("--tune-budget-minutes", type=float, default=float(e("tune_budget_minutes", 10)),
+                   help="time budget of --tune-on-start (default 10)")
     p.add_argument("--forwarded-allow-ips", default=e("forwarded_allow_ips"),
                    help="comma-separated proxy addresses (or '*') whose X-Forwarded-For/-Proto are trusted; "
                    "default: proxy headers are ignored")
@@ -129,6 +135,7 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
         log_level=args.log_level,
         request_timeout_s=args.request_timeout, access_log=args.access_log, access_log_json=args.access_log_json,
         enable_docs=args.enable_docs, forwarded_allow_ips=args.forwarded_allow_ips or None,
+        tune_on_start=args.tune_on_start, tune_budget_minutes=args.tune_budget_minutes,
     ).validated()
 
 

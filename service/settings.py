@@ -63,6 +63,8 @@ class Settings:
     chat_template: str | None = None
     frontend_args: tuple[str, ...] = ()  # further `vllm serve` frontend flags, passed as given
     request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S  # None: no timeout
+    tune_on_start: bool = False  # run `moe-serve tune` for untuned MoE shapes before serving
+    tune_budget_minutes: float = 10.0
     drain_timeout_s: float = 30.0
     malloc_trim_interval_s: float = 60.0  # 0 disables (service/memory_trim.py)
     log_level: str = "info"
@@ -86,6 +88,8 @@ class Settings:
     def validated(self) -> "Settings":
         """Return self if every field is in range, else raise SettingsError."""
         tp = self.tensor_parallel_size
+        if self.tune_budget_minutes <= 0:
+            raise SettingsError(f"--tune-budget-minutes must be > 0, got {self.tune_budget_minutes}")
         if tp is not None and not 1 <= tp <= MAX_TENSOR_PARALLEL:
             raise SettingsError(f"--tensor-parallel-size must be in 1..{MAX_TENSOR_PARALLEL}, got {tp}")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -9,10 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kernels import configs, routing, tune
+from loadtest.server_proc import start_server
 from service.embedded_model import ensure_embedded_model
+from tests.conftest import API_KEY
 
 TUNE = [sys.executable, "-c", "import sys; from service.cli import main; sys.exit(main())", "tune"]
 
@@ -76,3 +79,21 @@ def test_tune_writes_tables_the_loader_reads_then_skips_and_resumes(model: Path,
     resumed = _run(args, TRITON_INTERPRET="1")
     assert resumed.returncode == 0 and "resuming" in resumed.stderr
     assert json.loads(table_path.read_text())["1"] == table["1"] and not part.exists()
+    # a server started on that cache loads the table: the shape is reported tuned
+    srv = start_server(tmp_path, api_key=API_KEY, env={"MOE_SERVE_KERNEL_CONFIG_DIR": str(out)})
+    try:
+        text = httpx.get(srv.base_url + "/metrics", headers=srv.headers, timeout=30).text
+        assert 'moe_serve_moe_untuned_shapes 0.0' in text
+        assert f'shape="E={E},N={N},K={K},topk=2,dtype=bf16",tuned="true"' in text
+        assert "has no tuned kernel table" not in srv.log()
+    finally:
+        srv.stop()
+
+
+def test_untuned_shape_is_warned_and_counted(server, http) -> None:
+    """The session server (embedded model, no table for this machine) names the command."""
+    text = http.get("/metrics").text
+    assert "moe_serve_moe_untuned_shapes 1.0" in text
+    assert 'tuned="false"' in text and 'moe_serve_moe_shape_info{' in text
+    log = server.log()
+    assert "has no tuned kernel table for cpu" in log and "moe-serve tune --model" in log
