@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton.language as tl
 
 from kernels.launch import jit
-from kernels.moe_gemm import _mma, _quant_fp8
+from kernels.moe_gemm import _dequant, _mma, _quant_fp8, _token_scale
 
 
 @jit(do_not_specialize=["num_slots"])
@@ -72,13 +72,9 @@ def moe_decode_up_kernel(
     wu_ptrs = wg_ptrs + N * stride_wn
 
     num_k_tiles = tl.cdiv(K, BLOCK_K)
+    a_scale = 1.0
     if A_MODE == 3:                                                  # per-token absmax over K
-        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k in range(0, num_k_tiles):
-            kmask = offs_k[None, :] < K - k * BLOCK_K
-            a = tl.load(a_ptrs + k * BLOCK_K * stride_xk, mask=rows[:, None] & kmask, other=0.0)
-            amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), axis=1))
-        a_scale = tl.maximum(amax, 1e-10) / 448.0                    # [BM]
+        a_scale = _token_scale(a_ptrs, rows, 0, K, stride_xk, BLOCK_K, False)  # [BM]
         a_inv = (1.0 / a_scale)[:, None]
     elif A_MODE != 0:
         a_scale = tl.load(a_scale_ptr).to(tl.float32)
@@ -114,19 +110,10 @@ def moe_decode_up_kernel(
         acc_u = tl.trans(acc_u)
 
     # ---- epilogue: dequant, routed weight (on input), SiLU-and-mul, store --------------------
-    if A_MODE == 3:
-        scale = a_scale[:, None]
-    elif A_MODE != 0:
-        scale = a_scale
-    if W_SCALE == 1:
-        scale = scale * tl.load(w_scale_ptr + expert * stride_se).to(tl.float32)
-    if A_MODE != 0:
-        acc_g = acc_g * scale
-        acc_u = acc_u * scale
-    if W_SCALE == 2:
-        s_ptrs = w_scale_ptr + expert * stride_se + offs_n * stride_sn
-        acc_g = acc_g * tl.load(s_ptrs, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        acc_u = acc_u * tl.load(s_ptrs + N * stride_sn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    acc_g = _dequant(acc_g, a_scale, w_scale_ptr, expert, stride_se, offs_n, N, stride_sn,
+                     A_MODE, W_SCALE)
+    acc_u = _dequant(acc_u, a_scale, w_scale_ptr, expert, stride_se, offs_n + N, 2 * N,
+                     stride_sn, A_MODE, W_SCALE)
     if MUL_ROUTED:
         rw = tl.load(topk_w_ptr + offs_m, mask=rows, other=0.0).to(tl.float32)[:, None]
         acc_g = acc_g * rw
@@ -173,12 +160,7 @@ def moe_decode_down_kernel(
     if USE_PDL:                        # launched early (programmatic dependent launch):
         tl.extra.cuda.gdc_wait()       # wait for the up kernel's act before reading it
     if A_MODE == 3:                                                  # per-slot absmax over N
-        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for c in range(0, n_chunks):
-            cm = offs_c[None, :] < N - c * BLOCK_K
-            a = tl.load(row_ptrs + c * BLOCK_K * stride_an, mask=j_mask[:, None] & cm, other=0.0)
-            amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), axis=1))
-        row_scale = tl.maximum(amax, 1e-10) / 448.0                  # [BM]
+        row_scale = _token_scale(row_ptrs, j_mask, 0, N, stride_an, BLOCK_K, False)  # [BM]
         a_inv = (1.0 / row_scale)[:, None]
     elif A_MODE != 0:
         a_scale = tl.load(a_scale_ptr).to(tl.float32)

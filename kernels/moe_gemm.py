@@ -73,6 +73,38 @@ def _load_a(a_ptrs, mask, up_off, A_SILU: tl.constexpr):
         return tl.load(a_ptrs, mask=mask, other=0.0)
 
 
+@triton.jit
+def _token_scale(a_ptrs, row_mask, up_off, n_cols, step, BLOCK_K: tl.constexpr,
+                 A_SILU: tl.constexpr):
+    """Dynamic per-row fp8 scale: absmax over the row's n_cols columns / 448 ([BM] fp32).
+    a_ptrs: [BM, BK] pointers to the first column chunk; step: a column's pointer stride."""
+    offs_k = tl.arange(0, BLOCK_K)
+    amax = tl.zeros([a_ptrs.shape[0]], dtype=tl.float32)
+    for k in range(0, tl.cdiv(n_cols, BLOCK_K)):
+        kmask = offs_k[None, :] < n_cols - k * BLOCK_K
+        a = _load_a(a_ptrs + k * BLOCK_K * step, row_mask[:, None] & kmask, up_off, A_SILU)
+        amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), axis=1))
+    return tl.maximum(amax, 1e-10) / 448.0
+
+
+@triton.jit
+def _dequant(acc, a_scale, w_scale_ptr, expert, stride_se, cols, col_limit, stride_sn,
+             A_MODE: tl.constexpr, W_SCALE: tl.constexpr):
+    """acc [BM, BN] times the activation scale (A_MODE 3: per row [BM]; 1, 2: scalar) and the
+    weight scale (W_SCALE 1: the expert's; 2: per weight row `cols` [BN], < col_limit)."""
+    if A_MODE == 3:
+        acc = acc * a_scale[:, None]
+    elif A_MODE != 0:
+        acc = acc * a_scale
+    if W_SCALE == 1:
+        acc = acc * tl.load(w_scale_ptr + expert * stride_se).to(tl.float32)
+    elif W_SCALE == 2:
+        s = tl.load(w_scale_ptr + expert * stride_se + cols * stride_sn, mask=cols < col_limit,
+                    other=0.0)
+        acc = acc * s.to(tl.float32)[None, :]
+    return acc
+
+
 @jit(do_not_specialize=["num_valid", "num_m_blocks"])
 def moe_gemm_kernel(
     # pointers
@@ -117,13 +149,9 @@ def moe_gemm_kernel(
     wu_ptrs = wg_ptrs + N * stride_wn
 
     # ---- activation scale ------------------------------------------------------------
+    a_scale = 1.0
     if A_MODE == 3:
-        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            kmask = offs_k[None, :] < K - k * BLOCK_K
-            a = _load_a(a_ptrs + k * BLOCK_K * stride_ak, row_mask[:, None] & kmask, up_off, A_SILU)
-            amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), axis=1))
-        a_scale = tl.maximum(amax, 1e-10) / 448.0                    # [BM]
+        a_scale = _token_scale(a_ptrs, row_mask, up_off, K, stride_ak, BLOCK_K, A_SILU)  # [BM]
         a_inv = (1.0 / a_scale)[:, None]
     elif A_MODE != 0:
         a_scale = tl.load(a_scale_ptr).to(tl.float32)                # scalar
@@ -177,21 +205,11 @@ def moe_gemm_kernel(
             acc_u = tl.trans(acc_u)
 
     # ---- epilogue: dequant, routed weight, SiLU-and-mul, store --------------------------
-    if A_MODE == 3:
-        row_scale = a_scale[:, None]
-    elif A_MODE != 0:
-        row_scale = a_scale
-    if W_SCALE == 1:
-        row_scale = row_scale * tl.load(w_scale_ptr + expert * stride_se).to(tl.float32)
-    if A_MODE != 0:
-        acc_g = acc_g * row_scale
-        if GATE_UP:
-            acc_u = acc_u * row_scale
-    if W_SCALE == 2:
-        s_ptrs = w_scale_ptr + expert * stride_se + offs_nw * stride_sn
-        acc_g = acc_g * tl.load(s_ptrs).to(tl.float32)[None, :]
-        if GATE_UP:
-            acc_u = acc_u * tl.load(s_ptrs + N * stride_sn).to(tl.float32)[None, :]
+    acc_g = _dequant(acc_g, a_scale, w_scale_ptr, expert, stride_se, offs_nw, N, stride_sn,
+                     A_MODE, W_SCALE)
+    if GATE_UP:
+        acc_u = _dequant(acc_u, a_scale, w_scale_ptr, expert, stride_se, offs_nw + N, 2 * N,
+                         stride_sn, A_MODE, W_SCALE)
     if MUL_ROUTED:
         rw = tl.load(topk_w_ptr + slot, mask=row_mask, other=0.0).to(tl.float32)[:, None]
         acc_g = acc_g * rw
