@@ -128,16 +128,11 @@ def part_correctness(shapes: dict, ms: tuple, smoke: bool) -> list[dict]:
     return rows
 
 
-def configs_validate(cfg: dict) -> dict:
-    from kernels.config_schema import validate
-
-    return validate(cfg)
-
-
 def _decode_variant(M: int, E: int, N: int, K: int, topk: int, kind: str) -> dict:
     """The decode heuristic's config, forced to swapped 64-row tiles ('decode-swap') or to
     16-row mma.sync tiles with BLOCK_K 64 and no PDL ('decode-narrow')."""
     from kernels import heuristics
+    from kernels.config_schema import validate
 
     cfg = heuristics.decode_config(M, E, N, K, topk, "bf16")
     if kind == "decode-swap":
@@ -146,7 +141,7 @@ def _decode_variant(M: int, E: int, N: int, K: int, topk: int, kind: str) -> dic
     elif kind == "decode-narrow":
         cfg = {**cfg, "SWAP_AB": False, "BLOCK_N": 16, "BLOCK_K": 64, "PDL": False,
                "DOWN": {**cfg["DOWN"], "SWAP_AB": False, "BLOCK_N": 16, "BLOCK_K": 64}}
-    return configs_validate(cfg)
+    return validate(cfg)
 
 
 def _check_variants(name, M, swap, cfg, x, w1, w2, q, tw, ids, fdt, smoke, E) -> list[dict]:  # noqa: PLR0913

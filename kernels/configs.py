@@ -26,14 +26,19 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 __all__ = ["KEYS", "Config", "down_config", "validate", "get_config", "load_table"]
 
 
+def device_file_name(gpu_name: str) -> str:
+    """File-name form of a GPU's name ('NVIDIA H200 NVL' -> 'NVIDIA_H200': one H200 family)."""
+    name = gpu_name.replace(" ", "_")
+    return "NVIDIA_H200" if "H200" in name.split("_") else name
+
+
 def device_name() -> str:
-    """File-name form of the current device ('NVIDIA_H200' for the H200 family, else 'cpu')."""
+    """device_file_name of the current CUDA device, or 'cpu'."""
     import torch
 
     if not torch.cuda.is_available():
         return "cpu"
-    name = torch.cuda.get_device_name().replace(" ", "_")
-    return "NVIDIA_H200" if "H200" in name.split("_") else name
+    return device_file_name(torch.cuda.get_device_name())
 
 
 def config_file_name(E: int, N: int, K: int, dtype: str, device: str) -> str:

@@ -57,11 +57,11 @@ def gemm_estimates(cfg: dict[str, Any], dtype: str, act_bytes: int = 2,
     p = launch_params(dtype, act_bytes)
     d = down_config(cfg)
     if cfg.get("DECODE"):
-        a2 = 1 if dtype == "fp8" else p["w_bytes"]       # act: fp8 (static a2) or out dtype
+        a2 = max(p["w_bytes"], 2)     # act: the out dtype (bf16, fp32), or fp8 (1 B; bound 2)
         rows2 = max(16, 1 << (topk - 1).bit_length())
         return (estimate(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_stages"],
                          p["act_bytes"], p["w_bytes"], True),
-                estimate(rows2, d["BLOCK_N"], d["BLOCK_K"], d["num_stages"], max(a2, 2),
+                estimate(rows2, d["BLOCK_N"], d["BLOCK_K"], d["num_stages"], a2,
                          p["w_bytes"], False))
     fused1 = cfg.get("SPLIT_K", 1) == 1 and cfg.get("FUSE_GU", True)
     g1 = estimate(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_stages"],

@@ -170,7 +170,7 @@ def tune_shape(E: int, N: int, K: int, topk: int, dtype: str, buckets: tuple[int
     best.setdefault("aligned", {})
     st["best"] = best
     shape = {"E": E, "N": N, "K": K, "topk": topk, "dtype": dtype}
-    dev = "cuda" if device.startswith("cuda") or device == "NVIDIA_H200" else "cpu"
+    dev = "cuda" if device.startswith("cuda") else "cpu"
     cfg_device = configs.device_name() if dev == "cuda" else "cpu"
     probs: dict[int, dict] = {}
     weights = None
@@ -216,7 +216,7 @@ def tune_shape(E: int, N: int, K: int, topk: int, dtype: str, buckets: tuple[int
         if on_phase:
             on_phase(st)
 
-    def legal_unique(b: int, cs: list[dict], have: list[Config]) -> list[Config]:
+    def legal_unique(cs: list[dict], have: list[Config]) -> list[Config]:
         out: list[Config] = []
         for c in cs:
             if legal(c, N, K, topk, dtype):
@@ -226,7 +226,7 @@ def tune_shape(E: int, N: int, K: int, topk: int, dtype: str, buckets: tuple[int
         return out
 
     if "starts" not in st["done"]:
-        run("starts", {b: legal_unique(b, starts(b, E, N, K, topk, dtype, cfg_device), [])
+        run("starts", {b: legal_unique(starts(b, E, N, K, topk, dtype, cfg_device), [])
                        for b in buckets})
     for name, fam, make in PHASES:
         if name in st["done"] or over():
@@ -234,14 +234,14 @@ def tune_shape(E: int, N: int, K: int, topk: int, dtype: str, buckets: tuple[int
         cands = {}
         for b in buckets:
             cur = best[fam].get(b)
-            cands[b] = legal_unique(b, make(cur[1], shape), [cur[1]]) if cur else []
+            cands[b] = legal_unique(make(cur[1], shape), [cur[1]]) if cur else []
         run(name, cands)
     if "D neighbours" not in st["done"] and not over():
         final = winners(best, buckets)
         cands = {}
         for b in buckets:
             i = buckets.index(b)
-            cands[b] = legal_unique(b, [final[n] for n in buckets[max(0, i - 1):i + 2]
+            cands[b] = legal_unique([final[n] for n in buckets[max(0, i - 1):i + 2]
                                         if n != b and n in final
                                         and (not final[n].get("DECODE")
                                              or final[n]["BLOCK_M"] >= b * topk)],

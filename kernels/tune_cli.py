@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kernels import configs, make_routing, precompile, routing, tune
+from kernels.config_schema import label
 from kernels.model_shapes import ModelConfigError, MoEShape, moe_shapes, read_config
 from kernels.timing import make_problem, time_ours, time_vllm
 
@@ -60,26 +61,28 @@ def _route_shape(shape: MoEShape, device_kind: str, replays: int, deadline: floa
                  use_vllm: bool, max_m: int) -> dict[str, Any]:
     """Ours (with the new table) vs vLLM at ROUTE_MS <= max_m; the shape's routing entry."""
     E, N, K, topk = shape.key
+    entry = {"name": shape.name, "topk": topk}
+    default = {**entry, "measured": {}, "ranges": routing.default_ranges(E, N, K, topk),
+               "rule": "default rule (vLLM not timed)"}
+    if not use_vllm:
+        return default
     measured: dict[str, Any] = {}
     weights = None
-    for M in (m for m in ROUTE_MS if m <= max_m and use_vllm):
+    for M in (m for m in ROUTE_MS if m <= max_m):
         if time.perf_counter() > deadline:
             break
         prob = make_problem(E, N, K, topk, M, shape.dtype, 8, device_kind, seed=M, weights=weights)
         weights = prob["weights"]
         cfg = configs.get_config(M, E, N, K, topk, shape.dtype)
         ours = time_ours(prob, None, replays)
-        theirs = time_vllm(prob, replays) if use_vllm else None
+        theirs = time_vllm(prob, replays)
         measured[str(M)] = {"ours_us": ours, "vllm_us": theirs,
                             "speedup": None if theirs is None else round(theirs / ours, 4),
-                            "cfg": json.dumps(cfg, sort_keys=True)}
-    if use_vllm and measured:
-        ranges = make_routing.build_ranges({int(m): v["speedup"] for m, v in measured.items()})
-        rule = "measured"
-    else:
-        ranges, rule = routing.default_ranges(E, N, K, topk), "default rule (vLLM not timed)"
-    return {"name": shape.name, "topk": topk, "measured": measured, "ranges": ranges,
-            "rule": rule}
+                            "cfg": label(cfg)}
+    if not measured:                             # budget spent before the first M
+        return default
+    ranges = make_routing.build_ranges({int(m): v["speedup"] for m, v in measured.items()})
+    return {**entry, "measured": measured, "ranges": ranges, "rule": "measured"}
 
 
 def _write_routing(out: Path, device: str, entries: dict[str, Any]) -> Path:

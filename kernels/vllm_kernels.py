@@ -24,11 +24,13 @@ def moe_config(M: int, E: int, N: int, K: int, topk: int, dtype: str) -> dict[st
     return compat.moe_config(M, E, N, K, topk, dtype) if compat else None
 
 
+@functools.lru_cache(maxsize=None)
 def align_op() -> Callable | None:
     compat = _compat()
     return compat.align_op() if compat and torch.cuda.is_available() else None
 
 
+@functools.lru_cache(maxsize=None)
 def fused_experts() -> tuple[Callable, Callable] | None:
     compat = _compat()
     return compat.fused_experts() if compat else None

@@ -35,8 +35,7 @@ def gpu_name() -> str:
             pynvml.nvmlShutdown()
     except Exception:  # noqa: BLE001 - no NVML library or no GPU
         return "cpu"
-    name = (name.decode() if isinstance(name, bytes) else name).replace(" ", "_")
-    return "NVIDIA_H200" if "H200" in name.split("_") else name
+    return configs.device_file_name(name.decode() if isinstance(name, bytes) else name)
 
 
 @dataclass(frozen=True)
