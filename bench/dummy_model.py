@@ -6,19 +6,27 @@ import json
 from pathlib import Path
 
 MODELS = Path(__file__).resolve().parent / "models"
+QUANTIZATION = {  # checkpoint-style quantization_config entries for dummy-weight runs
+    "fp8-static": {"quant_method": "fp8", "activation_scheme": "static"},  # per-tensor W8A8
+}
 
 
-def dummy_model_dir(name: str, out: Path, layers: int | None = None) -> Path:
-    """out/models/NAME[-Ll] with bench/models/NAME/config.json (num_hidden_layers cut to `layers`)
-    and the embedded model's tokenizer; vLLM then runs it with load_format=dummy."""
+def dummy_model_dir(name: str, out: Path, layers: int | None = None,
+                    quantization: str | None = None) -> Path:
+    """out/models/NAME[-Ll][-QUANT] with bench/models/NAME/config.json (num_hidden_layers cut to
+    `layers`, a QUANTIZATION entry as its quantization_config) and the embedded model's
+    tokenizer; vLLM then runs it with load_format=dummy."""
     src = MODELS / name / "config.json"
     if not src.is_file():
         raise SystemExit(f"no model config {src}; have: {', '.join(sorted(p.name for p in MODELS.iterdir()))}")
-    d = out / "models" / (name if layers is None else f"{name}-{layers}l")
+    suffix = ("" if layers is None else f"-{layers}l") + ("" if quantization is None else f"-{quantization}")
+    d = out / "models" / f"{name}{suffix}"
     d.mkdir(parents=True, exist_ok=True)
     cfg = json.loads(src.read_text())
     if layers is not None:
         cfg["num_hidden_layers"] = layers
+    if quantization is not None:
+        cfg["quantization_config"] = QUANTIZATION[quantization]
     (d / "config.json").write_text(json.dumps(cfg, indent=2))
     if not (d / "tokenizer.json").is_file():
         from service.embedded_model import _write_tokenizer  # the embedded model's tokenizer recipe

@@ -1,0 +1,111 @@
+"""Fixed-batch decode A/B over many processes: the spread that matters is between processes.
+
+    python bench/decode_ab.py --model mixtral-8x7b-tp8-rank --quantization fp8-static \
+        --variants stock,vllm-triton,moe-serve --processes 6 --out /root/dab --budget-s 540
+    python bench/decode_ab.py ... --out /root/dab       # same command again: resumes, skips runs done
+    python bench/decode_stats.py /root/dab               # ratios vs the first variant, 95 % CIs
+
+Round r runs every variant once, one `bench/decode_probe.py` process each, in the order
+rotated by r (so every variant takes every position equally often). Each process writes
+run-r<r>-<variant>.json and its log; a finished run is never repeated, so a budget-bound call
+can stop between processes and the next call continues. The MoE backend vLLM picked is read
+from each process's log (its "Using ... MoE backend" line) into the run file.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.dummy_model import dummy_model_dir  # noqa: E402
+
+BACKEND_LINE = re.compile(r"Using .*MoE backend.*|.*[Ss]elect.*MoE backend.*")
+T0 = time.monotonic()
+
+
+def log(msg: str) -> None:
+    print(f"[decode_ab +{time.monotonic() - T0:6.1f}s] {msg}", flush=True)
+
+
+def rounds(variants: list[str], processes: int) -> list[tuple[int, str]]:
+    """(round, variant) in run order: round r is the variant list rotated left by r."""
+    k = len(variants)
+    return [(r, variants[(r + i) % k]) for r in range(processes) for i in range(k)]
+
+
+def run_one(model: Path, variant: str, rnd: int, a: argparse.Namespace) -> float:
+    """One probe process; returns its wall seconds. Raises on failure (log kept)."""
+    out = a.out / f"run-r{rnd}-{variant}.json"
+    logf = a.out / f"run-r{rnd}-{variant}.log"
+    cmd = [sys.executable, str(ROOT / "bench" / "decode_probe.py"), "--model", str(model),
+           "--variant", variant, "--batches", a.batches, "--short", str(a.short),
+           "--long", str(a.long), "--reps", str(a.reps), "--out", str(out)]
+    t0 = time.monotonic()
+    with logf.open("w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=a.probe_timeout_s,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    wall = time.monotonic() - t0
+    if proc.returncode != 0 or not out.is_file():
+        raise RuntimeError(f"probe {variant} r{rnd} exited {proc.returncode}; see {logf}")
+    res = json.loads(out.read_text())
+    res.update(round=rnd, wall_s=wall,
+               moe_backend_log=sorted(set(BACKEND_LINE.findall(logf.read_text())))[:4])
+    out.write_text(json.dumps(res, indent=1))
+    return wall
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="mixtral-8x7b-tp8-rank",
+                   help="bench/models/<name> (dummy weights), or a model directory")
+    p.add_argument("--quantization", choices=["none", "fp8-static"], default="none")
+    p.add_argument("--variants", default="stock,moe-serve", help="first = the baseline")
+    p.add_argument("--processes", type=int, default=6, help="processes (rounds) per variant")
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--short", type=int, default=32)
+    p.add_argument("--long", type=int, default=160)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--budget-s", type=float, default=540.0, help="start no process after this")
+    p.add_argument("--probe-timeout-s", type=float, default=300.0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    quant = None if a.quantization == "none" else a.quantization
+    model = Path(a.model) if Path(a.model).is_dir() and quant is None else \
+        dummy_model_dir(a.model, a.out, quantization=quant)
+    plan = rounds(a.variants.split(","), a.processes)
+    todo = [(r, v) for r, v in plan if not (a.out / f"run-r{r}-{v}.json").is_file()]
+    log(f"{len(plan) - len(todo)} of {len(plan)} runs done; model {model}")
+    longest = 0.0
+    for i, (r, v) in enumerate(todo):
+        left = a.budget_s - (time.monotonic() - T0)
+        if left < max(longest, 60.0):
+            log(f"budget: {left:.0f} s left < {max(longest, 60.0):.0f} s per run; stopping "
+                f"with {len(todo) - i} runs to go (run the same command to resume)")
+            return 3
+        log(f"run {i + 1}/{len(todo)}: round {r} {v}")
+        try:
+            wall = run_one(model, v, r, a)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            log(f"FAILED: {e}")
+            return 1
+        longest = max(longest, wall)
+        log(f"round {r} {v} done in {wall:.0f} s")
+    log("all runs done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

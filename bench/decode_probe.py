@@ -1,0 +1,142 @@
+"""One process of the fixed-batch decode A/B: one engine, one MoE variant, steady-state decode.
+
+    python bench/decode_probe.py --model DIR --variant stock --batches 1,8,32,64 --out run.json
+
+Starts vLLM's offline engine (`vllm.LLM`, dummy weights, CUDA graphs for exactly the batch
+sizes measured), then for each batch size B runs B copies of a fixed prompt with
+`ignore_eos` greedy decoding twice as long as a short run: the decode step time is
+(t_long - t_short) / (long - short) tokens, so prefill and start-up cost cancel, and output
+tok/s = B / step. Each B is warmed up twice before `--reps` timed pairs. The variant decides
+only the MoE kernels (the environment and `moe_backend` below); everything else is the same.
+`--profile` instead runs the engine in-process under torch.profiler at each B and reports the
+share of GPU kernel time spent in MoE kernels.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# variant -> (environment, engine kwargs). VLLM_PLUGINS="" loads no vLLM plugin at all (stock).
+VARIANTS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
+    "stock": ({"VLLM_PLUGINS": ""}, {}),
+    "vllm-triton": ({"VLLM_PLUGINS": ""}, {"moe_backend": "triton"}),
+    "moe-serve": ({"VLLM_PLUGINS": "moe_serve_kernels", "MOE_SERVE_MOE_KERNELS": "optimized"},
+                  {"moe_backend": "triton"}),
+}
+MOE_KERNEL_MARKERS = ("moe", "expert", "_up_kernel", "_down_kernel")  # ours, vLLM's, CUTLASS
+
+
+def log(msg: str) -> None:
+    print(f"[probe {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def make_llm(model: str, variant: str, batches: list[int], max_len: int) -> Any:
+    from vllm import LLM
+
+    return LLM(model=model, load_format="dummy", max_model_len=max_len, max_num_seqs=max(batches),
+               gpu_memory_utilization=0.6, seed=0, enable_prefix_caching=False,
+               compilation_config={"cudagraph_capture_sizes": sorted(batches)},
+               **VARIANTS[variant][1])
+
+
+def generate_s(llm: Any, B: int, tokens: int, prompt: list[int]) -> float:
+    """Wall seconds for B copies of the prompt, each decoding exactly `tokens` tokens."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=tokens, min_tokens=tokens, ignore_eos=True, temperature=0.0)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": prompt}] * B, sp, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    got = [len(o.outputs[0].token_ids) for o in outs]
+    if got != [tokens] * B:
+        raise RuntimeError(f"expected {tokens} tokens per sequence, got {got}")
+    return dt
+
+
+def measure(llm: Any, batches: list[int], short: int, long: int, reps: int,
+            prompt: list[int]) -> list[dict[str, Any]]:
+    rows = []
+    for B in batches:
+        for _ in range(2):
+            generate_s(llm, B, short, prompt)
+            generate_s(llm, B, long, prompt)
+        steps = []
+        for _ in range(reps):
+            ts, tl = generate_s(llm, B, short, prompt), generate_s(llm, B, long, prompt)
+            steps.append((tl - ts) / (long - short))
+        step = statistics.median(steps)
+        rows.append({"B": B, "step_ms": step * 1e3, "tok_s": B / step,
+                     "step_ms_reps": [s * 1e3 for s in steps]})
+        log(f"B={B}: step {step * 1e3:.3f} ms, {B / step:.0f} tok/s "
+            f"(reps {', '.join(f'{s * 1e3:.3f}' for s in steps)})")
+    return rows
+
+
+def profile(llm: Any, batches: list[int], tokens: int, prompt: list[int]) -> list[dict[str, Any]]:
+    """Per B: GPU kernel time in MoE kernels / all kernel time, over `tokens` decode steps."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    rows = []
+    for B in batches:
+        generate_s(llm, B, tokens, prompt)
+        with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+            generate_s(llm, B, tokens, prompt)
+        total = moe = 0.0
+        names: dict[str, float] = {}
+        for ev in prof.events():
+            if ev.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            total += us
+            if any(m in ev.name.lower() for m in MOE_KERNEL_MARKERS):
+                moe += us
+                names[ev.name[:80]] = names.get(ev.name[:80], 0.0) + us
+        rows.append({"B": B, "moe_share": moe / total if total else None, "kernel_us": total,
+                     "moe_us": moe, "moe_kernels": dict(sorted(names.items(), key=lambda kv: -kv[1])[:6])})
+        log(f"B={B}: MoE kernels {100 * moe / max(total, 1e-9):.1f} % of GPU kernel time")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--variant", required=True, choices=sorted(VARIANTS))
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--short", type=int, default=32, help="tokens in the short run")
+    ap.add_argument("--long", type=int, default=160, help="tokens in the long run")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args(argv)
+    env, kwargs = VARIANTS[a.variant]
+    os.environ.update(env)                 # before vLLM is imported: plugins load on import
+    if a.profile:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"          # engine in this process
+    batches = [int(b) for b in a.batches.split(",")]
+    t0 = time.perf_counter()
+    llm = make_llm(a.model, a.variant, batches, a.prompt_len + max(a.long, a.short) + 16)
+    start_s = time.perf_counter() - t0
+    log(f"engine up in {start_s:.1f} s ({a.variant}: {env} {kwargs})")
+    prompt = [(7 * i) % 31000 + 100 for i in range(a.prompt_len)]   # fixed, same for every run
+    result: dict[str, Any] = {"variant": a.variant, "model": a.model, "pid": os.getpid(),
+                              "start_s": start_s, "env": env, "engine_kwargs": kwargs,
+                              "short": a.short, "long": a.long, "reps": a.reps,
+                              "prompt_len": a.prompt_len}
+    if a.profile:
+        result["profile"] = profile(llm, batches, a.long, prompt)
+    else:
+        result["rows"] = measure(llm, batches, a.short, a.long, a.reps, prompt)
+    a.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

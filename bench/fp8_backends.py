@@ -1,0 +1,181 @@
+"""FP8 per-tensor MoE backends, kernel level, one run: FlashInfer's CUTLASS fused MoE (vLLM's
+stock default for static per-tensor FP8 checkpoints on Hopper), vLLM's Triton `fused_experts`
+(`moe_backend=triton`) and ours (as served: our kernel where routing says so), per shard and M.
+
+    python bench/fp8_backends.py --out /root/fp8b            # H200: the three TP=8 shards, M=1..256
+    TRITON_INTERPRET=1 python bench/fp8_backends.py --smoke --out /tmp/fp8b   # CPU: ours only
+
+Every backend gets the same problem (kernels.timing.make_problem: per-expert weight scales,
+static activation scales) and is timed the same way (CUDA-graph replay over rotating input
+sets, median). FlashInfer is called the way vLLM's FlashInferExperts calls it: fp8 input from a
+static quant of x, w13 in [w3; w1] order, quant_scales [w13_scale*a1, 1/a2, w2_scale*a2, a1];
+the quant of x is inside its timed call, as it is in serving. FlashInfer's autotuner picks its
+tactics first (as vLLM's warm-up does). Before timing, each backend's output at that M is
+checked against the float64 reference (fp8 rounding of x and the SiLU output included):
+||out - ref|| / ||ref|| goes into the row, NaN-poisoned outputs. Rows go to --out/fp8_backends.json
+as they finish. A backend that is not importable is reported as absent, never as a number.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "kernels"), str(ROOT / "bench")]
+
+from reference import moe_reference, rel_err  # noqa: E402
+from shapes import SMOKE, TUNED  # noqa: E402
+
+from kernels import routing  # noqa: E402
+from kernels.fused_moe import FP8, fused_moe  # noqa: E402
+from kernels.timing import make_problem, time_graph  # noqa: E402
+
+MS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+REF_TOKENS = 4            # float64 reference on the first tokens only (DeepSeek: 256 experts)
+
+
+def log(msg: str) -> None:
+    print(f"[fp8b {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def flashinfer_moe() -> tuple[Callable, Callable] | None:
+    """(cutlass_fused_moe, autotune) from FlashInfer, or None when it is not importable."""
+    try:
+        from flashinfer.autotuner import autotune
+        from flashinfer.fused_moe import cutlass_fused_moe
+    except ImportError as e:
+        log(f"FlashInfer absent: {e}")
+        return None
+    return cutlass_fused_moe, autotune
+
+
+def static_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale rounded to fp8 e4m3: vLLM's static scaled_fp8_quant when present, else torch."""
+    try:
+        from vllm import _custom_ops as ops
+        return ops.scaled_fp8_quant(x, scale)[0]
+    except (ImportError, AttributeError, RuntimeError):
+        return (x.float() / scale).clamp(-448, 448).to(FP8)
+
+
+def backends(prob: dict[str, Any], fi: tuple | None) -> dict[str, Callable[[int, torch.Tensor], None]]:
+    """name -> call(set index, out): each writes the layer output for input set i into out."""
+    w1, w2, s1, s2 = prob["weights"]
+    q = prob["fp8"]
+    calls: dict[str, Callable[[int, torch.Tensor], None]] = {}
+
+    def ours(i: int, out: torch.Tensor) -> None:
+        x, tw, ids = prob["sets"][i]
+        fused_moe(x, w1, w2, tw, ids, fp8=q, out=out)
+    calls["ours"] = ours
+
+    from kernels import vllm_kernels
+    fx = vllm_kernels.fused_experts() if torch.cuda.is_available() else None
+    if fx is not None:
+        fused_experts, qcfg = fx
+        quant = qcfg(w1_scale=s1, w2_scale=s2, a1_scale=q.a1_scale, a2_scale=q.a2_scale)
+
+        def vllm_triton(i: int, out: torch.Tensor) -> None:
+            x, tw, ids = prob["sets"][i]
+            out.copy_(fused_experts(x, w1, w2, tw, ids, quant_config=quant))
+        calls["vllm_triton"] = vllm_triton
+
+    if fi is not None:
+        cutlass_fused_moe, _ = fi
+        N = w1.shape[1] // 2
+        w31 = torch.cat([w1[:, N:], w1[:, :N]], dim=1).contiguous()     # [E, 2N, K]: up, gate
+        a1 = q.a1_scale.float().reshape(())
+        a2 = q.a2_scale.float().reshape(())
+        scales = [(s1 * a1).float().contiguous(), (1.0 / a2).reshape(()),
+                  (s2 * a2).float().contiguous(), a1]
+
+        def flashinfer_cutlass(i: int, out: torch.Tensor) -> None:
+            x, tw, ids = prob["sets"][i]
+            cutlass_fused_moe(static_quant(x, a1), ids, tw, w31, w2, torch.bfloat16, scales,
+                              output=out)
+        calls["flashinfer_cutlass"] = flashinfer_cutlass
+    return calls
+
+
+def check(prob: dict[str, Any], call: Callable[[int, torch.Tensor], None]) -> float:
+    """Relative error of set 0's first REF_TOKENS tokens against the float64 reference."""
+    w1, w2, s1, s2 = prob["weights"]
+    x, tw, ids = prob["sets"][0]
+    out = torch.full_like(x, float("nan"))
+    call(0, out)
+    n = min(REF_TOKENS, x.shape[0])
+    ref = moe_reference(x[:n], w1, w2, tw[:n], ids[:n], w1_scale=s1, w2_scale=s2,
+                        a1_scale=prob["fp8"].a1_scale, a2_scale=prob["fp8"].a2_scale,
+                        quant_acts="static")
+    return rel_err(out[:n], ref)
+
+
+def run_shape(name: str, shape: tuple, ms: tuple, fi: tuple | None, n_sets: int,
+              replays: int) -> list[dict[str, Any]]:
+    E, N, K, topk = shape
+    rows, weights = [], None
+    for M in ms:
+        prob = make_problem(E, N, K, topk, M, "fp8", n_sets, "cuda" if torch.cuda.is_available()
+                            else "cpu", seed=M, weights=weights)
+        weights = prob["weights"]
+        row: dict[str, Any] = {"shape": name, "E": E, "N": N, "K": K, "topk": topk, "M": M,
+                               "route": routing.route(E, N, K, "fp8", M, topk=topk)}
+        outs = [torch.empty_like(x) for x, _, _ in prob["sets"]]
+        for bname, call in backends(prob, fi).items():
+            try:
+                if bname == "flashinfer_cutlass":
+                    with fi[1](True):            # FlashInfer autotune: tactics per M bucket
+                        call(0, outs[0])
+                row[f"{bname}_err"] = check(prob, call)
+                row[f"{bname}_us"] = time_graph(lambda i, c=call: c(i, outs[i]), n_sets, replays)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                row[f"{bname}_error"] = f"{type(e).__name__}: {e}"[:300]
+        if "ours_us" in row and "vllm_triton_us" in row:
+            row["served_us"] = row["ours_us"] if row["route"] == routing.OURS else row["vllm_triton_us"]
+        rows.append(row)
+        log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, M<=4 (CPU interpreter)")
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--n-sets", type=int, default=8)
+    ap.add_argument("--replays", type=int, default=20)
+    args = ap.parse_args(argv)
+    shapes = SMOKE if args.smoke else TUNED
+    ms = (1, 4) if args.smoke else tuple(int(m) for m in args.ms.split(","))
+    fi = flashinfer_moe() if torch.cuda.is_available() else None
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "flashinfer": _version("flashinfer"), "vllm": _version("vllm"),
+            "torch": torch.__version__}
+    rows: list[dict[str, Any]] = []
+    for name, shape in shapes.items():
+        rows += run_shape(name, shape, ms, fi, 2 if args.smoke else args.n_sets,
+                          3 if args.smoke else args.replays)
+        (args.out / "fp8_backends.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    log(f"wrote {args.out / 'fp8_backends.json'} ({len(rows)} rows)")
+    return 0
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except Exception:  # noqa: BLE001  (absent, or fails to import without a GPU)
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The fixed-batch decode A/B harness: run order, resume, statistics, and one real probe process
+on the vLLM CPU engine with the embedded model."""
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import decode_ab  # noqa: E402
+import decode_stats  # noqa: E402
+from dummy_model import dummy_model_dir  # noqa: E402
+
+
+def test_rounds_run_each_variant_once_per_round_in_every_position():
+    variants = ["stock", "vllm-triton", "moe-serve"]
+    plan = decode_ab.rounds(variants, 6)
+    assert len(plan) == 18
+    for r in range(6):
+        assert sorted(v for rr, v in plan if rr == r) == sorted(variants)
+    positions = Counter((i % 3, v) for i, (_, v) in enumerate(plan))
+    assert set(positions.values()) == {2}          # 6 rounds / 3 positions, for every variant
+
+
+def _run(variant: str, rnd: int, tok_s: dict[int, float]) -> dict:
+    return {"variant": variant, "round": rnd,
+            "rows": [{"B": b, "tok_s": t, "step_ms": b / t * 1e3} for b, t in tok_s.items()]}
+
+
+def _write_runs(d: Path, gain: float, noise: float, n: int, seed: int = 0) -> dict[str, list[float]]:
+    rng = random.Random(seed)
+    raw: dict[str, list[float]] = {"stock": [], "moe-serve": []}
+    for r in range(n):
+        for v, g in (("stock", 1.0), ("moe-serve", gain)):
+            t = 400.0 * g * math.exp(rng.gauss(0, noise))
+            raw[v].append(t)
+            (d / f"run-r{r}-{v}.json").write_text(json.dumps(_run(v, r, {1: t, 8: 6 * t})))
+    return raw
+
+
+def test_stats_ratio_is_the_geomean_ratio_and_the_ci_resolves_a_clear_gain(tmp_path):
+    raw = _write_runs(tmp_path, gain=1.10, noise=0.01, n=6)
+    rows = decode_stats.summarize(decode_stats.load_runs([tmp_path]), "stock")
+    cell = next(r for r in rows if r["B"] == "1")
+    exact = math.exp(sum(map(math.log, raw["moe-serve"])) / 6 - sum(map(math.log, raw["stock"])) / 6)
+    assert cell["ratio"] == pytest.approx(exact, rel=1e-12)
+    assert (cell["n"], cell["n_base"]) == (6, 6)
+    assert 1.0 < cell["lo"] < cell["ratio"] < cell["hi"] < 1.2
+    assert [r["B"] for r in rows] == ["1", "8", "all"]
+
+
+def test_stats_ci_covers_one_when_process_noise_swamps_the_gain(tmp_path):
+    _write_runs(tmp_path, gain=1.03, noise=0.15, n=3, seed=3)
+    cell = decode_stats.summarize(decode_stats.load_runs([tmp_path]), "stock")[0]
+    assert cell["lo"] < 1.0 < cell["hi"]
+
+
+def test_stats_needs_two_processes_per_side_for_an_interval(tmp_path):
+    _write_runs(tmp_path, gain=1.1, noise=0.01, n=1)
+    cell = decode_stats.summarize(decode_stats.load_runs([tmp_path]), "stock")[0]
+    assert cell["lo"] is None and cell["hi"] is None and cell["ratio"] > 1.0
+    assert "n/a" in decode_stats.markdown([cell], "stock")[2]
+
+
+def test_decode_ab_resumes_without_rerunning_finished_runs(tmp_path):
+    for r in range(2):
+        for v in ("stock", "moe-serve"):
+            (tmp_path / f"run-r{r}-{v}.json").write_text(json.dumps(_run(v, r, {1: 100.0})))
+    model = tmp_path / "model"
+    model.mkdir()
+    # every run is done: no probe process may start (one would fail on this empty model dir)
+    assert decode_ab.main(["--model", str(model), "--processes", "2", "--out", str(tmp_path),
+                           "--probe-timeout-s", "5"]) == 0
+
+
+def test_dummy_model_dir_writes_a_static_fp8_checkpoint_config(tmp_path):
+    d = dummy_model_dir("mixtral-8x7b-tp8-rank", tmp_path, quantization="fp8-static")
+    cfg = json.loads((d / "config.json").read_text())
+    assert d.name == "mixtral-8x7b-tp8-rank-fp8-static"
+    assert cfg["quantization_config"] == {"quant_method": "fp8", "activation_scheme": "static"}
+    assert (d / "tokenizer.json").is_file()
+
+
+def test_probe_measures_decode_on_the_real_cpu_engine(tmp_path, embedded_model_dir):
+    out = tmp_path / "run.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "decode_probe.py"), "--model",
+                           str(embedded_model_dir), "--variant", "stock", "--batches", "1,2",
+                           "--short", "2", "--long", "6", "--reps", "1", "--prompt-len", "16",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["variant"] == "stock" and res["env"] == {"VLLM_PLUGINS": ""}
+    assert [r["B"] for r in res["rows"]] == [1, 2]
+    for r in res["rows"]:
+        assert r["step_ms"] > 0 and r["tok_s"] == pytest.approx(r["B"] / r["step_ms"] * 1e3)
