@@ -40,7 +40,7 @@ def make_llm(model: str, variant: str, batches: list[int], max_len: int) -> Any:
     from vllm import LLM
 
     return LLM(model=model, load_format="dummy", max_model_len=max_len, max_num_seqs=max(batches),
-               gpu_memory_utilization=0.6, seed=0, enable_prefix_caching=False,
+               gpu_memory_utilization=0.35, seed=0, enable_prefix_caching=False,
                compilation_config={"cudagraph_capture_sizes": sorted(batches)},
                **VARIANTS[variant][1])
 

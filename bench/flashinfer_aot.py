@@ -80,11 +80,12 @@ def _undefined_trtllm(so: Path) -> list[str]:
 
 def _stub_object(symbols: list[str], work: Path) -> Path:
     """An object defining each symbol as a function that prints its name and aborts."""
-    asm = [".text", ".section .rodata", ".Lmsg: .asciz \"moe-serve flashinfer_aot: a left-out "
-           "FlashInfer tactic was called; see bench/flashinfer_aot.py\\n\"", ".text"]
-    for sym in symbols:
-        asm += [f".globl {sym}", f".type {sym}, @function", f"{sym}:",
-                "  leaq .Lmsg(%rip), %rdi", "  call puts@PLT", "  call abort@PLT"]
+    asm = [".section .rodata", ".Lmsg: .ascii \"moe-serve flashinfer_aot: a left-out FlashInfer "
+           "tactic was called; see bench/flashinfer_aot.py\\n\"", ".Lend:", ".text"]
+    for sym in symbols:                              # write(2, msg, len); abort()
+        asm += [f".globl {sym}", f".type {sym}, @function", f"{sym}:", "  movl $2, %edi",
+                "  leaq .Lmsg(%rip), %rsi", "  movl $(.Lend - .Lmsg), %edx", "  call write@PLT",
+                "  call abort@PLT"]
     src, obj = work / "left_out_stubs.s", work / "left_out_stubs.o"
     src.write_text("\n".join(asm) + "\n")
     subprocess.check_call(["gcc", "-c", "-fPIC", str(src), "-o", str(obj)])
@@ -115,15 +116,17 @@ def cmd_link(a: argparse.Namespace) -> int:
 
 
 def cmd_install(a: argparse.Namespace) -> int:
-    import flashinfer.jit.env as jit_env
+    """Copy the module to FlashInfer's AOT path and load it the way FlashInfer will."""
+    from flashinfer.jit.fused_moe import gen_cutlass_fused_moe_sm90_module
 
-    dest = Path(jit_env.FLASHINFER_AOT_DIR) / "fused_moe_90" / "fused_moe_90.so"
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(a.so, dest)
-    import tvm_ffi
-
-    tvm_ffi.load_module(str(dest))               # loads: every symbol resolved or stubbed
-    print(f"installed {dest}")
+    s = gen_cutlass_fused_moe_sm90_module()
+    s.aot_path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(a.so, s.aot_path)
+    if not s.is_aot:
+        print(f"FlashInfer does not see {s.aot_path} as its AOT module", file=sys.stderr)
+        return 1
+    s.build_and_load()               # the AOT branch: loads, every symbol resolved or stubbed
+    print(f"installed and loaded {s.aot_path}")
     return 0
 
 

@@ -7,14 +7,18 @@
 #   FlashInfer into /opt/fi-site, tune Mixtral-8x7B TP=2 and Qwen3-30B-A3B TP=1 (--no-vllm)
 # 2 (part00): kernel correctness on the GPU (all paths, bf16/fp8) after the last refactor
 # 3 (part01, installs vLLM): the tuner's vLLM timing/routing step for the two models, the
-#   three-way FP8 kernel table, then the FP8 decode A/B until the call's budget
+#   three-way FP8 kernel table, then the FP8 decode A/B (stock vs moe-serve; vLLM's Triton
+#   backend is in the kernel table) until the call's budget
 # 4 (any later call): the decode A/B resumes (FP8, then bf16)
 set -uo pipefail
 stage=$1 out=$2
 mkdir -p /root/tuned /root/dab "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-fi_env() {  # FlashInfer after vLLM's site on the path; nvcc on PATH (vLLM's has_flashinfer)
+fi_env() {  # FlashInfer after vLLM's site on the path; nvcc on PATH (vLLM's has_flashinfer);
+  # the CUDA 13 libraries the prebuilt module links (cudart, nvrtc) findable by the loader
+  local nv; nv=$(python3 -c "import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], 'cu13', 'lib'))" 2>/dev/null)
   export PYTHONPATH=$PYTHONPATH:/opt/fi-site PATH=$PATH:/usr/local/cuda/bin
+  export LD_LIBRARY_PATH=${nv:+$nv:}/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 }
 tune() {  # model tp dtype budget_min [--no-vllm]
   local q=""; [[ $3 == fp8 ]] && q="--quantization fp8"
@@ -33,11 +37,18 @@ case $stage in
        which nvcc && nvcc --version | tail -2; nproc; nvidia-smi -L; } 2>&1 | tee "$out/host.txt"
      mkdir -p /opt/fi-site && tar -C /opt/fi-site -xJf .dev/fi/fi-site.tar.xz
      fi_env
-     xz -dc .dev/fi/fused_moe_90.so.xz > /tmp/fused_moe_90.so && python3 bench/flashinfer_aot.py install --so /tmp/fused_moe_90.so 2>&1 | tee "$out/fi_install.log"
+     xz -dc .dev/fi/fused_moe_90.so.xz > /tmp/fused_moe_90.so
+     if ! python3 bench/flashinfer_aot.py install --so /tmp/fused_moe_90.so 2>&1 | tee "$out/fi_install.log"; then
+       echo "prebuilt module did not load: relinking the carried objects with this host's toolkit"
+       mkdir -p /root/fiw && tar -C /root/fiw -xJf .dev/fi/objects.tar.xz
+       FLASHINFER_WORKSPACE_BASE=/root/fiw CUDA_HOME=/usr/local/cuda python3 bench/flashinfer_aot.py \
+         link --out /tmp/fused_moe_90.so && python3 bench/flashinfer_aot.py install --so /tmp/fused_moe_90.so
+     fi 2>&1 | tee -a "$out/fi_install.log"
      tune mixtral-8x7b 2 bf16 2.5 --no-vllm; tune mixtral-8x7b 2 fp8 2.5 --no-vllm
      tune qwen3-30b-a3b 1 bf16 2.5 --no-vllm; tune qwen3-30b-a3b 1 fp8 2.5 --no-vllm ;;
-  2) MOE_SERVE_KERNEL_CONFIG_DIR=/root/tuned timeout 400 python3 bench/bench_kernels.py \
-       --correctness --out "$out/corr" 2>&1 | tail -30 ;;
+  2) MOE_SERVE_KERNEL_CONFIG_DIR=/root/tuned timeout 300 python3 bench/bench_kernels.py \
+       --correctness --out "$out/corr" --shapes \
+       "Mixtral-8x7B/TP8,Qwen3-30B-A3B/TP8,Mixtral-8x7B/TP2,Qwen3-30B-A3B/TP1" 2>&1 | tail -30 ;;
   3) source bench/device_env.sh || exit 1
      fi_env
      tune mixtral-8x7b 2 bf16 2.5; tune mixtral-8x7b 2 fp8 2.5
@@ -45,10 +56,10 @@ case $stage in
      MOE_SERVE_KERNEL_CONFIG_DIR=/root/tuned timeout 200 python3 bench/fp8_backends.py \
        --out "$out/fp8b" 2>&1 | tee "$out/fp8b.log" | grep -v "^\[fp8b\]" | tail -20
      grep "^\[fp8b" "$out/fp8b.log" | tail -30
-     dab stock,vllm-triton,moe-serve fp8-static $((560 - SECONDS)) fp8 ;;
+     dab stock,moe-serve fp8-static $((560 - SECONDS)) fp8 ;;
   4) source bench/device_env.sh || exit 1
      fi_env
-     dab stock,vllm-triton,moe-serve fp8-static 540 fp8 \
+     dab stock,moe-serve fp8-static 540 fp8 \
        && dab stock,moe-serve none $((560 - SECONDS)) bf16 ;;
 esac
 cp /root/tuned/*.json "$out/" 2>/dev/null

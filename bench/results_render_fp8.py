@@ -1,0 +1,92 @@
+"""RESULTS.md renderers for the FP8-backend proof: the three-way kernel table, the decode A/B
+intervals, the MoE share of a decode step and the tuner's two-phase times."""
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import decode_stats  # noqa: E402
+
+BACKENDS = ("flashinfer_cutlass", "vllm_triton", "ours")
+
+
+def _geomean(xs: list[float]) -> float:
+    return math.exp(sum(map(math.log, xs)) / len(xs))
+
+
+def fp8_backends(path: Path) -> list[str]:
+    """Per shard and M: us of each backend, the served time and the ratios to FlashInfer."""
+    res = json.loads(path.read_text())
+    out = [f"device {res['meta']['device']}, FlashInfer {res['meta']['flashinfer']}, vLLM "
+           f"{res['meta']['vllm']}; us per MoE layer call (CUDA-graph replay, median)", "",
+           "| shard | M | FlashInfer CUTLASS | vLLM Triton | ours | served (route) | FI / vLLM Triton | "
+           "FI / served | max rel err (FI, vLLM, ours) |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in res["rows"]:
+        fi, vt, served = r.get("flashinfer_cutlass_us"), r.get("vllm_triton_us"), r.get("served_us")
+        errs = ", ".join(f"{r[b + '_err']:.3f}" if b + "_err" in r else "n/a" for b in BACKENDS)
+        cell = (lambda v: f"{v:.1f}" if v is not None else "n/a")
+        ratio = (lambda a, b: f"{a / b:.2f}x" if a is not None and b is not None else "n/a")
+        out.append(f"| {r['shape']} | {r['M']} | {cell(fi)} | {cell(vt)} | {cell(r.get('ours_us'))} | "
+                   f"{cell(served)} ({r['route']}) | {ratio(fi, vt)} | {ratio(fi, served)} | {errs} |")
+    out += ["", "| shard | geomean M<=64: FI / vLLM Triton | FI / served | served / vLLM Triton |",
+            "|---|---:|---:|---:|"]
+    for shape in dict.fromkeys(r["shape"] for r in res["rows"]):
+        rows = [r for r in res["rows"] if r["shape"] == shape and r["M"] <= 64
+                and all(r.get(k) for k in ("flashinfer_cutlass_us", "vllm_triton_us", "served_us"))]
+        if rows:
+            g = (lambda a, b: _geomean([r[a] / r[b] for r in rows]))
+            out.append(f"| {shape} | {g('flashinfer_cutlass_us', 'vllm_triton_us'):.2f}x | "
+                       f"{g('flashinfer_cutlass_us', 'served_us'):.2f}x | "
+                       f"{g('vllm_triton_us', 'served_us'):.2f}x |")
+    return out
+
+
+def decode_ab(baseline: str, *dirs: Path) -> list[str]:
+    """The decode A/B table (bench/decode_stats.py) and, per variant, the MoE backend vLLM logged."""
+    runs = decode_stats.load_runs(list(dirs))
+    out = decode_stats.markdown(decode_stats.summarize(runs, baseline), baseline)
+    picked: dict[str, set[str]] = {}
+    for r in runs:
+        picked.setdefault(r["variant"], set()).update(
+            re.sub(r"^.*?(Using|using)", r"\1", ln).strip() for ln in r.get("moe_backend_log", []))
+    out += ["", "MoE backend lines in the engine logs, per variant:"]
+    out += [f"- {v}: {'; '.join(sorted(p)) or 'none logged'}" for v, p in sorted(picked.items())]
+    return out
+
+
+def tune_phases(log: Path) -> list[str]:
+    """`moe-serve tune` per model and dtype: search (--no-vllm) and vLLM-timing/routing calls."""
+    t: dict[tuple[str, str, str], dict[str, int]] = {}
+    for m in re.finditer(r"^TUNE_TIME (\S+) tp(\d+) (\w+) (\S+) (\d+)s$", log.read_text(), re.M):
+        t.setdefault((m[1], m[2], m[3]), {})[m[4]] = int(m[5])
+    out = ["| model | TP | dtype | search (`--no-vllm`) | vLLM timing + routing | total |",
+           "|---|---|---|---:|---:|---:|"]
+    for (model, tp, dt), ph in t.items():
+        s, v = ph.get("--no-vllm"), ph.get("with-vllm")
+        tot = f"{s + v} s" if s is not None and v is not None else "n/a"
+        out.append(f"| {model} | {tp} | {dt} | {s if s is not None else 'n/a'} s | "
+                   f"{v if v is not None else 'n/a'} s | {tot} |")
+    return out
+
+
+def moe_share(shape: str, layers: int, fp8b: Path, dab_dir: Path) -> list[str]:
+    """Per B: the MoE share of a stock decode step (layers x FlashInfer's kernel time / step)
+    and the end-to-end ratio the served kernel time predicts, beside the measured one."""
+    kern = {r["M"]: r for r in json.loads(fp8b.read_text())["rows"] if r["shape"] == shape}
+    pp = decode_stats.per_process(decode_stats.load_runs([dab_dir]))
+    out = [f"| B | stock step (ms) | MoE share of it ({layers} x FI kernel) | predicted moe-serve / stock | "
+           "measured |", "|---|---:|---:|---:|---:|"]
+    for b in sorted((int(k) for k in pp.get("stock", {}) if k.isdigit())):
+        r = kern.get(b)
+        if r is None or not r.get("flashinfer_cutlass_us") or not r.get("served_us"):
+            continue
+        step = 1e3 * b / _geomean(pp["stock"][str(b)])          # ms per decode step
+        fi, served = layers * r["flashinfer_cutlass_us"] / 1e3, layers * r["served_us"] / 1e3
+        meas = _geomean(pp["moe-serve"][str(b)]) / _geomean(pp["stock"][str(b)]) if "moe-serve" in pp else None
+        out.append(f"| {b} | {step:.3f} | {100 * fi / step:.0f} % | {step / (step - fi + served):.3f} | "
+                   f"{'n/a' if meas is None else f'{meas:.3f}'} |")
+    return out
