@@ -9,12 +9,13 @@ GPU host from the FlashInfer wheel and NVIDIA's pip toolkit (nvidia-cuda-nvcc & 
     python bench/flashinfer_aot.py link --out fused_moe_90.so
     python bench/flashinfer_aot.py install --so fused_moe_90.so   # host: into FlashInfer's AOT dir
 
-Only the units FP8 per-tensor W8A8 needs are compiled: every hand-written unit plus the
-generated sm90 grouped-GEMM instantiations for e4m3 x e4m3. The other generated
-instantiations (fp16/bf16/fp32 grouped, fp4, int4/int8 mixed-input) are left out; each symbol
-they would define is linked to a stub that aborts with a message, so the module loads and any
-call into a left-out tactic stops loudly instead of running something else. FlashInfer's
-autotuner only profiles tactics of the input's own dtypes, so FP8 calls never reach a stub.
+Only the units FP8 per-tensor W8A8 needs are compiled: the common hand-written units, the
+e4m3 x e4m3 GEMM dispatcher and the generated sm90 grouped-GEMM instantiations for e4m3 x
+e4m3. The other dispatchers and instantiations (fp16/bf16/fp32, fp4, int4/int8 mixed-input)
+are left out; each symbol they would define is linked to a stub that aborts with a message, so
+the module loads and any call into a left-out path stops loudly instead of running something
+else. FlashInfer's autotuner only profiles tactics of the input's own dtypes, so FP8 calls
+never reach a stub.
 Environment: PYTHONPATH with flashinfer-python (and apache-tvm-ffi), CUDA_HOME (nvcc 13.0),
 FLASHINFER_WORKSPACE_BASE (where generated sources and objects go).
 """
@@ -29,6 +30,7 @@ import sys
 from pathlib import Path
 
 FP8_GROUPED = re.compile(r"INSTANTIATE_TMA_WARP_SPECIALIZED_MOE_GEMM\(\s*Sm90,\s*__nv_fp8_e4m3,\s*__nv_fp8_e4m3")
+DISPATCHER = re.compile(r"moe_gemm_kernels_(\w+)\.cu")          # one MoeGemmRunner<A, B> per file
 
 
 def spec():
@@ -41,17 +43,21 @@ def spec():
     return s
 
 
+def _fp8_or_common(src: Path) -> bool:
+    """Generated instantiations and per-dtype GEMM dispatchers only for e4m3 x e4m3; the rest."""
+    if src.name.endswith(".generated.cu"):
+        return FP8_GROUPED.search(src.read_text()) is not None
+    m = DISPATCHER.fullmatch(src.name)
+    return m is None or m.group(1) == "fp8_fp8"
+
+
 def selected_objects(s) -> tuple[list[Path], list[Path]]:
-    """(objects to build, objects left out), from the compile edges of the spec's build.ninja:
-    hand-written units and FP8 grouped instantiations are kept."""
+    """(objects to build, objects left out), from the compile edges of the spec's build.ninja."""
     keep, drop = [], []
     for line in s.ninja_path.read_text().splitlines():
         m = re.match(r"build (\S+): (cuda_)?compile (\S+)$", line)
-        if not m:
-            continue
-        obj, src = Path(m.group(1)), Path(m.group(3))
-        generated = src.name.endswith(".generated.cu")
-        (keep if not generated or FP8_GROUPED.search(src.read_text()) else drop).append(obj)
+        if m:
+            (keep if _fp8_or_common(Path(m.group(3))) else drop).append(Path(m.group(1)))
     return keep, drop
 
 
@@ -64,8 +70,9 @@ def cmd_objects(a: argparse.Namespace) -> int:
 
 
 def _link(objs: list[Path], extra: list[Path], out: Path, cuda: str) -> None:
+    """FlashInfer's own link rule: $cxx $in -shared -L$cuda/lib64[/stubs] -lcudart -lcuda -lnvrtc."""
     lib = Path(cuda) / "lib64"
-    subprocess.check_call([f"{cuda}/bin/nvcc", "-shared", *map(str, objs), *map(str, extra),
+    subprocess.check_call([os.environ.get("CXX", "c++"), *map(str, objs), *map(str, extra), "-shared",
                            f"-L{lib}", f"-L{lib / 'stubs'}", "-lcudart", "-lcuda", "-lnvrtc",
                            "-o", str(out)])
 
@@ -87,6 +94,7 @@ def _stub_object(symbols: list[str], work: Path) -> Path:
                 "  leaq .Lmsg(%rip), %rsi", "  movl $(.Lend - .Lmsg), %edx", "  call write@PLT",
                 "  call abort@PLT"]
     src, obj = work / "left_out_stubs.s", work / "left_out_stubs.o"
+    asm.append('.section .note.GNU-stack,"",@progbits')         # no executable stack
     src.write_text("\n".join(asm) + "\n")
     subprocess.check_call(["gcc", "-c", "-fPIC", str(src), "-o", str(obj)])
     return obj

@@ -44,16 +44,16 @@ case $stage in
        FLASHINFER_WORKSPACE_BASE=/root/fiw CUDA_HOME=/usr/local/cuda python3 bench/flashinfer_aot.py \
          link --out /tmp/fused_moe_90.so && python3 bench/flashinfer_aot.py install --so /tmp/fused_moe_90.so
      fi 2>&1 | tee -a "$out/fi_install.log"
-     tune mixtral-8x7b 2 bf16 2.5 --no-vllm; tune mixtral-8x7b 2 fp8 2.5 --no-vllm
-     tune qwen3-30b-a3b 1 bf16 2.5 --no-vllm; tune qwen3-30b-a3b 1 fp8 2.5 --no-vllm ;;
+     tune mixtral-8x7b 2 bf16 1.6 --no-vllm; tune mixtral-8x7b 2 fp8 1.6 --no-vllm
+     tune qwen3-30b-a3b 1 bf16 1.6 --no-vllm; tune qwen3-30b-a3b 1 fp8 1.6 --no-vllm ;;
   2) MOE_SERVE_KERNEL_CONFIG_DIR=/root/tuned timeout 300 python3 bench/bench_kernels.py \
        --correctness --out "$out/corr" --shapes \
        "Mixtral-8x7B/TP8,Qwen3-30B-A3B/TP8,Mixtral-8x7B/TP2,Qwen3-30B-A3B/TP1" 2>&1 | tail -30 ;;
   3) source bench/device_env.sh || exit 1
      fi_env
-     tune mixtral-8x7b 2 bf16 2.5; tune mixtral-8x7b 2 fp8 2.5
-     tune qwen3-30b-a3b 1 bf16 2.5; tune qwen3-30b-a3b 1 fp8 2.5
-     MOE_SERVE_KERNEL_CONFIG_DIR=/root/tuned timeout 200 python3 bench/fp8_backends.py \
+     tune mixtral-8x7b 2 bf16 1.6; tune mixtral-8x7b 2 fp8 1.6
+     tune qwen3-30b-a3b 1 bf16 1.6; tune qwen3-30b-a3b 1 fp8 1.6
+     MOE_SERVE_KERNEL_CONFIG_DIR=/root/tuned timeout 240 python3 bench/fp8_backends.py \
        --out "$out/fp8b" 2>&1 | tee "$out/fp8b.log" | grep -v "^\[fp8b\]" | tail -20
      grep "^\[fp8b" "$out/fp8b.log" | tail -30
      dab stock,moe-serve fp8-static $((560 - SECONDS)) fp8 ;;
