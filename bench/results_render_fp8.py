@@ -59,17 +59,23 @@ def decode_ab(baseline: str, *dirs: Path) -> list[str]:
 
 
 def tune_phases(log: Path) -> list[str]:
-    """`moe-serve tune` per model and dtype: search (--no-vllm) and vLLM-timing/routing calls."""
+    """`moe-serve tune` per model and dtype: wall time of the search call (--no-vllm) and of
+    the vLLM-timing/routing call, and what the routing call measured (ours / vLLM)."""
+    text = log.read_text()
     t: dict[tuple[str, str, str], dict[str, int]] = {}
-    for m in re.finditer(r"^TUNE_TIME (\S+) tp(\d+) (\w+) (\S+) (\d+)s$", log.read_text(), re.M):
+    for m in re.finditer(r"^TUNE_TIME (\S+) tp(\d+) (\w+) (\S+) (\d+)s$", text, re.M):
         t.setdefault((m[1], m[2], m[3]), {})[m[4]] = int(m[5])
-    out = ["| model | TP | dtype | search (`--no-vllm`) | vLLM timing + routing | total |",
-           "|---|---|---|---:|---:|---:|"]
+    measured = {(m[1].split("/")[0], m[2].removeprefix("TP"), m[3]): (m[4], m[5]) for m in re.finditer(
+        r"^\[tune\] (\S+?)/(TP\d+) .* (\w+): tuned in \d+s; vs vLLM (M=1 [\d.]+x, M=8 [\d.]+x, "
+        r"M=64 [\d.]+x); ours for M in (\S+)$", text, re.M)}
+    out = ["| model | TP | dtype | search (`--no-vllm`) | vLLM timing + routing | total | "
+           "ours / vLLM (routing call) | routed to ours |", "|---|---|---|---:|---:|---:|---|---|"]
     for (model, tp, dt), ph in t.items():
         s, v = ph.get("--no-vllm"), ph.get("with-vllm")
         tot = f"{s + v} s" if s is not None and v is not None else "n/a"
+        sp, ours = measured.get((model, tp, dt), ("n/a", "n/a"))
         out.append(f"| {model} | {tp} | {dt} | {s if s is not None else 'n/a'} s | "
-                   f"{v if v is not None else 'n/a'} s | {tot} |")
+                   f"{v if v is not None else 'n/a'} s | {tot} | {sp} | M in {ours} |")
     return out
 
 

@@ -26,6 +26,7 @@ from typing import Callable
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 import results_render as rr  # noqa: E402
+import results_render_fp8 as rf  # noqa: E402
 import results_render_kernels as rk  # noqa: E402
 
 RESULTS_MD = BENCH / "RESULTS.md"
@@ -55,7 +56,14 @@ FRONT5 = D + "frontend/run5_pinned_gc_frozen/"
 K1 = "2026-12-01/"
 B1 = K1 + "kernels_session_b/bench_results.json"
 B2 = (K1 + "kernels_validation/tuned_fine_m.json", K1 + "kernels_validation/untuned.json")
+F8 = K1 + "fp8_session/"
 REGISTRY: dict[str, Entry] = {
+    "fp8-backends": Entry((F8 + "fp8_backends.json",), rf.fp8_backends),
+    "decode-ab-fp8": Entry((F8 + "decode_ab_fp8",), rf.decode_ab, ("stock",)),
+    "moe-share-fp8": Entry((F8 + "fp8_backends.json", F8 + "decode_ab_fp8"), rf.moe_share,
+                           ("Mixtral-8x7B/TP8", 32)),
+    "tune-phases-tp2-tp1": Entry((F8 + "tune.log",), rf.tune_phases),
+    "kernels-correctness-fp8-session": Entry((F8 + "correctness.json",), rk.correctness),
     "decode-sweep": Entry((K1 + "decode_sweep/decode_sweep.json",), rk.decode_sweep),
     "decode-correctness-747e918": Entry((K1 + "decode_sweep/correctness.json",), rk.correctness),
     "kernels-correctness-final": Entry((K1 + "kernels_validation/correctness.json",), rk.correctness),

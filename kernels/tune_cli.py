@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kernels import configs, make_routing, precompile, routing, tune
+from kernels import configs, make_routing, precompile, routing, tune, vllm_kernels
 from kernels.config_schema import label
 from kernels.model_shapes import ModelConfigError, MoEShape, moe_shapes, read_config
 from kernels.timing import make_problem, time_ours, time_vllm
@@ -104,6 +104,18 @@ def _summary(shape: MoEShape, ent: dict[str, Any], seconds: float) -> str:
             f"{shape.dtype}: tuned in {seconds:.0f}s; vs vLLM {at}; ours for M in {ours}")
 
 
+def seed_warning(device_kind: str) -> str | None:
+    """A warning when tuning on a GPU without vLLM importable: the aligned search then starts
+    from our heuristic instead of vLLM's config for the shape (configs.aligned_default), which
+    is what the server would run untuned, so the tables can lose to no table at all."""
+    if device_kind != "cuda" or vllm_kernels.fused_experts() is not None:
+        return None
+    return ("moe-serve tune: vLLM is not importable here, so the search cannot start from "
+            "vLLM's config for each shape, which the server uses when a shape has no table, "
+            "so its tables can be slower than none (seen on an H200: bench/RESULTS.md, "
+            "2026-12-01). Tune where vLLM is installed.")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="moe-serve tune", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -147,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     buckets = tuple(int(b) for b in args.buckets.split(","))
     budget = args.budget_minutes * 60
     use_vllm = not args.no_vllm and device_kind == "cuda"
+    warning = seed_warning(device_kind)
+    if warning:
+        print(warning, file=sys.stderr)
     search_s = budget * (1 - ROUTE_SHARE if use_vllm else 1) / len(shapes)
     prog = Progress(budget)
     entries: dict[str, Any] = {}

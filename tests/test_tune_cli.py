@@ -97,3 +97,13 @@ def test_untuned_shape_is_warned_and_counted(server, http) -> None:
     assert 'tuned="false"' in text and 'moe_serve_moe_shape_info{' in text
     log = server.log()
     assert "has no tuned kernel table for cpu" in log and "moe-serve tune --model" in log
+
+
+def test_tuning_on_a_gpu_without_vllm_warns_that_the_search_is_unseeded(monkeypatch) -> None:
+    from kernels import tune_cli, vllm_kernels
+
+    monkeypatch.setattr(vllm_kernels, "fused_experts", lambda: None)
+    assert "vLLM is not importable" in tune_cli.seed_warning("cuda")
+    assert tune_cli.seed_warning("cpu") is None                 # the interpreter pipeline
+    monkeypatch.setattr(vllm_kernels, "fused_experts", lambda: (print, print))
+    assert tune_cli.seed_warning("cuda") is None
