@@ -4,12 +4,10 @@
 
 Starts vLLM's offline engine (`vllm.LLM`, dummy weights, CUDA graphs for exactly the batch
 sizes measured), then for each batch size B runs B copies of a fixed prompt with
-`ignore_eos` greedy decoding twice as long as a short run: the decode step time is
-(t_long - t_short) / (long - short) tokens, so prefill and start-up cost cancel, and output
+`ignore_eos` greedy decoding, once `--short` and once `--long` tokens: the decode step time is
+(t_long - t_short) / (long - short), so prefill and per-request costs cancel, and output
 tok/s = B / step. Each B is warmed up twice before `--reps` timed pairs. The variant decides
 only the MoE kernels (the environment and `moe_backend` below); everything else is the same.
-`--profile` instead runs the engine in-process under torch.profiler at each B and reports the
-share of GPU kernel time spent in MoE kernels.
 """
 from __future__ import annotations
 
@@ -29,7 +27,6 @@ VARIANTS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
     "moe-serve": ({"VLLM_PLUGINS": "moe_serve_kernels", "MOE_SERVE_MOE_KERNELS": "optimized"},
                   {"moe_backend": "triton"}),
 }
-MOE_KERNEL_MARKERS = ("moe", "expert", "_up_kernel", "_down_kernel")  # ours, vLLM's, CUTLASS
 
 
 def log(msg: str) -> None:
@@ -78,32 +75,6 @@ def measure(llm: Any, batches: list[int], short: int, long: int, reps: int,
     return rows
 
 
-def profile(llm: Any, batches: list[int], tokens: int, prompt: list[int]) -> list[dict[str, Any]]:
-    """Per B: GPU kernel time in MoE kernels / all kernel time, over `tokens` decode steps."""
-    import torch
-    from torch.profiler import ProfilerActivity
-
-    rows = []
-    for B in batches:
-        generate_s(llm, B, tokens, prompt)
-        with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
-            generate_s(llm, B, tokens, prompt)
-        total = moe = 0.0
-        names: dict[str, float] = {}
-        for ev in prof.events():
-            if ev.device_type != torch.autograd.DeviceType.CUDA:
-                continue
-            us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-            total += us
-            if any(m in ev.name.lower() for m in MOE_KERNEL_MARKERS):
-                moe += us
-                names[ev.name[:80]] = names.get(ev.name[:80], 0.0) + us
-        rows.append({"B": B, "moe_share": moe / total if total else None, "kernel_us": total,
-                     "moe_us": moe, "moe_kernels": dict(sorted(names.items(), key=lambda kv: -kv[1])[:6])})
-        log(f"B={B}: MoE kernels {100 * moe / max(total, 1e-9):.1f} % of GPU kernel time")
-    return rows
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -113,13 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long", type=int, default=160, help="tokens in the long run")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     env, kwargs = VARIANTS[a.variant]
     os.environ.update(env)                 # before vLLM is imported: plugins load on import
-    if a.profile:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"          # engine in this process
     batches = [int(b) for b in a.batches.split(",")]
     t0 = time.perf_counter()
     llm = make_llm(a.model, a.variant, batches, a.prompt_len + max(a.long, a.short) + 16)
@@ -130,10 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                               "start_s": start_s, "env": env, "engine_kwargs": kwargs,
                               "short": a.short, "long": a.long, "reps": a.reps,
                               "prompt_len": a.prompt_len}
-    if a.profile:
-        result["profile"] = profile(llm, batches, a.long, prompt)
-    else:
-        result["rows"] = measure(llm, batches, a.short, a.long, a.reps, prompt)
+    result["rows"] = measure(llm, batches, a.short, a.long, a.reps, prompt)
     a.out.write_text(json.dumps(result, indent=1))
     return 0
 
