@@ -65,7 +65,21 @@ def static_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return ops.scaled_fp8_quant(x, scale)[0]
 
 
-def backends(prob: dict[str, Any], fi: tuple | None) -> dict[str, Callable[[int, torch.Tensor], None]]:
+def flashinfer_weights(prob: dict[str, Any]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """FlashInfer's view of a problem's weights, made once per shape: w13 as [E, 2N, K] in
+    (up, gate) order, and quant_scales [w13_scale*a1, 1/a2, w2_scale*a2, a1]."""
+    w1, _, s1, s2 = prob["weights"]
+    N = w1.shape[1] // 2
+    w31 = torch.cat([w1[:, N:], w1[:, :N]], dim=1).contiguous()
+    a1 = prob["fp8"].a1_scale.float().reshape(())
+    a2 = prob["fp8"].a2_scale.float().reshape(())
+    return w31, [(s1 * a1).float().contiguous(), (1.0 / a2).reshape(()),
+                 (s2 * a2).float().contiguous(), a1]
+
+
+def backends(prob: dict[str, Any], fi: tuple | None,
+             fi_weights: tuple[torch.Tensor, list[torch.Tensor]] | None
+             ) -> dict[str, Callable[[int, torch.Tensor], None]]:
     """name -> call(set index, out): each writes the layer output for input set i into out."""
     w1, w2, s1, s2 = prob["weights"]
     q = prob["fp8"]
@@ -87,19 +101,14 @@ def backends(prob: dict[str, Any], fi: tuple | None) -> dict[str, Callable[[int,
             out.copy_(fused_experts(x, w1, w2, tw, ids, quant_config=quant))
         calls["vllm_triton"] = vllm_triton
 
-    if fi is not None:
+    if fi is not None and fi_weights is not None:
         cutlass_fused_moe, _ = fi
-        N = w1.shape[1] // 2
-        w31 = torch.cat([w1[:, N:], w1[:, :N]], dim=1).contiguous()     # [E, 2N, K]: up, gate
-        a1 = q.a1_scale.float().reshape(())
-        a2 = q.a2_scale.float().reshape(())
-        scales = [(s1 * a1).float().contiguous(), (1.0 / a2).reshape(()),
-                  (s2 * a2).float().contiguous(), a1]
+        w31, scales = fi_weights
 
         def flashinfer_cutlass(i: int, out: torch.Tensor) -> None:
             x, tw, ids = prob["sets"][i]
-            cutlass_fused_moe(static_quant(x, a1), ids, tw, w31, w2, torch.bfloat16, scales,
-                              output=out)
+            cutlass_fused_moe(static_quant(x, scales[3]), ids, tw, w31, w2, torch.bfloat16,
+                              scales, output=out)
         calls["flashinfer_cutlass"] = flashinfer_cutlass
     return calls
 
@@ -120,15 +129,17 @@ def check(prob: dict[str, Any], call: Callable[[int, torch.Tensor], None]) -> fl
 def run_shape(name: str, shape: tuple, ms: tuple, fi: tuple | None, n_sets: int,
               replays: int) -> list[dict[str, Any]]:
     E, N, K, topk = shape
-    rows, weights = [], None
+    rows, weights, fi_weights = [], None, None
     for M in ms:
         prob = make_problem(E, N, K, topk, M, "fp8", n_sets, "cuda" if torch.cuda.is_available()
                             else "cpu", seed=M, weights=weights)
         weights = prob["weights"]
+        if fi is not None and fi_weights is None:     # weights and scales are shared by all M
+            fi_weights = flashinfer_weights(prob)
         row: dict[str, Any] = {"shape": name, "E": E, "N": N, "K": K, "topk": topk, "M": M,
                                "route": routing.route(E, N, K, "fp8", M, topk=topk)}
         outs = [torch.empty_like(x) for x, _, _ in prob["sets"]]
-        for bname, call in backends(prob, fi).items():
+        for bname, call in backends(prob, fi, fi_weights).items():
             try:
                 if bname == "flashinfer_cutlass":
                     with fi[1](True):            # FlashInfer autotune: tactics per M bucket
