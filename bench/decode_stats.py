@@ -41,8 +41,13 @@ def per_process(runs: list[dict[str, Any]]) -> dict[str, dict[str, list[float]]]
         toks = {str(row["B"]): row["tok_s"] for row in r["rows"]}
         for b, t in toks.items():
             cells.setdefault(b, []).append(t)
-        cells.setdefault("all", []).append(math.exp(statistics.fmean(math.log(t) for t in toks.values())))
+        cells.setdefault("all", []).append(statistics.geometric_mean(toks.values()))
     return out
+
+
+def _cv(xs: list[float]) -> float | None:
+    """Coefficient of variation over processes (None for one process)."""
+    return statistics.stdev(xs) / statistics.fmean(xs) if len(xs) > 1 else None
 
 
 def ratio_ci(v: list[float], base: list[float]) -> dict[str, float | int | None]:
@@ -51,8 +56,7 @@ def ratio_ci(v: list[float], base: list[float]) -> dict[str, float | int | None]
     res: dict[str, float | int | None] = {"n": len(v), "n_base": len(base),
                                           "ratio": math.exp(statistics.fmean(lv) - statistics.fmean(lb)),
                                           "lo": None, "hi": None,
-                                          "cv": statistics.stdev(v) / statistics.fmean(v) if len(v) > 1 else None,
-                                          "cv_base": statistics.stdev(base) / statistics.fmean(base) if len(base) > 1 else None}
+                                          "cv": _cv(v), "cv_base": _cv(base)}
     if len(v) >= 2 and len(base) >= 2:
         ci = stats.ttest_ind(lv, lb, equal_var=False).confidence_interval(0.95)
         res["lo"], res["hi"] = math.exp(ci.low), math.exp(ci.high)

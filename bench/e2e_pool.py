@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 from pathlib import Path
 
@@ -33,10 +32,6 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def geomean(xs: list[float]) -> float:
-    return math.exp(statistics.fmean(math.log(x) for x in xs))
-
-
 def stage_table(runs: list[Path], scenario: str) -> list[str]:
     reps = [{v: load(r, v, scenario) for v in VARIANTS} for r in runs]
     head = "| users | " + " | ".join(f"{name} run {i + 1}" for _, name in METRICS for i in range(len(runs)))
@@ -44,7 +39,7 @@ def stage_table(runs: list[Path], scenario: str) -> list[str]:
     lines = [head, "|---:" * (1 + (len(runs) + 1) * len(METRICS)) + "|"]
     for s, stage in enumerate(reps[0]["optimized"]["stages"]):
         per = {k: [rep["optimized"]["stages"][s][k] / rep["vllm"]["stages"][s][k] for rep in reps] for k, _ in METRICS}
-        cells = [f"{x:.3f}" for k, _ in METRICS for x in per[k]] + [f"**{geomean(per[k]):.3f}**" for k, _ in METRICS]
+        cells = [f"{x:.3f}" for k, _ in METRICS for x in per[k]] + [f"**{statistics.geometric_mean(per[k]):.3f}**" for k, _ in METRICS]
         lines.append(f"| {stage['users']} | " + " | ".join(cells) + " |")
     return lines
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import re
 import statistics
 from pathlib import Path
@@ -16,10 +15,6 @@ PUBLISHED_COPY_BPS = 4.3e12  # the H200 copy ceiling measured before the first k
 
 def _json(p: Path):
     return json.loads(p.read_text())
-
-
-def _geomean(xs: list[float]) -> float:
-    return math.exp(statistics.fmean(math.log(x) for x in xs))
 
 
 def _kernel_rows(rows: list[dict], ceiling: float | None, before: dict | None = None) -> list[str]:
@@ -49,7 +44,7 @@ def _geomeans(rows: list[dict], max_m: int = 64) -> list[str]:
     for r in rows:
         if "speedup" in r and r["M"] <= max_m:
             groups.setdefault((r["shape"], r["dtype"]), []).append(r["speedup"])
-    return [f"- {shape} {dt}: **{_geomean(v):.2f}x** over {len(v)} M values (min {min(v):.2f}x)"
+    return [f"- {shape} {dt}: **{statistics.geometric_mean(v):.2f}x** over {len(v)} M values (min {min(v):.2f}x)"
             for (shape, dt), v in groups.items()]
 
 

@@ -3,10 +3,10 @@ intervals, the MoE share of a decode step and the tuner's two-phase times."""
 from __future__ import annotations
 
 import json
-import math
 import re
 import sys
 from pathlib import Path
+from statistics import geometric_mean
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode_stats  # noqa: E402
@@ -14,8 +14,12 @@ import decode_stats  # noqa: E402
 BACKENDS = ("flashinfer_cutlass", "vllm_triton", "ours")
 
 
-def _geomean(xs: list[float]) -> float:
-    return math.exp(sum(map(math.log, xs)) / len(xs))
+def _us(v: float | None) -> str:
+    return f"{v:.1f}" if v is not None else "n/a"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a is not None and b is not None else "n/a"
 
 
 def fp8_backends(path: Path) -> list[str]:
@@ -28,17 +32,15 @@ def fp8_backends(path: Path) -> list[str]:
     for r in res["rows"]:
         fi, vt, served = r.get("flashinfer_cutlass_us"), r.get("vllm_triton_us"), r.get("served_us")
         errs = ", ".join(f"{r[b + '_err']:.3f}" if b + "_err" in r else "n/a" for b in BACKENDS)
-        cell = (lambda v: f"{v:.1f}" if v is not None else "n/a")
-        ratio = (lambda a, b: f"{a / b:.2f}x" if a is not None and b is not None else "n/a")
-        out.append(f"| {r['shape']} | {r['M']} | {cell(fi)} | {cell(vt)} | {cell(r.get('ours_us'))} | "
-                   f"{cell(served)} ({r['route']}) | {ratio(fi, vt)} | {ratio(fi, served)} | {errs} |")
+        out.append(f"| {r['shape']} | {r['M']} | {_us(fi)} | {_us(vt)} | {_us(r.get('ours_us'))} | "
+                   f"{_us(served)} ({r['route']}) | {_ratio(fi, vt)} | {_ratio(fi, served)} | {errs} |")
     out += ["", "| shard | geomean M<=64: FI / vLLM Triton | FI / served | served / vLLM Triton |",
             "|---|---:|---:|---:|"]
     for shape in dict.fromkeys(r["shape"] for r in res["rows"]):
         rows = [r for r in res["rows"] if r["shape"] == shape and r["M"] <= 64
                 and all(r.get(k) for k in ("flashinfer_cutlass_us", "vllm_triton_us", "served_us"))]
         if rows:
-            g = (lambda a, b: _geomean([r[a] / r[b] for r in rows]))
+            g = (lambda a, b: geometric_mean([r[a] / r[b] for r in rows]))
             out.append(f"| {shape} | {g('flashinfer_cutlass_us', 'vllm_triton_us'):.2f}x | "
                        f"{g('flashinfer_cutlass_us', 'served_us'):.2f}x | "
                        f"{g('vllm_triton_us', 'served_us'):.2f}x |")
@@ -90,9 +92,9 @@ def moe_share(shape: str, layers: int, fp8b: Path, dab_dir: Path) -> list[str]:
         r = kern.get(b)
         if r is None or not r.get("flashinfer_cutlass_us") or not r.get("served_us"):
             continue
-        step = 1e3 * b / _geomean(pp["stock"][str(b)])          # ms per decode step
+        step = 1e3 * b / geometric_mean(pp["stock"][str(b)])          # ms per decode step
         fi, served = layers * r["flashinfer_cutlass_us"] / 1e3, layers * r["served_us"] / 1e3
-        meas = _geomean(pp["moe-serve"][str(b)]) / _geomean(pp["stock"][str(b)]) if "moe-serve" in pp else None
+        meas = geometric_mean(pp["moe-serve"][str(b)]) / geometric_mean(pp["stock"][str(b)]) if "moe-serve" in pp else None
         out.append(f"| {b} | {step:.3f} | {100 * fi / step:.0f} % | {step / (step - fi + served):.3f} | "
                    f"{'n/a' if meas is None else f'{meas:.3f}'} |")
     return out

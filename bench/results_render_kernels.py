@@ -3,7 +3,6 @@ from the raw files (bench/results_tables.py's registry calls these)."""
 from __future__ import annotations
 
 import json
-import math
 import re
 import statistics
 from pathlib import Path
@@ -16,7 +15,7 @@ def _rows(path: Path, part: str = "bench") -> list[dict]:
 
 
 def _geomean(xs: list[float]) -> float:
-    return math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else NAN
+    return statistics.geometric_mean(xs) if xs else NAN
 
 
 def _f(v: float | None, nd: int = 2) -> str:
