@@ -76,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--budget-s", type=float, default=540.0, help="start no process after this")
     p.add_argument("--probe-timeout-s", type=float, default=300.0)
+    p.add_argument("--expect-run-s", type=float, default=60.0,
+                   help="seconds a variant's process is assumed to take until one has run in "
+                        "this call (a cold machine's first engine start compiles: minutes)")
     return p.parse_args(argv)
 
 
@@ -88,11 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     plan = rounds(a.variants.split(","), a.processes)
     todo = [(r, v) for r, v in plan if not (a.out / f"run-r{r}-{v}.json").is_file()]
     log(f"{len(plan) - len(todo)} of {len(plan)} runs done; model {model}")
-    longest = 0.0
+    longest: dict[str, float] = {}        # per variant, this call: cold starts are per variant
     for i, (r, v) in enumerate(todo):
         left = a.budget_s - (time.monotonic() - T0)
-        if left < max(longest, 60.0):
-            log(f"budget: {left:.0f} s left < {max(longest, 60.0):.0f} s per run; stopping "
+        need = longest.get(v, a.expect_run_s)
+        if left < need:
+            log(f"budget: {left:.0f} s left < {need:.0f} s per run; stopping "
                 f"with {len(todo) - i} runs to go (run the same command to resume)")
             return 3
         log(f"run {i + 1}/{len(todo)}: round {r} {v}")
@@ -101,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             log(f"FAILED: {e}")
             return 1
-        longest = max(longest, wall)
+        longest[v] = max(longest.get(v, 0.0), wall)
         log(f"round {r} {v} done in {wall:.0f} s")
     log("all runs done")
     return 0

@@ -3,6 +3,7 @@ stock default for static per-tensor FP8 checkpoints on Hopper), vLLM's Triton `f
 (`moe_backend=triton`) and ours (as served: our kernel where routing says so), per shard and M.
 
     python bench/fp8_backends.py --out /root/fp8b            # H200: the three TP=8 shards, M=1..256
+    python bench/fp8_backends.py --shapes Mixtral-8x7B/TP2,Qwen3-30B-A3B/TP1 --out /root/fp8b
     TRITON_INTERPRET=1 python bench/fp8_backends.py --smoke --out /tmp/fp8b   # CPU: ours only
 
 Every backend gets the same problem (kernels.timing.make_problem: per-expert weight scales,
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "kernels"), str(ROOT / "bench")]
 
 from reference import moe_reference, rel_err  # noqa: E402
-from shapes import SMOKE, TUNED  # noqa: E402
+from shapes import SMOKE, TUNED, UNTUNED  # noqa: E402
 
 from kernels import routing  # noqa: E402
 from kernels.fused_moe import fused_moe  # noqa: E402
@@ -160,11 +161,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, M<=4 (CPU interpreter)")
+    ap.add_argument("--shapes", default=None,
+                    help="comma list of names from bench/shapes.py (default: the tuned TP=8 shards)")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--n-sets", type=int, default=8)
     ap.add_argument("--replays", type=int, default=20)
     args = ap.parse_args(argv)
     shapes = SMOKE if args.smoke else TUNED
+    if args.shapes:
+        known = {**TUNED, **UNTUNED, **SMOKE}
+        unknown = [n for n in args.shapes.split(",") if n not in known]
+        if unknown:
+            ap.error(f"unknown shapes {unknown}; known: {sorted(known)}")
+        shapes = {n: known[n] for n in args.shapes.split(",")}
     ms = (1, 4) if args.smoke else tuple(int(m) for m in args.ms.split(","))
     fi = flashinfer_moe() if torch.cuda.is_available() else None
     args.out.mkdir(parents=True, exist_ok=True)

@@ -81,6 +81,17 @@ def test_decode_ab_resumes_without_rerunning_finished_runs(tmp_path):
                            "--probe-timeout-s", "5"]) == 0
 
 
+def test_decode_ab_starts_no_process_the_budget_cannot_hold(tmp_path, capsys):
+    (tmp_path / "run-r0-stock.json").write_text(json.dumps(_run("stock", 0, {1: 100.0})))
+    model = tmp_path / "model"
+    model.mkdir()
+    # one run to go, 200 s of budget, a cold start expected to take 300 s: stop, resumable (3)
+    assert decode_ab.main(["--model", str(model), "--processes", "1", "--out", str(tmp_path),
+                           "--budget-s", "200", "--expect-run-s", "300"]) == 3
+    assert "s left < 300 s per run; stopping" in capsys.readouterr().out
+    assert not (tmp_path / "run-r0-moe-serve.log").exists()
+
+
 def test_dummy_model_dir_writes_a_static_fp8_checkpoint_config(tmp_path):
     d = dummy_model_dir("mixtral-8x7b-tp8-rank", tmp_path, quantization="fp8-static")
     cfg = json.loads((d / "config.json").read_text())

@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import fp8_backends  # noqa: E402
@@ -21,3 +23,13 @@ def test_smoke_rows_check_ours_and_leave_absent_backends_out(tmp_path):
         assert r["ours_us"] > 0 and r["route"] in ("ours", "vllm")
         assert not any(k.startswith(("vllm_triton", "flashinfer")) for k in r), r
     assert res["meta"]["device"] == "cpu"
+
+
+def test_shapes_selects_and_unknown_names_are_an_error(tmp_path, capsys):
+    assert fp8_backends.main(["--smoke", "--shapes", "tiny-b", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "fp8_backends.json").read_text())["rows"]
+    assert [(r["shape"], r["M"]) for r in rows] == [("tiny-b", 1), ("tiny-b", 4)]
+    with pytest.raises(SystemExit) as e:
+        fp8_backends.main(["--shapes", "Mixtral-8x7B/TP3", "--out", str(tmp_path)])
+    assert e.value.code == 2
+    assert "Mixtral-8x7B/TP3" in capsys.readouterr().err

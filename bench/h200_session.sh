@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# One H200 session over the fewest calls that carry the vLLM bundle (shared/device) and the
+# FlashInfer build (.dev/fi, bench/flashinfer_aot.py), back to back on one warm machine.
+# Everything a later step needs is written under $OUT as it is produced: a call killed at its
+# time limit returns only what is under $OUT.
+#
+#   bash bench/h200_session.sh pack              # here: cut the bundle into .dbundle/c0..c2
+#   bash bench/h200_session.sh recv OUT          # host: each carried .dbundle/cN into /root/dbundle
+#   bash bench/h200_session.sh tune OUT          # host, with the last chunk and .dev/fi: install
+#       vLLM and FlashInfer, `moe-serve tune` Mixtral-8x7B TP=2 and Qwen3-30B-A3B TP=1 (bf16, fp8)
+#   bash bench/h200_session.sh validate OUT      # host: the served kernel bench of those tables
+#       (fine M list), the FP8 backend table on their shapes, then `ab`
+#   bash bench/h200_session.sh ab OUT            # host: the FP8 decode A/B, resumed, then bf16
+#
+# pack: the working tree plus one chunk must stay under a call's 64 MiB, so the chunk size is
+# 64 MiB minus the tree (git ls-files) minus 2 MiB; the last chunk also rides with .dev/fi.
+set -uo pipefail
+stage=$1 out=${2:-}
+LIMIT=$((64 * 1024 * 1024))
+PARTS=(part00 part01 part02)                  # the bundle's parts, as SHA256SUMS names them
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+NEW_SHAPES="Mixtral-8x7B/TP2,Qwen3-30B-A3B/TP1"
+FINE_MS=1,2,3,4,6,8,12,16,24,32,48,64,96,128,192,256,384,512,768,1024,2048,4096
+DAB_FP8=bench/results/2026-12-01/fp8_session/decode_ab_fp8  # runs of earlier calls, resumed
+
+fi_env() {  # FlashInfer after vLLM's site on the path; nvcc on PATH (vLLM's has_flashinfer);
+  # the CUDA 13 libraries the prebuilt module links (cudart, nvrtc) findable by the loader
+  local nv; nv=$(python3 -c "import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], 'cu13', 'lib'))" 2>/dev/null)
+  export PYTHONPATH=$PYTHONPATH:/opt/fi-site PATH=$PATH:/usr/local/cuda/bin
+  export LD_LIBRARY_PATH=${nv:+$nv:}/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+}
+host_env() {  # vLLM (installed by `tune`), moe-serve, FlashInfer
+  source bench/device_env.sh >/dev/null || return 1
+  fi_env
+}
+tune() {  # model tp dtype budget_min
+  local q=""; [[ $3 == fp8 ]] && q="--quantization fp8"
+  local t0=$SECONDS
+  python3 -m kernels.tune_cli --model "bench/models/$1" -tp "$2" $q --budget-minutes "$4" \
+    --out /root/tuned 2>&1 | grep -v "^\[tune\] \[" | tee -a "$out/tune.log"
+  echo "TUNE_TIME $1 tp$2 $3 with-vllm $((SECONDS - t0))s" | tee -a "$out/tune.log"
+  tar -C /root -cf "$out/tuned.tar" tuned            # table names carry '=' and ','
+  touch "/root/tuned.done.$1.$2.$3"
+}
+tune_all() {  # the four runs; one finished in an earlier call is not repeated
+  for m in "mixtral-8x7b 2" "qwen3-30b-a3b 1"; do
+    for d in bf16 fp8; do
+      [[ -f /root/tuned.done.${m% *}.${m#* }.$d ]] || tune ${m% *} ${m#* } $d 1.3
+    done
+  done
+}
+dab() {  # variants quantization budget_s name resume_dir expect_run_s
+  local d=/root/dab-$4
+  mkdir -p "$d" && { [[ -n $5 ]] && cp -n "$5"/run-*.json "$d"/ 2>/dev/null; true; }
+  python3 bench/decode_ab.py --model mixtral-8x7b-tp8-rank --quantization "$2" --variants "$1" \
+    --processes 6 --budget-s "$3" --expect-run-s "$6" --probe-timeout-s 420 --out "$d" 2>&1 \
+    | grep "decode_ab"
+  local rc=${PIPESTATUS[0]}
+  tar -C /root -cf "$out/dab-$4.tar" --exclude=models "dab-$4"
+  return "$rc"
+}
+caches() {  # vLLM's compile and FlashInfer autotune caches, for a later session to carry back
+  tar -C /root -cf - --ignore-failed-read .cache/vllm .cache/flashinfer 2>/dev/null | xz -T0 -3 \
+    | split -b 15M -d -a 1 - "$out/caches.tar.xz."
+  ls -la "$out"/caches.tar.xz.*
+}
+
+case $stage in
+  pack)
+    tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
+    chunk=$((LIMIT - tree - 2 * 1024 * 1024))
+    rm -f .dbundle/c[0-9]
+    (cd .dbundle && cat "${PARTS[@]}" | split -b "$chunk" -d -a 1 - c)
+    fi_bytes=$(du -cb .dev/fi/fi-site.tar.xz .dev/fi/fused_moe_90.so.xz | tail -1 | cut -f1)
+    last=$(ls .dbundle/c[0-9] | tail -1)
+    echo "tree $tree B, chunk $chunk B: $(ls .dbundle/c[0-9] | tr '\n' ' ')"
+    (( $(stat -c %s "$last") + fi_bytes + tree < LIMIT )) || { echo "$last + .dev/fi over 64 MiB"; exit 1; }
+    ;;
+  recv)
+    mkdir -p /root/dbundle && cp .dbundle/c[0-9] /root/dbundle/ && ls -la /root/dbundle
+    { nvidia-smi -L; nproc; df -h /root | tail -1; } 2>&1 ;;
+  tune)
+    mkdir -p "$out" /root/tuned /opt/fi-site
+    cp .dbundle/c[0-9] .dbundle/SHA256SUMS .dbundle/install.sh /root/dbundle/ || exit 1
+    (cd /root/dbundle && cat c[0-9] | split -b 57671680 -d -a 2 - part && rm c[0-9]) || exit 1
+    rm -rf .dbundle                              # device_env.sh would copy it again
+    t0=$SECONDS; host_env || exit 1; echo "INSTALL_TIME vllm $((SECONDS - t0))s" | tee "$out/tune.log"
+    tar -C /opt/fi-site -xJf .dev/fi/fi-site.tar.xz
+    xz -dc .dev/fi/fused_moe_90.so.xz > /tmp/fused_moe_90.so
+    python3 bench/flashinfer_aot.py install --so /tmp/fused_moe_90.so 2>&1 | tail -3 | tee "$out/fi_install.log"
+    tune_all ;;
+  validate|ab)
+    mkdir -p "$out"; host_env || exit 1
+    expect=180                                   # seconds per warm engine start and probe
+    if [[ $stage == validate ]]; then
+      tune_all
+      mkdir -p "$out/kernels"
+      MOE_SERVE_KERNEL_CONFIG_DIR=/root/tuned timeout 240 python3 bench/bench_kernels.py --bench \
+        --shapes "$NEW_SHAPES" --ms "$FINE_MS" --replays 10 --out "$out/kernels/validation" 2>&1 \
+        | tee "$out/kernels/validation.log" | grep -E "geomean|served <|total"
+      MOE_SERVE_KERNEL_CONFIG_DIR=/root/tuned timeout 120 python3 bench/fp8_backends.py \
+        --shapes "$NEW_SHAPES" --out "$out/kernels/fp8b" 2>&1 | grep "^\[fp8b" | tail -3
+      tar -C "$out" -cf "$out/kernels.tar" kernels && rm -rf "$out/kernels"
+      expect=300                                 # this machine's first engine start compiles
+    fi
+    dab stock,moe-serve fp8-static $((560 - SECONDS)) fp8 "$DAB_FP8" $expect \
+      && dab stock,moe-serve none $((560 - SECONDS)) bf16 "" 300
+    (( SECONDS < 575 )) && caches ;;
+  *) echo "unknown stage $stage"; exit 2 ;;
+esac
+if [[ -n $out ]]; then ls -la "$out"; fi
