@@ -2,7 +2,7 @@
 stock default for static per-tensor FP8 checkpoints on Hopper), vLLM's Triton `fused_experts`
 (`moe_backend=triton`) and ours (as served: our kernel where routing says so), per shard and M.
 
-    python bench/fp8_backends.py --out /root/fp8b            # H200: the three TP=8 shards, M=1..256
+    python bench/fp8_backends.py --out /root/fp8b            # H200: the tuned shapes, M=1..256
     python bench/fp8_backends.py --shapes Mixtral-8x7B/TP2,Qwen3-30B-A3B/TP1 --out /root/fp8b
     TRITON_INTERPRET=1 python bench/fp8_backends.py --smoke --out /tmp/fp8b   # CPU: ours only
 
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, M<=4 (CPU interpreter)")
     ap.add_argument("--shapes", default=None,
-                    help="comma list of names from bench/shapes.py (default: the tuned TP=8 shards)")
+                    help="comma list of names from bench/shapes.py (default: the tuned shapes)")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--n-sets", type=int, default=8)
     ap.add_argument("--replays", type=int, default=20)

@@ -7,7 +7,8 @@
 #   bash bench/h200_session.sh pack              # here: cut the bundle into .dbundle/c0..c2
 #   bash bench/h200_session.sh recv OUT          # host: each carried .dbundle/cN into /root/dbundle
 #   bash bench/h200_session.sh tune OUT          # host, with the last chunk and .dev/fi: install
-#       vLLM and FlashInfer, `moe-serve tune` Mixtral-8x7B TP=2 and Qwen3-30B-A3B TP=1 (bf16, fp8)
+#       vLLM and FlashInfer, `moe-serve tune` Mixtral-8x7B TP=2 and Qwen3-30B-A3B TP=1 (bf16, fp8);
+#       a carried .dev/caches.tar.xz (an earlier call's OUT/caches.tar.xz.0) is unpacked into /root
 #   bash bench/h200_session.sh validate OUT      # host: the served kernel bench of those tables
 #       (fine M list), the FP8 backend table on their shapes, then `ab`
 #   bash bench/h200_session.sh ab OUT            # host: the FP8 decode A/B, resumed, then bf16
@@ -20,6 +21,7 @@ LIMIT=$((64 * 1024 * 1024))
 PARTS=(part00 part01 part02)                  # the bundle's parts, as SHA256SUMS names them
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 NEW_SHAPES="Mixtral-8x7B/TP2,Qwen3-30B-A3B/TP1"
+BUDGET=${BUDGET:-560}                    # seconds of a call the A/B may start runs in
 FINE_MS=1,2,3,4,6,8,12,16,24,32,48,64,96,128,192,256,384,512,768,1024,2048,4096
 DAB_FP8=bench/results/2026-12-01/fp8_session/decode_ab_fp8  # runs of earlier calls, resumed
 
@@ -86,6 +88,7 @@ case $stage in
     rm -rf .dbundle                              # device_env.sh would copy it again
     t0=$SECONDS; host_env || exit 1; echo "INSTALL_TIME vllm $((SECONDS - t0))s" | tee "$out/tune.log"
     tar -C /opt/fi-site -xJf .dev/fi/fi-site.tar.xz
+    if [[ -f .dev/caches.tar.xz ]]; then tar -C /root -xJf .dev/caches.tar.xz && echo "restored caches"; fi
     xz -dc .dev/fi/fused_moe_90.so.xz > /tmp/fused_moe_90.so
     python3 bench/flashinfer_aot.py install --so /tmp/fused_moe_90.so 2>&1 | tail -3 | tee "$out/fi_install.log"
     tune_all ;;
@@ -103,9 +106,9 @@ case $stage in
       tar -C "$out" -cf "$out/kernels.tar" kernels && rm -rf "$out/kernels"
       expect=300                                 # this machine's first engine start compiles
     fi
-    dab stock,moe-serve fp8-static $((560 - SECONDS)) fp8 "$DAB_FP8" $expect \
-      && dab stock,moe-serve none $((560 - SECONDS)) bf16 "" 300
-    (( SECONDS < 575 )) && caches ;;
+    dab stock,moe-serve fp8-static $((BUDGET - SECONDS)) fp8 "$DAB_FP8" $expect \
+      && dab stock,moe-serve none $((BUDGET - SECONDS)) bf16 "" 300
+    (( SECONDS < BUDGET + 15 )) && caches ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 if [[ -n $out ]]; then ls -la "$out"; fi

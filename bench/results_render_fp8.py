@@ -81,11 +81,11 @@ def tune_phases(log: Path) -> list[str]:
     return out
 
 
-def moe_share(shape: str, layers: int, fp8b: Path, dab_dir: Path) -> list[str]:
+def moe_share(shape: str, layers: int, fp8b: Path, *dab_dirs: Path) -> list[str]:
     """Per B: the MoE share of a stock decode step (layers x FlashInfer's kernel time / step)
     and the end-to-end ratio the served kernel time predicts, beside the measured one."""
     kern = {r["M"]: r for r in json.loads(fp8b.read_text())["rows"] if r["shape"] == shape}
-    pp = decode_stats.per_process(decode_stats.load_runs([dab_dir]))
+    pp = decode_stats.per_process(decode_stats.load_runs(list(dab_dirs)))
     out = [f"| B | stock step (ms) | MoE share of it ({layers} x FI kernel) | predicted moe-serve / stock | "
            "measured |", "|---|---:|---:|---:|---:|"]
     for b in sorted((int(k) for k in pp.get("stock", {}) if k.isdigit())):

@@ -40,14 +40,16 @@ def floor_table(path: Path, max_m: int = 64) -> list[str]:
 def geomeans(*paths: Path) -> list[str]:
     """Per (shape, dtype) over all given runs' rows: geomean speed-up at M <= 64 against the
     issue's target (tuned: bf16 1.1x, fp8 1.5x; default config: 1.0x and no cell below 0.9x),
-    worst cell, worst ours/floor at M <= 64, and the served minimum over every measured M."""
+    worst cell, worst ours/floor at M <= 64, the served geomean at M <= 64 (ours where the
+    run's routing sent the cell, else vLLM's kernel) and the served minimum over every M."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for p in paths:
         for r in _rows(p):
             if "speedup" in r:
                 groups.setdefault((r["shape"], r["dtype"]), []).append(r)
     out = ["| shape | dtype | config | geomean M<=64 | target | min M<=64 | max ours/floor M<=64 | "
-           "served min (all M) | cells |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+           "served geomean M<=64 | served min (all M) | cells |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for (shape, dt), rs in groups.items():
         small = [r for r in rs if r["M"] <= 64]
         tuned = bool(rs[0].get("tuned"))
@@ -57,6 +59,7 @@ def geomeans(*paths: Path) -> list[str]:
         out.append(f"| {shape} | {dt} | {'tuned' if tuned else 'default'} | **{gm:.2f}x** | "
                    f"{target}x | {min(r['speedup'] for r in small):.2f}x | "
                    f"{max(floors) if floors else NAN:.2f} | "
+                   f"{_geomean([r['served_speedup'] for r in small]):.2f}x | "
                    f"{min(r['served_speedup'] for r in rs):.2f}x | {len(rs)} |")
     return out
 
@@ -112,6 +115,6 @@ def tune_times(*logs: Path) -> list[str]:
     """`moe-serve tune` wall time per model and dtype (TUNE_TIME lines of the session logs)."""
     out = ["| model | TP | dtype | wall time (process start to table written) |", "|---|---|---|---:|"]
     for log in logs:
-        for m in re.finditer(r"^TUNE_TIME (\S+) tp(\d+) (\w+) (\d+)s$", log.read_text(), re.M):
+        for m in re.finditer(r"^TUNE_TIME (\S+) tp(\d+) (\w+)(?: \S+)? (\d+)s$", log.read_text(), re.M):
             out.append(f"| {m[1]} | {m[2]} | {m[3]} | {m[4]} s |")
     return out

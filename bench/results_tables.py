@@ -57,7 +57,15 @@ K1 = "2026-12-01/"
 B1 = K1 + "kernels_session_b/bench_results.json"
 B2 = (K1 + "kernels_validation/tuned_fine_m.json", K1 + "kernels_validation/untuned.json")
 F8 = K1 + "fp8_session/"
+T3 = K1 + "tune_ab_session/"
 REGISTRY: dict[str, Entry] = {
+    "tune-times-tp2-tp1-seeded": Entry((T3 + "tune.log",), rk.tune_times),
+    "kernels-tp2-tp1-geomeans": Entry((T3 + "validation.json",), rk.geomeans),
+    "kernels-tp2-tp1-served": Entry((T3 + "validation.json",), rk.served_below),
+    "fp8-backends-tp2-tp1": Entry((T3 + "fp8_backends_tp2_tp1.json",), rf.fp8_backends),
+    "decode-ab-fp8-6": Entry((F8 + "decode_ab_fp8", T3 + "decode_ab_fp8"), rf.decode_ab, ("stock",)),
+    "moe-share-fp8-6": Entry((F8 + "fp8_backends.json", F8 + "decode_ab_fp8", T3 + "decode_ab_fp8"),
+                             rf.moe_share, ("Mixtral-8x7B/TP8", 32)),
     "fp8-backends": Entry((F8 + "fp8_backends.json",), rf.fp8_backends),
     "decode-ab-fp8": Entry((F8 + "decode_ab_fp8",), rf.decode_ab, ("stock",)),
     "moe-share-fp8": Entry((F8 + "fp8_backends.json", F8 + "decode_ab_fp8"), rf.moe_share,
