@@ -7,11 +7,16 @@
 #   bash bench/h200_session.sh pack              # here: cut the bundle into .dbundle/c0..c2
 #   bash bench/h200_session.sh recv OUT          # host: each carried .dbundle/cN into /root/dbundle
 #   bash bench/h200_session.sh tune OUT          # host, with the last chunk and .dev/fi: install
-#       vLLM and FlashInfer, `moe-serve tune` Mixtral-8x7B TP=2 and Qwen3-30B-A3B TP=1 (bf16, fp8);
-#       a carried .dev/caches.tar.xz (an earlier call's OUT/caches.tar.xz.0) is unpacked into /root
+#       vLLM and FlashInfer, `moe-serve tune` Mixtral-8x7B TP=2 and Qwen3-30B-A3B TP=1 (bf16, fp8)
 #   bash bench/h200_session.sh validate OUT      # host: the served kernel bench of those tables
 #       (fine M list), the FP8 backend table on their shapes, then `ab`
-#   bash bench/h200_session.sh ab OUT            # host: the FP8 decode A/B, resumed, then bf16
+#   bash bench/h200_session.sh ab OUT            # host: the decode A/B (stock vs moe-serve), FP8
+#       static then bf16, resumed from the runs committed under bench/results/*/*/decode_ab_*
+#   ORDER=vllm,optimized bash bench/h200_session.sh ttft OUT   # host: one cold-cache
+#       `spike-sizes` TTFT A/B (bench/e2e_ab.py), both variants in ORDER; alternate it per call
+# `ab` and `ttft` install first when they carry the last chunk (then no `tune` call is needed).
+# Installing unpacks a carried .dev/caches.tar.xz (an earlier call's OUT/caches.tar.xz.0:
+# vLLM's compile and FlashInfer's autotune caches) into /root.
 #
 # pack: the working tree plus one chunk must stay under a call's 64 MiB, so the chunk size is
 # 64 MiB minus the tree (git ls-files) minus 2 MiB; the last chunk also rides with .dev/fi.
@@ -23,7 +28,6 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFL
 NEW_SHAPES="Mixtral-8x7B/TP2,Qwen3-30B-A3B/TP1"
 BUDGET=${BUDGET:-560}                    # seconds of a call the A/B may start runs in
 FINE_MS=1,2,3,4,6,8,12,16,24,32,48,64,96,128,192,256,384,512,768,1024,2048,4096
-DAB_FP8=bench/results/2026-12-01/fp8_session/decode_ab_fp8  # runs of earlier calls, resumed
 
 fi_env() {  # FlashInfer after vLLM's site on the path; nvcc on PATH (vLLM's has_flashinfer);
   # the CUDA 13 libraries the prebuilt module links (cudart, nvrtc) findable by the loader
@@ -51,15 +55,29 @@ tune_all() {  # the four runs; one finished in an earlier call is not repeated
     done
   done
 }
-dab() {  # variants quantization budget_s name resume_dir expect_run_s
-  local d=/root/dab-$4
-  mkdir -p "$d" && { [[ -n $5 ]] && cp -n "$5"/run-*.json "$d"/ 2>/dev/null; true; }
+dab() {  # variants quantization budget_s name: runs done on this machine or committed are skipped
+  local d=/root/dab-$4 expect=300 src              # a model's first engine start compiles
+  mkdir -p "$d"
+  for src in bench/results/*/*/decode_ab_"$4"; do cp -n "$src"/run-*.json "$d"/ 2>/dev/null; done
+  [[ -f $d/.warm ]] && expect=180
   python3 bench/decode_ab.py --model mixtral-8x7b-tp8-rank --quantization "$2" --variants "$1" \
-    --processes 6 --budget-s "$3" --expect-run-s "$6" --probe-timeout-s 420 --out "$d" 2>&1 \
+    --processes 6 --budget-s "$3" --expect-run-s "$expect" --probe-timeout-s 420 --out "$d" 2>&1 \
     | grep "decode_ab"
   local rc=${PIPESTATUS[0]}
+  ls "$d"/run-*.log >/dev/null 2>&1 && touch "$d/.warm"
   tar -C /root -cf "$out/dab-$4.tar" --exclude=models "dab-$4"
   return "$rc"
+}
+install_all() {  # vLLM from the carried chunks (with the earlier calls' in /root/dbundle), FlashInfer
+  mkdir -p /root/dbundle /opt/fi-site
+  cp .dbundle/c[0-9] .dbundle/SHA256SUMS .dbundle/install.sh /root/dbundle/ || return 1
+  (cd /root/dbundle && cat c[0-9] | split -b 57671680 -d -a 2 - part && rm c[0-9]) || return 1
+  rm -rf .dbundle                                # device_env.sh would copy it again
+  local t0=$SECONDS; host_env || return 1; echo "INSTALL_TIME vllm $((SECONDS - t0))s"
+  tar -C /opt/fi-site -xJf .dev/fi/fi-site.tar.xz
+  if [[ -f .dev/caches.tar.xz ]]; then tar -C /root -xJf .dev/caches.tar.xz && echo "restored caches"; fi
+  xz -dc .dev/fi/fused_moe_90.so.xz > /tmp/fused_moe_90.so
+  python3 bench/flashinfer_aot.py install --so /tmp/fused_moe_90.so 2>&1 | tail -3
 }
 caches() {  # vLLM's compile and FlashInfer autotune caches, for a later session to carry back
   tar -C /root -cf - --ignore-failed-read .cache/vllm .cache/flashinfer 2>/dev/null | xz -T0 -3 \
@@ -82,19 +100,13 @@ case $stage in
     mkdir -p /root/dbundle && cp .dbundle/c[0-9] /root/dbundle/ && ls -la /root/dbundle
     { nvidia-smi -L; nproc; df -h /root | tail -1; } 2>&1 ;;
   tune)
-    mkdir -p "$out" /root/tuned /opt/fi-site
-    cp .dbundle/c[0-9] .dbundle/SHA256SUMS .dbundle/install.sh /root/dbundle/ || exit 1
-    (cd /root/dbundle && cat c[0-9] | split -b 57671680 -d -a 2 - part && rm c[0-9]) || exit 1
-    rm -rf .dbundle                              # device_env.sh would copy it again
-    t0=$SECONDS; host_env || exit 1; echo "INSTALL_TIME vllm $((SECONDS - t0))s" | tee "$out/tune.log"
-    tar -C /opt/fi-site -xJf .dev/fi/fi-site.tar.xz
-    if [[ -f .dev/caches.tar.xz ]]; then tar -C /root -xJf .dev/caches.tar.xz && echo "restored caches"; fi
-    xz -dc .dev/fi/fused_moe_90.so.xz > /tmp/fused_moe_90.so
-    python3 bench/flashinfer_aot.py install --so /tmp/fused_moe_90.so 2>&1 | tail -3 | tee "$out/fi_install.log"
+    mkdir -p "$out" /root/tuned
+    install_all 2>&1 | tee "$out/install.log"; host_env || exit 1
     tune_all ;;
-  validate|ab)
-    mkdir -p "$out"; host_env || exit 1
-    expect=180                                   # seconds per warm engine start and probe
+  validate|ab|ttft)
+    mkdir -p "$out"
+    if ls .dbundle/c[0-9] >/dev/null 2>&1; then install_all 2>&1 | tee "$out/install.log"; fi
+    host_env || exit 1
     if [[ $stage == validate ]]; then
       tune_all
       mkdir -p "$out/kernels"
@@ -104,10 +116,15 @@ case $stage in
       MOE_SERVE_KERNEL_CONFIG_DIR=/root/tuned timeout 120 python3 bench/fp8_backends.py \
         --shapes "$NEW_SHAPES" --out "$out/kernels/fp8b" 2>&1 | grep "^\[fp8b" | tail -3
       tar -C "$out" -cf "$out/kernels.tar" kernels && rm -rf "$out/kernels"
-      expect=300                                 # this machine's first engine start compiles
     fi
-    dab stock,moe-serve fp8-static $((BUDGET - SECONDS)) fp8 "$DAB_FP8" $expect \
-      && dab stock,moe-serve none $((BUDGET - SECONDS)) bf16 "" 300
+    if [[ $stage == ttft ]]; then
+      timeout $((BUDGET - SECONDS)) python3 bench/e2e_ab.py --scenarios spike-sizes \
+        --variants "${ORDER:-vllm,optimized}" --out "$out/ttft" 2>&1 | grep -v "^INFO"
+      tar -C "$out" -cf "$out/ttft.tar" ttft && rm -rf "$out/ttft"
+    else
+      dab stock,moe-serve fp8-static $((BUDGET - SECONDS)) fp8 \
+        && dab stock,moe-serve none $((BUDGET - SECONDS)) bf16
+    fi
     (( SECONDS < BUDGET + 15 )) && caches ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
