@@ -8,7 +8,9 @@ A config is a dict (JSON in kernels/configs/*.json, one per M bucket)::
 The top-level entry is GEMM1 (gate/up); "DOWN" (optional) overrides it for GEMM2. Both share
 BLOCK_M. Optional keys: "SPLIT_K" (default 1; K-splits reduced with fp32 atomics, GEMM1's
 and DOWN's independent), "FUSE_GU" (GEMM1 only, default true: one program computes both the
-gate and the up tile; false: 2N/BLOCK_N programs), "DECODE" (the two-launch small-batch path
+gate and the up tile; false: 2N/BLOCK_N programs), "A_PREQUANT" (aligned path, fp8 with a static
+activation scale: GEMM1's input quantized once by its own launch instead of in every program's
+K loop; default false), "DECODE" (the two-launch small-batch path
 of kernels.moe_decode: BLOCK_M >= M * topk rows, no split-K) and "PDL" (decode only: the
 down kernel is a programmatic dependent launch).
 """
@@ -37,6 +39,10 @@ def validate(cfg: Config) -> Config:
     sk = out["SPLIT_K"]
     if sk < 1 or sk & (sk - 1) or sk > MAX_SPLIT_K:
         raise ValueError(f"SPLIT_K={sk} must be a power of two in 1..{MAX_SPLIT_K}")
+    if cfg.get("A_PREQUANT"):
+        if cfg.get("DECODE"):
+            raise ValueError("A_PREQUANT is an aligned-path option (the decode path quantizes once)")
+        out["A_PREQUANT"] = True
     if cfg.get("DECODE"):
         if sk != 1 or not out["FUSE_GU"]:
             raise ValueError("a DECODE config has SPLIT_K 1 and FUSE_GU true")
@@ -68,4 +74,5 @@ def label(cfg: Config) -> str:
                 f"{'/pdl' if cfg.get('PDL') else ''}")
     return (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}"
             f"{'s' if cfg['SWAP_AB'] else ''}/sk{cfg.get('SPLIT_K', 1)}"
-            f"{'' if cfg.get('FUSE_GU', True) else 'u'}/d{d['BLOCK_N']}sk{d['SPLIT_K']}")
+            f"{'' if cfg.get('FUSE_GU', True) else 'u'}/d{d['BLOCK_N']}sk{d['SPLIT_K']}"
+            f"{'/q' if cfg.get('A_PREQUANT') else ''}")

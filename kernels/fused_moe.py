@@ -22,7 +22,7 @@ from kernels import configs, smem
 from kernels.align import max_padded_len, moe_align
 from kernels.launch import launch
 from kernels.moe_decode import moe_decode_down_kernel, moe_decode_up_kernel
-from kernels.moe_gemm import moe_gemm_kernel, topk_sum_kernel
+from kernels.moe_gemm import moe_gemm_kernel, quant_fp8_kernel, topk_sum_kernel
 
 FP8 = torch.float8_e4m3fn
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # see moe_gemm._quant_fp8
@@ -127,6 +127,16 @@ def _launch_checked(grid, cfg, a, w, c, a_scale, w_scale, w_mode, a_mode, topk_w
     )
 
 
+def _quant_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float -> fp8 [M, K] with the static per-tensor scale (one launch)."""
+    M, K = x.shape
+    y = torch.empty((M, K), dtype=FP8, device=x.device)
+    bk = min(1024, triton.next_power_of_2(K))
+    launch(quant_fp8_kernel, (M, triton.cdiv(K, bk)), x, y, scale, K, x.stride(0), y.stride(0),
+           FP8_PREROUND=_INTERPRET, BLOCK_K=bk, num_warps=4)
+    return y
+
+
 def num_programs(M: int, E: int, N: int, K: int, topk: int, cfg: dict[str, Any]) -> tuple[int, int]:
     """(GEMM1, GEMM2) programs of a config that do work when every (token, expert) pair is
     a distinct expert (decode worst case for the block count: min(T, E) hit experts)."""
@@ -196,6 +206,10 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     split2 = int(down.get("SPLIT_K", 1))
     fused1 = split1 == 1 and cfg.get("FUSE_GU", True)
     a_mode1 = _a_mode(hidden_states.dtype, a1s, use_fp8, "a1_scale")
+    x1 = hidden_states
+    if cfg.get("A_PREQUANT") and a_mode1 == 2:       # static scale: quantize x once, not per tile
+        x1 = _quant_static(hidden_states, a1s)
+        a_mode1 = 1
     # one fp32 workspace: [h (T x 2N) when GEMM1 is split/un-fused][c32 (M x K) when GEMM2 split]
     n_h = 0 if fused1 else T * 2 * N
     n_c = M * K if split2 > 1 else 0
@@ -206,12 +220,12 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
             ws.zero_()                                                 # one memset
     if fused1:
         act = torch.empty((T, N), dtype=out_dtype, device=dev)        # [T, N]
-        _launch_gemm(hidden_states, w1, act, N, K, a1s, w1s, w1_mode, a_mode1, topk_weights,
+        _launch_gemm(x1, w1, act, N, K, a1s, w1s, w1_mode, a_mode1, topk_weights,
                      align, T, topk, True, 1, apply_router_weight_on_input, cfg)
     else:
         act = ws[:n_h].view(T, 2 * N)                                 # h = [gate | up], fp32
         gate_up = bool(cfg.get("FUSE_GU", True))
-        _launch_gemm(hidden_states, w1, act, N if gate_up else 2 * N, K, a1s, w1s, w1_mode,
+        _launch_gemm(x1, w1, act, N if gate_up else 2 * N, K, a1s, w1s, w1_mode,
                      a_mode1, topk_weights, align, T, topk, gate_up, 2 if split1 > 1 else 0,
                      apply_router_weight_on_input, cfg)
     a_mode2 = _a_mode(act.dtype, a2s, use_fp8, "a2_scale")

@@ -231,6 +231,25 @@ def moe_gemm_kernel(
 
 
 @jit()
+def quant_fp8_kernel(
+    # pointers
+    x_ptr, y_ptr, scale_ptr,
+    # sizes, strides
+    K, stride_xm, stride_ym,
+    # constexprs
+    FP8_PREROUND: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """y[m, k] = fp8(x[m, k] / scale), the static per-tensor scale scale_ptr[0]: GEMM1's input
+    quantized once (A_PREQUANT) with the rounding of A_MODE 2. Grid (M, cdiv(K, BLOCK_K))."""
+    m = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = offs < K
+    x = tl.load(x_ptr + m * stride_xm + offs, mask=mask, other=0.0)
+    inv = 1.0 / tl.load(scale_ptr).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + offs, _quant_fp8(x, inv, FP8_PREROUND), mask=mask)
+
+
+@jit()
 def topk_sum_kernel(
     # pointers
     c_ptr, out_ptr,

@@ -5,7 +5,7 @@ at a time (phases), every phase's new candidates compiled for sm_90 on the host 
 (kernels.precompile), then timed:
   decode (buckets with M * topk <= 64, kernels.moe_decode): up tile, up BLOCK_K, up stages,
       down tile, down stages, PDL;
-  aligned (every bucket): A GEMM1 split/fuse, B GEMM1 tiles, C GEMM2;
+  aligned (every bucket): A GEMM1 split/fuse, B GEMM1 tiles (fp8: and A_PREQUANT), C GEMM2;
   then D: each bucket tries its neighbours' winners (one-dimension walks stop at local
   optima). The faster family wins the bucket.
 Candidates are pruned statically first (tl.dot dims >= 16, swapped tiles 64-row, shared
@@ -71,7 +71,7 @@ def _vary(base: dict, key: str, values, down: bool = False) -> list[dict]:
 # ---- aligned family ------------------------------------------------------------------------
 def aligned_a(cur: dict, K: int) -> list[dict]:
     """GEMM1 (FUSE_GU x SPLIT_K) grid around cur (small M only)."""
-    g = {k: cur[k] for k in KEYS + ("SPLIT_K", "FUSE_GU")}
+    g = {k: cur[k] for k in KEYS + ("SPLIT_K", "FUSE_GU") + (("A_PREQUANT",) if cur.get("A_PREQUANT") else ())}
     if g["BLOCK_M"] >= 64:
         return []
     kt = _k_tiles(K, g["BLOCK_K"])
@@ -88,9 +88,11 @@ def aligned_a(cur: dict, K: int) -> list[dict]:
 
 
 def aligned_b(cur: dict, dtype: str) -> list[dict]:
-    """GEMM1 tiles, one dimension at a time."""
+    """GEMM1 tiles, one dimension at a time (fp8: and x quantized once, A_PREQUANT)."""
     fp8 = dtype == "fp8"
     out = _vary(cur, "BLOCK_K", (128, 256) if fp8 else (64, 128))
+    if fp8:
+        out += [{**cur, "A_PREQUANT": not cur.get("A_PREQUANT", False)}]
     out += _vary(cur, "num_stages", (3, 4, 5) if cur["BLOCK_M"] <= 32 else (3, 4))
     out += _vary(cur, "BLOCK_N", (64, 128) if cur["SWAP_AB"] else (64, 128, 256))
     if cur["BLOCK_M"] < 64:

@@ -4,11 +4,12 @@
 
 The tuned table (kernels/configs) measured 0.84-0.88x vLLM's `fused_experts` at M = 12..192
 although the search started from vLLM's config. This times ours, under CUDA-graph replay, over
-a grid around the shipped config of the M bucket (GEMM1 BLOCK_N x FUSE_GU x num_stages, GEMM2
-BLOCK_N x SPLIT_K) and around vLLM's config mapped to ours (kernels.heuristics.from_vllm_config;
-the dicts below are vLLM 0.26's E=8,N=7168,device_name=NVIDIA_H200,dtype=fp8_w8a8.json entries),
-and writes every row (config, us) to --out/rows.json.
-No vLLM needed: the comparison point is the vLLM time measured in validation.json.
+a grid around the shipped config of the M bucket (GEMM1 BLOCK_N x FUSE_GU x num_stages x
+A_PREQUANT, GEMM2 BLOCK_N x SPLIT_K) and around vLLM's config mapped to ours
+(kernels.heuristics.from_vllm_config; the dicts below are vLLM 0.26's
+E=8,N=7168,device_name=NVIDIA_H200,dtype=fp8_w8a8.json entries), and writes every row
+(config, us) to --out/rows.json. No vLLM needed: the comparison point is the vLLM time measured
+in bench/results/2026-12-01/tune_ab_session/validation.json.
 """
 from __future__ import annotations
 
@@ -32,12 +33,13 @@ VLLM_CFG = {  # vLLM 0.26, E=8,N=7168,device_name=NVIDIA_H200,dtype=fp8_w8a8.jso
 
 
 def grid(base: dict) -> list[dict]:
-    """base and its neighbours: GEMM1 BLOCK_N x FUSE_GU x stages, GEMM2 BLOCK_N x SPLIT_K."""
+    """base and its neighbours: GEMM1 BLOCK_N x FUSE_GU x stages x A_PREQUANT, GEMM2 BLOCK_N x
+    SPLIT_K."""
     d0 = base["DOWN"]
     out = []
-    for bn1, fgu, st, bn2, sk2 in itertools.product((64, 128), (True, False), (3, 4),
-                                                  (64, 128, 256), (1, 2)):
-        out.append({**base, "BLOCK_N": bn1, "FUSE_GU": fgu, "num_stages": st,
+    for bn1, fgu, st, pq, bn2, sk2 in itertools.product((64, 128), (True, False), (3, 4),
+                                                      (False, True), (64, 128, 256), (1, 2)):
+        out.append({**base, "BLOCK_N": bn1, "FUSE_GU": fgu, "num_stages": st, "A_PREQUANT": pq,
                     "DOWN": {**d0, "BLOCK_N": bn2, "SPLIT_K": sk2}})
     return out
 
@@ -71,7 +73,7 @@ def main() -> int:
         prob = make_problem(E, N, K, TOPK, M, "fp8", n_sets=8, device="cuda", seed=M, weights=weights)
         weights = prob["weights"]
         for key, c in cands.items():
-            lab = f"{label(c)}/st{c['num_stages']}{'' if c['FUSE_GU'] else '/unfused'}"
+            lab = f"{label(c)}/st{c['num_stages']}"
             try:
                 us = time_ours(prob, c, replays=10)
             except Exception as e:  # noqa: BLE001 - OutOfResources etc.: recorded, not fatal

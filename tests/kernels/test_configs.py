@@ -52,3 +52,20 @@ def test_validate_rejects_bad():
     with pytest.raises(ValueError):
         configs.validate(dict(BLOCK_M=8, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4,
                               num_stages=3, SWAP_AB=False))
+
+
+def test_a_prequant_is_kept_only_when_set_and_only_on_the_aligned_path():
+    from kernels.config_schema import label
+    from kernels.tune import aligned_b
+
+    base = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=16, num_warps=4, num_stages=4,
+                SWAP_AB=False)
+    assert "A_PREQUANT" not in configs.validate({**base, "A_PREQUANT": False})
+    pre = configs.validate({**base, "A_PREQUANT": True})
+    assert pre["A_PREQUANT"] is True and label(pre).endswith("/q")
+    assert not label(configs.validate(base)).endswith("/q")
+    with pytest.raises(ValueError, match="A_PREQUANT"):
+        configs.validate({**base, "BLOCK_M": 16, "DECODE": True, "A_PREQUANT": True})
+    # the tuner's GEMM1 walk offers the flip for fp8 only
+    assert any(c.get("A_PREQUANT") for c in aligned_b(configs.validate(base), "fp8"))
+    assert not any(c.get("A_PREQUANT") for c in aligned_b(configs.validate(base), "bf16"))

@@ -208,3 +208,33 @@ def test_act_amax_is_the_max_over_routed_pairs():
     h = torch.einsum("mk,mjnk->mjn", x.double(), w1.double()[ids.long()])   # [M, topk, 2N]
     want = (torch.nn.functional.silu(h[..., :24]) * h[..., 24:]).abs().max()
     torch.testing.assert_close(act_amax(x, w1, ids), want, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("case", [CASES[2], CASES[3], SPLIT_CASES[0], SPLIT_CASES[4]])
+def test_a_prequant_quantizes_x_once_with_the_same_rounding(case):
+    """A_PREQUANT (static a1 scale): one quant launch before GEMM1, then fp8 A (A_MODE 1); the
+    result is the in-loop quant's (same fp8 values) and matches the float64 reference. With a
+    dynamic scale it changes nothing (per-token scales are computed inside the GEMM)."""
+    from kernels.launch import kernel_name, record_launches
+
+    M, E, N, K, topk, cfg = case
+    x, w1, w2, tw, ids = _problem(M, E, N, K, topk, seed=M + 5 * E)
+    q1, s1 = quant_fp8(w1, False)
+    q2, s2 = quant_fp8(w2, True)
+    a1 = (x.abs().max() / 448.0).reshape(())
+    a2 = (act_amax(x, q1.float() * s1.reshape(E, -1, 1), ids) / 448.0).float().reshape(())
+    pre = {**cfg, "A_PREQUANT": True}
+    for a1s, a2s, n_quant in ((a1, a2, 1), (None, None, 0)):
+        scales = Fp8Scales(s1, s2, a1s, a2s)
+        with record_launches() as launches:
+            fused_moe(x, q1, q2, tw, ids, fp8=scales, config=pre)
+        assert [kernel_name(k) for k, *_ in launches].count("quant_fp8_kernel") == n_quant
+        outs = []
+        for c in (cfg, pre):
+            out = torch.full((M, K), float("nan"), dtype=torch.float32)
+            outs.append(fused_moe(x, q1, q2, tw, ids, fp8=scales, out=out, config=c))
+        assert rel_err(outs[1], outs[0]) < 1e-6
+    qref = moe_reference(x, q1, q2, tw, ids, s1, s2, a1_scale=a1, quant_acts="static", a2_scale=a2)
+    out = torch.full((M, K), float("nan"), dtype=torch.float32)
+    fused_moe(x, q1, q2, tw, ids, fp8=Fp8Scales(s1, s2, a1, a2), out=out, config=pre)
+    assert rel_err(out, qref) < FP8_TOL_QAWARE
