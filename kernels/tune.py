@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from kernels import configs, heuristics, precompile, smem
-from kernels.config_schema import KEYS, Config, validate
+from kernels.config_schema import Config, validate
 from kernels.timing import make_problem, time_ours
 
 DECODE_TUNE_MAX_SLOTS = 64
@@ -71,7 +71,7 @@ def _vary(base: dict, key: str, values, down: bool = False) -> list[dict]:
 # ---- aligned family ------------------------------------------------------------------------
 def aligned_a(cur: dict, K: int) -> list[dict]:
     """GEMM1 (FUSE_GU x SPLIT_K) grid around cur (small M only)."""
-    g = {k: cur[k] for k in KEYS + ("SPLIT_K", "FUSE_GU") + (("A_PREQUANT",) if cur.get("A_PREQUANT") else ())}
+    g = {k: v for k, v in cur.items() if k != "DOWN"}      # GEMM1's keys, A_PREQUANT kept
     if g["BLOCK_M"] >= 64:
         return []
     kt = _k_tiles(K, g["BLOCK_K"])
