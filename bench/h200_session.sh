@@ -14,6 +14,7 @@
 #       static then bf16, resumed from the runs committed under bench/results/*/*/decode_ab_*
 #   ORDER=vllm,optimized bash bench/h200_session.sh ttft OUT   # host: one cold-cache
 #       `spike-sizes` TTFT A/B (bench/e2e_ab.py), both variants in ORDER; alternate it per call
+#   GRID=1 before `ab` or `ttft`: first the FP8 N=7168 grid (bench/investigations/fp8_large_n.py)
 # `ab` and `ttft` install first when they carry the last chunk (then no `tune` call is needed).
 # Installing unpacks a carried .dev/caches.tar.xz (an earlier call's OUT/caches.tar.xz.0:
 # vLLM's compile and FlashInfer's autotune caches) into /root.
@@ -116,6 +117,10 @@ case $stage in
       MOE_SERVE_KERNEL_CONFIG_DIR=/root/tuned timeout 120 python3 bench/fp8_backends.py \
         --shapes "$NEW_SHAPES" --out "$out/kernels/fp8b" 2>&1 | grep "^\[fp8b" | tail -3
       tar -C "$out" -cf "$out/kernels.tar" kernels && rm -rf "$out/kernels"
+    fi
+    if [[ -n ${GRID:-} ]]; then
+      timeout 200 python3 bench/investigations/fp8_large_n.py --out "$out/fp8_large_n" 2>&1 \
+        | tee "$out/grid.log" | grep -E "^M="
     fi
     if [[ $stage == ttft ]]; then
       timeout $((BUDGET - SECONDS)) python3 bench/e2e_ab.py --scenarios spike-sizes \

@@ -5,7 +5,7 @@
 The tuned table (kernels/configs) measured 0.84-0.88x vLLM's `fused_experts` at M = 12..192
 although the search started from vLLM's config. This times ours, under CUDA-graph replay, over
 a grid around the shipped config of the M bucket (GEMM1 BLOCK_N x FUSE_GU x num_stages x
-A_PREQUANT, GEMM2 BLOCK_N x SPLIT_K) and around vLLM's config mapped to ours
+A_PREQUANT; the GEMM2 axes were covered by the run in tune_ab_session/fp8_large_n.json) and around vLLM's config mapped to ours
 (kernels.heuristics.from_vllm_config; the dicts below are vLLM 0.26's
 E=8,N=7168,device_name=NVIDIA_H200,dtype=fp8_w8a8.json entries), and writes every row
 (config, us) to --out/rows.json. No vLLM needed: the comparison point is the vLLM time measured
@@ -33,14 +33,11 @@ VLLM_CFG = {  # vLLM 0.26, E=8,N=7168,device_name=NVIDIA_H200,dtype=fp8_w8a8.jso
 
 
 def grid(base: dict) -> list[dict]:
-    """base and its neighbours: GEMM1 BLOCK_N x FUSE_GU x stages x A_PREQUANT, GEMM2 BLOCK_N x
-    SPLIT_K."""
-    d0 = base["DOWN"]
+    """base and its GEMM1 neighbours: BLOCK_N x FUSE_GU x stages x A_PREQUANT (GEMM2 as in base:
+    A_PREQUANT changes only GEMM1's A operand)."""
     out = []
-    for bn1, fgu, st, pq, bn2, sk2 in itertools.product((64, 128), (True, False), (3, 4),
-                                                      (False, True), (64, 128, 256), (1, 2)):
-        out.append({**base, "BLOCK_N": bn1, "FUSE_GU": fgu, "num_stages": st, "A_PREQUANT": pq,
-                    "DOWN": {**d0, "BLOCK_N": bn2, "SPLIT_K": sk2}})
+    for bn1, fgu, st, pq in itertools.product((64, 128), (True, False), (3, 4), (False, True)):
+        out.append({**base, "BLOCK_N": bn1, "FUSE_GU": fgu, "num_stages": st, "A_PREQUANT": pq})
     return out
 
 
