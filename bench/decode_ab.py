@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import decode_stats  # noqa: E402
 from bench.dummy_model import dummy_model_dir  # noqa: E402
 
 BACKEND_LINE = re.compile(r"Using .*MoE backend.*|.*[Ss]elect.*MoE backend.*")
@@ -47,7 +48,8 @@ def run_one(model: Path, variant: str, rnd: int, a: argparse.Namespace) -> float
     logf = a.out / f"run-r{rnd}-{variant}.log"
     cmd = [sys.executable, str(ROOT / "bench" / "decode_probe.py"), "--model", str(model),
            "--variant", variant, "--batches", a.batches, "--short", str(a.short),
-           "--long", str(a.long), "--reps", str(a.reps), "--out", str(out)]
+           "--long", str(a.long), "--reps", str(a.reps), "--prompts", a.prompts,
+           "--temperature", str(a.temperature), "--out", str(out)]
     t0 = time.monotonic()
     with logf.open("w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=a.probe_timeout_s,
@@ -73,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--short", type=int, default=32)
     p.add_argument("--long", type=int, default=160)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--prompts", choices=("distinct", "same"), default="distinct",
+                   help="decode_probe.py: one prompt per sequence, or one for all B")
+    p.add_argument("--temperature", type=float, default=1.0, help="decode_probe.py: 0 = greedy")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--budget-s", type=float, default=540.0, help="start no process after this")
     p.add_argument("--probe-timeout-s", type=float, default=300.0)
@@ -88,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     quant = None if a.quantization == "none" else a.quantization
     model = Path(a.model) if Path(a.model).is_dir() and quant is None else \
         dummy_model_dir(a.model, a.out, quantization=quant)
+    other = {decode_stats.workload(r) for r in decode_stats.load_runs([a.out])} - {(a.prompts, a.temperature)}
+    if other:
+        log(f"runs in {a.out} decoded another workload {sorted(other)} (prompts, temperature); "
+            f"this command's is {(a.prompts, a.temperature)}: use another --out")
+        return 2
     plan = rounds(a.variants.split(","), a.processes)
     todo = [(r, v) for r, v in plan if not (a.out / f"run-r{r}-{v}.json").is_file()]
     log(f"{len(plan) - len(todo)} of {len(plan)} runs done; model {model}")

@@ -3,11 +3,18 @@
     python bench/decode_probe.py --model DIR --variant stock --batches 1,8,32,64 --out run.json
 
 Starts vLLM's offline engine (`vllm.LLM`, dummy weights, CUDA graphs for exactly the batch
-sizes measured), then for each batch size B runs B copies of a fixed prompt with
-`ignore_eos` greedy decoding, once `--short` and once `--long` tokens: the decode step time is
-(t_long - t_short) / (long - short), so prefill and per-request costs cancel, and output
-tok/s = B / step. Each B is warmed up twice before `--reps` timed pairs. The variant decides
-only the MoE kernels (the environment and `moe_backend` below); everything else is the same.
+sizes measured), then for each batch size B runs B sequences with `ignore_eos`, once `--short`
+and once `--long` tokens: the decode step time is (t_long - t_short) / (long - short), so
+prefill and per-request costs cancel, and output tok/s = B / step. Each B is warmed up twice
+before `--reps` timed pairs. The variant decides only the MoE kernels (the environment and
+`moe_backend` below); everything else is the same.
+
+The B sequences must differ, or every token of a decode step routes to the same top-k experts
+(identical sequences have identical hidden states) and the MoE layers read k experts' weights
+instead of the spread a real batch reads. By default each sequence has its own fixed prompt and
+tokens are sampled at temperature 1 (dummy weights give near-uniform logits, so sampled tokens,
+hence routing, spread like random routing); each row records how many of the B outputs are
+distinct. `--prompts same --temperature 0` gives the identical-sequence case.
 """
 from __future__ import annotations
 
@@ -42,35 +49,43 @@ def make_llm(model: str, variant: str, batches: list[int], max_len: int) -> Any:
                **VARIANTS[variant][1])
 
 
-def generate_s(llm: Any, B: int, tokens: int, prompt: list[int]) -> float:
-    """Wall seconds for B copies of the prompt, each decoding exactly `tokens` tokens."""
+def make_prompts(B: int, length: int, distinct: bool) -> list[list[int]]:
+    """B fixed prompts of `length` token ids (the same for every run): sequence b's own, or
+    sequence 0's for all of them."""
+    return [[(7 * i + (997 * b if distinct else 0)) % 31000 + 100 for i in range(length)] for b in range(B)]
+
+
+def generate(llm: Any, prompts: list[list[int]], tokens: int, temperature: float) -> tuple[float, int]:
+    """(wall seconds, distinct outputs) for the prompts, each decoding exactly `tokens` tokens."""
     from vllm import SamplingParams
 
-    sp = SamplingParams(max_tokens=tokens, min_tokens=tokens, ignore_eos=True, temperature=0.0)
+    sp = SamplingParams(max_tokens=tokens, min_tokens=tokens, ignore_eos=True, temperature=temperature)
     t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": prompt}] * B, sp, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     dt = time.perf_counter() - t0
     got = [len(o.outputs[0].token_ids) for o in outs]
-    if got != [tokens] * B:
+    if got != [tokens] * len(prompts):
         raise RuntimeError(f"expected {tokens} tokens per sequence, got {got}")
-    return dt
+    return dt, len({tuple(o.outputs[0].token_ids) for o in outs})
 
 
-def measure(llm: Any, batches: list[int], short: int, long: int, reps: int,
-            prompt: list[int]) -> list[dict[str, Any]]:
+def measure(llm: Any, batches: list[int], short: int, long: int, reps: int, prompt_len: int,
+            distinct: bool, temperature: float) -> list[dict[str, Any]]:
     rows = []
     for B in batches:
+        prompts = make_prompts(B, prompt_len, distinct)
         for _ in range(2):
-            generate_s(llm, B, short, prompt)
-            generate_s(llm, B, long, prompt)
+            generate(llm, prompts, short, temperature)
+            generate(llm, prompts, long, temperature)
         steps = []
         for _ in range(reps):
-            ts, tl = generate_s(llm, B, short, prompt), generate_s(llm, B, long, prompt)
+            (ts, _), (tl, n_distinct) = (generate(llm, prompts, short, temperature),
+                                         generate(llm, prompts, long, temperature))
             steps.append((tl - ts) / (long - short))
         step = statistics.median(steps)
         rows.append({"B": B, "step_ms": step * 1e3, "tok_s": B / step,
-                     "step_ms_reps": [s * 1e3 for s in steps]})
-        log(f"B={B}: step {step * 1e3:.3f} ms, {B / step:.0f} tok/s "
+                     "step_ms_reps": [s * 1e3 for s in steps], "distinct_outputs": n_distinct})
+        log(f"B={B}: step {step * 1e3:.3f} ms, {B / step:.0f} tok/s, {n_distinct} distinct outputs "
             f"(reps {', '.join(f'{s * 1e3:.3f}' for s in steps)})")
     return rows
 
@@ -84,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long", type=int, default=160, help="tokens in the long run")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--prompts", choices=("distinct", "same"), default="distinct",
+                    help="one prompt per sequence, or one prompt for all B")
+    ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     env, kwargs = VARIANTS[a.variant]
@@ -93,12 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     llm = make_llm(a.model, a.variant, batches, a.prompt_len + max(a.long, a.short) + 16)
     start_s = time.perf_counter() - t0
     log(f"engine up in {start_s:.1f} s ({a.variant}: {env} {kwargs})")
-    prompt = [(7 * i) % 31000 + 100 for i in range(a.prompt_len)]   # fixed, same for every run
     result: dict[str, Any] = {"variant": a.variant, "model": a.model, "pid": os.getpid(),
                               "start_s": start_s, "env": env, "engine_kwargs": kwargs,
                               "short": a.short, "long": a.long, "reps": a.reps,
-                              "prompt_len": a.prompt_len}
-    result["rows"] = measure(llm, batches, a.short, a.long, a.reps, prompt)
+                              "prompt_len": a.prompt_len, "prompts": a.prompts,
+                              "temperature": a.temperature}
+    result["rows"] = measure(llm, batches, a.short, a.long, a.reps, a.prompt_len,
+                             a.prompts == "distinct", a.temperature)
     a.out.write_text(json.dumps(result, indent=1))
     return 0
 

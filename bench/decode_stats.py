@@ -19,17 +19,26 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from scipy import stats
+
+def workload(run: dict[str, Any]) -> tuple[str, float]:
+    """(prompts, temperature) the probe decoded; runs written before the probe had the options
+    decoded B copies of one prompt greedily."""
+    return run.get("prompts", "same"), float(run.get("temperature", 0.0))
 
 
 def load_runs(dirs: list[Path]) -> list[dict[str, Any]]:
-    """Every run-r*-*.json with measured rows under the given directories."""
+    """Every run-r*-*.json with measured rows under the given directories; refuses to pool runs
+    of different workloads."""
     runs = []
     for d in dirs:
         for p in sorted(d.glob("run-r*-*.json")):
             r = json.loads(p.read_text())
             if r.get("rows"):
                 runs.append(r)
+    kinds = {workload(r) for r in runs}
+    if len(kinds) > 1:
+        raise SystemExit(f"runs of different workloads (prompts, temperature) {sorted(kinds)} in "
+                         f"{', '.join(map(str, dirs))}: compare them separately")
     return runs
 
 
@@ -58,6 +67,8 @@ def ratio_ci(v: list[float], base: list[float]) -> dict[str, float | int | None]
                                           "lo": None, "hi": None,
                                           "cv": _cv(v), "cv_base": _cv(base)}
     if len(v) >= 2 and len(base) >= 2:
+        from scipy import stats      # lazily: decode_ab.py needs only load_runs and workload
+
         ci = stats.ttest_ind(lv, lb, equal_var=False).confidence_interval(0.95)
         res["lo"], res["hi"] = math.exp(ci.low), math.exp(ci.high)
     return res

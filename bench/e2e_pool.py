@@ -10,7 +10,9 @@ p50/p99 over all requests of each run and serving-phase JIT compiles. Prints mar
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -23,8 +25,10 @@ def load(run: Path, variant: str, scenario: str) -> dict:
 
 
 def ttfts_ms(run: Path, variant: str, scenario: str) -> list[float]:
-    """TTFT of every successful request of the scenario, in ms."""
-    recs = (json.loads(line) for line in (run / variant / scenario / "requests.jsonl").read_text().splitlines())
+    """TTFT of every successful request of the scenario, in ms (requests.jsonl, or its .gz)."""
+    path = run / variant / scenario / "requests.jsonl"
+    text = path.read_text() if path.exists() else gzip.decompress(path.with_suffix(".jsonl.gz").read_bytes()).decode()
+    recs = (json.loads(line) for line in text.splitlines())
     return sorted(1000 * r["ttft"] for r in recs if r["status"] == "ok" and r["ttft"] is not None)
 
 
@@ -55,6 +59,35 @@ def scenario_lines(runs: list[Path], scenario: str) -> list[str]:
             lines.append(f"| {i + 1} | {v} | {len(t)} | {pct(t, 0.5):.1f} | {pct(t, 0.99):.1f} | {t[-1]:.1f} | "
                          f"{compiles} |")
     return lines
+
+
+def ttft_p50_pooled(runs: list[Path], scenario: str, stall_ms: float = 1000.0) -> list[str]:
+    """Per run: TTFT p50 of each variant over all requests, their ratio and the share of requests
+    slower than stall_ms; then the geomean ratio over runs with its 95 % t interval (the run is
+    the unit: log ratios, n - 1 degrees of freedom)."""
+    from scipy import stats
+
+    lines = [f"| run | requests (optimized / vllm) | TTFT p50 ms optimized | vllm | ratio | "
+             f"requests > {stall_ms:g} ms optimized | vllm |", "|---|---:|---:|---:|---:|---:|---:|"]
+    logs = []
+    for run in runs:
+        t = {v: ttfts_ms(run, v, scenario) for v in VARIANTS}
+        p50 = {v: pct(t[v], 0.5) for v in VARIANTS}
+        logs.append(math.log(p50["optimized"] / p50["vllm"]))
+        slow = {v: 100 * sum(x > stall_ms for x in t[v]) / len(t[v]) for v in VARIANTS}
+        lines.append(f"| `{run.name}` | {len(t['optimized'])} / {len(t['vllm'])} | {p50['optimized']:.1f} | "
+                     f"{p50['vllm']:.1f} | {p50['optimized'] / p50['vllm']:.3f} | {slow['optimized']:.1f} % | "
+                     f"{slow['vllm']:.1f} % |")
+    g = math.exp(statistics.fmean(logs))
+    lines.append("")
+    if len(logs) < 2:
+        return lines + [f"TTFT p50 ratio optimized / vllm, one run: {g:.3f}."]
+    sd = statistics.stdev(logs)
+    half = stats.t.ppf(0.975, len(logs) - 1) * sd / math.sqrt(len(logs))
+    need = math.ceil((1.96 * sd / -math.log(0.91)) ** 2)   # runs for a 95 % half-width of 9 %
+    return lines + [f"TTFT p50 ratio optimized / vllm over {len(logs)} runs: geomean **{g:.3f}**, 95 % t interval "
+                    f"[{math.exp(math.log(g) - half):.3f}, {math.exp(math.log(g) + half):.3f}]; standard deviation "
+                    f"of the log ratios {sd:.3f}, so an interval of +-9 % needs about {need} runs."]
 
 
 def main(argv: list[str] | None = None) -> int:

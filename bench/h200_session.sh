@@ -11,7 +11,8 @@
 #   bash bench/h200_session.sh validate OUT      # host: the served kernel bench of those tables
 #       (fine M list), the FP8 backend table on their shapes, then `ab`
 #   bash bench/h200_session.sh ab OUT            # host: the decode A/B (stock vs moe-serve), FP8
-#       static then bf16, resumed from the runs committed under bench/results/*/*/decode_ab_*
+#       static then bf16 (distinct sequences: decode_probe.py's default), resumed from the runs
+#       committed under bench/results/*/*/decode_ab_<fp8|bf16>_spread
 #   ORDER=vllm,optimized bash bench/h200_session.sh ttft OUT   # host: one cold-cache
 #       `spike-sizes` TTFT A/B (bench/e2e_ab.py), both variants in ORDER; alternate it per call
 #   GRID=1 before `ab` or `ttft`: first the FP8 N=7168 grid (bench/investigations/fp8_large_n.py)
@@ -127,8 +128,8 @@ case $stage in
         --variants "${ORDER:-vllm,optimized}" --out "$out/ttft" 2>&1 | grep -v "^INFO"
       tar -C "$out" -cf "$out/ttft.tar" ttft && rm -rf "$out/ttft"
     else
-      dab stock,moe-serve fp8-static $((BUDGET - SECONDS)) fp8 \
-        && dab stock,moe-serve none $((BUDGET - SECONDS)) bf16
+      dab stock,moe-serve fp8-static $((BUDGET - SECONDS)) fp8_spread \
+        && dab stock,moe-serve none $((BUDGET - SECONDS)) bf16_spread
     fi
     (( SECONDS < BUDGET + 15 )) && caches ;;
   *) echo "unknown stage $stage"; exit 2 ;;

@@ -8,7 +8,7 @@ import re
 import statistics
 from pathlib import Path
 
-from e2e_pool import scenario_lines, stage_table
+from e2e_pool import scenario_lines, stage_table, ttft_p50_pooled
 
 PUBLISHED_COPY_BPS = 4.3e12  # the H200 copy ceiling measured before the first kernel bench
 
@@ -109,6 +109,10 @@ def e2e_stages(scenario: str, *runs: Path) -> list[str]:
 
 def e2e_all_requests(scenario: str, *runs: Path) -> list[str]:
     return scenario_lines(list(runs), scenario)
+
+
+def e2e_ttft_pooled(scenario: str, *runs: Path) -> list[str]:
+    return ttft_p50_pooled(list(runs), scenario)
 
 
 def cpu_starvation(path: Path) -> list[str]:

@@ -81,20 +81,31 @@ def tune_phases(log: Path) -> list[str]:
     return out
 
 
-def moe_share(shape: str, layers: int, fp8b: Path, *dab_dirs: Path) -> list[str]:
-    """Per B: the MoE share of a stock decode step (layers x FlashInfer's kernel time / step)
-    and the end-to-end ratio the served kernel time predicts, beside the measured one."""
-    kern = {r["M"]: r for r in json.loads(fp8b.read_text())["rows"] if r["shape"] == shape}
+def _stock_and_served_us(path: Path, shape: str, dtype: str) -> tuple[str, dict[int, tuple[float, float]]]:
+    """(stock kernel name, M -> (stock kernel us, served us)) for one shard, from either an
+    fp8_backends.py file (stock = FlashInfer CUTLASS) or a bench_kernels.py file (stock = vLLM Triton)."""
+    res = json.loads(path.read_text())
+    if "rows" in res:
+        return "FI", {r["M"]: (r["flashinfer_cutlass_us"], r["served_us"]) for r in res["rows"]
+                      if r["shape"] == shape and r.get("flashinfer_cutlass_us") and r.get("served_us")}
+    return "vLLM Triton", {r["M"]: (r["vllm_us"], r["vllm_us"] / r["served_speedup"]) for r in res["bench"]
+                           if r["shape"] == shape and r["dtype"] == dtype and r.get("vllm_us")
+                           and r.get("served_speedup")}
+
+
+def moe_share(shape: str, dtype: str, layers: int, kernels: Path, *dab_dirs: Path) -> list[str]:
+    """Per B: the MoE share of a stock decode step (layers x stock's kernel time / step) and the
+    end-to-end ratio the served kernel time predicts, beside the measured one."""
+    stock_name, kern = _stock_and_served_us(kernels, shape, dtype)
     pp = decode_stats.per_process(decode_stats.load_runs(list(dab_dirs)))
-    out = [f"| B | stock step (ms) | MoE share of it ({layers} x FI kernel) | predicted moe-serve / stock | "
+    out = [f"| B | stock step (ms) | MoE share of it ({layers} x {stock_name} kernel) | predicted moe-serve / stock | "
            "measured |", "|---|---:|---:|---:|---:|"]
     for b in sorted((int(k) for k in pp.get("stock", {}) if k.isdigit())):
-        r = kern.get(b)
-        if r is None or not r.get("flashinfer_cutlass_us") or not r.get("served_us"):
+        if b not in kern:
             continue
         step = 1e3 * b / geometric_mean(pp["stock"][str(b)])          # ms per decode step
-        fi, served = layers * r["flashinfer_cutlass_us"] / 1e3, layers * r["served_us"] / 1e3
+        base, served = (layers * us / 1e3 for us in kern[b])
         meas = geometric_mean(pp["moe-serve"][str(b)]) / geometric_mean(pp["stock"][str(b)]) if "moe-serve" in pp else None
-        out.append(f"| {b} | {step:.3f} | {100 * fi / step:.0f} % | {step / (step - fi + served):.3f} | "
+        out.append(f"| {b} | {step:.3f} | {100 * base / step:.0f} % | {step / (step - base + served):.3f} | "
                    f"{'n/a' if meas is None else f'{meas:.3f}'} |")
     return out

@@ -118,3 +118,24 @@ def tune_times(*logs: Path) -> list[str]:
         for m in re.finditer(r"^TUNE_TIME (\S+) tp(\d+) (\w+)(?: \S+)? (\d+)s$", log.read_text(), re.M):
             out.append(f"| {m[1]} | {m[2]} | {m[3]} | {m[4]} s |")
     return out
+
+
+def prequant_grid(shape: str, dtype: str, rows_path: Path, bench_path: Path) -> list[str]:
+    """bench/investigations/fp8_large_n.py rows per M: the shipped config, the best config
+    without and with A_PREQUANT (x quantized once before GEMM1), against vLLM's kernel and the
+    floor measured by bench_kernels.py for the same cell in an earlier run."""
+    grid = json.loads(rows_path.read_text())
+    ref = {r["M"]: r for r in _rows(bench_path) if r["shape"] == shape and r["dtype"] == dtype}
+    out = ["| M | configs timed | shipped µs | best without A_PREQUANT µs | best with A_PREQUANT µs | "
+           "its config | vLLM µs (earlier run) | floor µs | best / vLLM |",
+           "|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+    for m in sorted({r["M"] for r in grid}):
+        rs = [r for r in grid if r["M"] == m and "us" in r]
+        shipped = next(r["us"] for r in rs if r["start"] == "shipped")
+        plain = min(r["us"] for r in rs if not r["config"].get("A_PREQUANT"))
+        pq = min((r for r in rs if r["config"].get("A_PREQUANT")), key=lambda r: r["us"])
+        v = ref.get(m, {})
+        out.append(f"| {m} | {len(rs)} | {shipped:.1f} | {plain:.1f} | **{pq['us']:.1f}** | `{pq['cfg']}` | "
+                   f"{_f(v.get('vllm_us'), 1)} | {_f(v.get('floor_us'), 1)} | "
+                   f"{_f(pq['us'] / v['vllm_us'] if v.get('vllm_us') else None)} |")
+    return out

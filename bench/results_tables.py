@@ -58,18 +58,24 @@ B1 = K1 + "kernels_session_b/bench_results.json"
 B2 = (K1 + "kernels_validation/tuned_fine_m.json", K1 + "kernels_validation/untuned.json")
 F8 = K1 + "fp8_session/"
 T3 = K1 + "tune_ab_session/"
+S4 = K1 + "bf16_ab_session/"
 REGISTRY: dict[str, Entry] = {
+    "decode-ab-bf16-6": Entry((S4 + "decode_ab_bf16",), rf.decode_ab, ("stock",)),
+    "moe-share-bf16-6": Entry((B2[0], S4 + "decode_ab_bf16"), rf.moe_share, ("Mixtral-8x7B/TP8", "bf16", 32)),
+    "ttft-spike-pooled": Entry(E2E_RUNS + (D + "e2e_tp2_a", D + "e2e_tp2_b"), rr.e2e_ttft_pooled, ("spike-sizes",)),
+    "fp8-prequant-grid": Entry((S4 + "fp8_large_n_prequant.json", T3 + "validation.json"), rk.prequant_grid,
+                               ("Mixtral-8x7B/TP2", "fp8")),
     "tune-times-tp2-tp1-seeded": Entry((T3 + "tune.log",), rk.tune_times),
     "kernels-tp2-tp1-geomeans": Entry((T3 + "validation.json",), rk.geomeans),
     "kernels-tp2-tp1-served": Entry((T3 + "validation.json",), rk.served_below),
     "fp8-backends-tp2-tp1": Entry((T3 + "fp8_backends_tp2_tp1.json",), rf.fp8_backends),
     "decode-ab-fp8-6": Entry((F8 + "decode_ab_fp8", T3 + "decode_ab_fp8"), rf.decode_ab, ("stock",)),
     "moe-share-fp8-6": Entry((F8 + "fp8_backends.json", F8 + "decode_ab_fp8", T3 + "decode_ab_fp8"),
-                             rf.moe_share, ("Mixtral-8x7B/TP8", 32)),
+                             rf.moe_share, ("Mixtral-8x7B/TP8", "fp8", 32)),
     "fp8-backends": Entry((F8 + "fp8_backends.json",), rf.fp8_backends),
     "decode-ab-fp8": Entry((F8 + "decode_ab_fp8",), rf.decode_ab, ("stock",)),
     "moe-share-fp8": Entry((F8 + "fp8_backends.json", F8 + "decode_ab_fp8"), rf.moe_share,
-                           ("Mixtral-8x7B/TP8", 32)),
+                           ("Mixtral-8x7B/TP8", "fp8", 32)),
     "tune-phases-tp2-tp1": Entry((F8 + "tune.log",), rf.tune_phases),
     "kernels-correctness-fp8-session": Entry((F8 + "correctness.json",), rk.correctness),
     "decode-sweep": Entry((K1 + "decode_sweep/decode_sweep.json",), rk.decode_sweep),

@@ -31,7 +31,7 @@ def test_rounds_run_each_variant_once_per_round_in_every_position():
 
 
 def _run(variant: str, rnd: int, tok_s: dict[int, float]) -> dict:
-    return {"variant": variant, "round": rnd,
+    return {"variant": variant, "round": rnd, "prompts": "distinct", "temperature": 1.0,
             "rows": [{"B": b, "tok_s": t, "step_ms": b / t * 1e3} for b, t in tok_s.items()]}
 
 
@@ -100,15 +100,44 @@ def test_dummy_model_dir_writes_a_static_fp8_checkpoint_config(tmp_path):
     assert (d / "tokenizer.json").is_file()
 
 
-def test_probe_measures_decode_on_the_real_cpu_engine(tmp_path, embedded_model_dir):
-    out = tmp_path / "run.json"
+def _probe(tmp_path: Path, model: Path, name: str, *extra: str) -> dict:
+    out = tmp_path / f"{name}.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "decode_probe.py"), "--model",
-                           str(embedded_model_dir), "--variant", "stock", "--batches", "1,2",
+                           str(model), "--variant", "stock", "--batches", "1,3",
                            "--short", "2", "--long", "6", "--reps", "1", "--prompt-len", "16",
-                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+                           *extra, "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_probe_measures_decode_on_the_real_cpu_engine(tmp_path, embedded_model_dir):
+    res = _probe(tmp_path, embedded_model_dir, "run")
     assert res["variant"] == "stock" and res["env"] == {"VLLM_PLUGINS": ""}
-    assert [r["B"] for r in res["rows"]] == [1, 2]
+    assert (res["prompts"], res["temperature"]) == ("distinct", 1.0)
+    assert [r["B"] for r in res["rows"]] == [1, 3]
     for r in res["rows"]:
         assert r["step_ms"] > 0 and r["tok_s"] == pytest.approx(r["B"] / r["step_ms"] * 1e3)
+        assert r["distinct_outputs"] == r["B"]       # the B sequences differ, so their routing can
+
+
+def test_probe_same_prompt_greedy_decodes_identical_sequences(tmp_path, embedded_model_dir):
+    res = _probe(tmp_path, embedded_model_dir, "same", "--prompts", "same", "--temperature", "0")
+    assert [r["distinct_outputs"] for r in res["rows"]] == [1, 1]
+
+
+def test_runs_of_different_workloads_are_not_pooled(tmp_path):
+    _write_runs(tmp_path, gain=1.1, noise=0.01, n=2)
+    legacy = {k: v for k, v in _run("stock", 2, {1: 100.0}).items() if k not in ("prompts", "temperature")}
+    assert decode_stats.workload(legacy) == ("same", 0.0)       # runs from before the options
+    (tmp_path / "run-r2-stock.json").write_text(json.dumps(legacy))
+    with pytest.raises(SystemExit, match="different workloads"):
+        decode_stats.load_runs([tmp_path])
+
+
+def test_decode_ab_will_not_resume_a_dir_of_another_workload(tmp_path, capsys):
+    (tmp_path / "run-r0-stock.json").write_text(json.dumps({**_run("stock", 0, {1: 100.0}), "temperature": 0.0}))
+    model = tmp_path / "model"
+    model.mkdir()
+    assert decode_ab.main(["--model", str(model), "--processes", "1", "--out", str(tmp_path)]) == 2
+    assert "another workload" in capsys.readouterr().out
+    assert not (tmp_path / "run-r0-moe-serve.log").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,25 @@ def test_pool_ratios_and_geomean(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert cells[3:5] == [f"{1 / 1.1:.3f}", f"{1 / 0.9:.3f}"]  # ITL ratio is the inverse here
     assert "| 1 | optimized | 100 | 510.0 | 1000.0 | 1000.0 | 0 |" in out  # the error request is left out
     assert "| 2 | vllm | 100 | 1020.0 | 2000.0 | 2000.0 | 3 |" in out
+
+
+def test_ttft_p50_pooled_over_runs_with_a_t_interval(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("e2e_pool", REPO / "bench" / "e2e_pool.py")
+    pool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pool)
+    base = [0.01 * i for i in range(1, 101)]                      # p50 (index 50) = 0.51 s
+    runs = [_fake_run(tmp_path / f"r{k}", {"optimized": 1.0, "vllm": 1.0},
+                      {"optimized": [t * f for t in base], "vllm": base + [1.5]})  # one stall > 1 s
+            for k, f in enumerate((0.8, 0.9))]
+    lines = pool.ttft_p50_pooled(runs, "spike-sizes")
+    row0 = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert row0[1:5] == ["100 / 101", f"{510 * 0.8:.1f}", "510.0", "0.800"]   # p50: index n // 2
+    assert row0[5:] == ["0.0 %", f"{100 / 101:.1f} %"]
+    g = (0.8 * 0.9) ** 0.5
+    assert f"geomean **{g:.3f}**" in lines[-1]
+    lo, hi = map(float, re.search(r"\[([\d.]+), ([\d.]+)\]", lines[-1]).groups())
+    assert lo < g < hi
+    assert "one run" in pool.ttft_p50_pooled(runs[:1], "spike-sizes")[-1]
 
 
 def test_tables_only_joins_variants_run_in_separate_calls(tmp_path: Path) -> None:
