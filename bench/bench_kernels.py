@@ -86,8 +86,8 @@ def _problem(shape, M, dtype, n_sets, weights=None):
 
 # ----------------------------------------------------------------------------------------
 def part_correctness(shapes: dict, ms: tuple, smoke: bool) -> list[dict]:
-    """Every path (aligned: plain, swapped, split; decode: heuristic, swapped, split) in bf16
-    and fp8 W8A8 against the float64 reference, into NaN-poisoned outputs."""
+    """Every path (aligned: plain, swapped, split, x quantized once; decode: heuristic, swapped,
+    narrow) in bf16 and fp8 W8A8 against the float64 reference, into NaN-poisoned outputs."""
     from kernels import configs, smem
     from reference import quant_fp8
 
@@ -103,7 +103,7 @@ def part_correctness(shapes: dict, ms: tuple, smoke: bool) -> list[dict]:
             tw, ids = torch.softmax(torch.randn(M, E, device=DEV, generator=g), -1).topk(topk)
             ids = ids.to(torch.int32)
             base = configs.aligned_default(M, E, N, K, topk, "bf16")  # aligned variants
-            for swap in (False, True, "split", "decode", "decode-swap", "decode-narrow"):
+            for swap in (False, True, "split", "prequant", "decode", "decode-swap", "decode-narrow"):
                 if str(swap).startswith("decode"):
                     if M * topk > 128:
                         continue
@@ -112,7 +112,7 @@ def part_correctness(shapes: dict, ms: tuple, smoke: bool) -> list[dict]:
                     rows += _check_variants(name, M, swap, cfg, x, w1, w2, q, tw, ids, fdt,
                                             smoke, E)
                     continue
-                sw = bool(swap)
+                sw = swap is True
                 cfg = {**base, "SWAP_AB": sw, "BLOCK_M": 16 if sw else base["BLOCK_M"],
                        "BLOCK_N": max(64, base["BLOCK_N"]) if sw else base["BLOCK_N"],
                        "SPLIT_K": 1, "FUSE_GU": True}
@@ -122,8 +122,11 @@ def part_correctness(shapes: dict, ms: tuple, smoke: bool) -> list[dict]:
                 if swap == "split":   # un-fused gate/up + split-K in both GEMMs (fp32 atomics)
                     cfg.update(SPLIT_K=2, FUSE_GU=False, BLOCK_N=64)
                     cfg["DOWN"]["SPLIT_K"] = 2
+                if swap == "prequant":  # A_PREQUANT acts only with a static activation scale
+                    cfg["A_PREQUANT"] = True
                 cfg = smem.fit(configs.validate(cfg), "bf16")  # bf16 needs more smem than fp8
-                rows += _check_variants(name, M, swap, cfg, x, w1, w2, q, tw, ids, fdt, smoke, E)
+                rows += _check_variants(name, M, swap, cfg, x, w1, w2, q, tw, ids, fdt, smoke, E,
+                                        static_only=swap == "prequant")
         del w1, w2, q
     return rows
 
@@ -144,8 +147,10 @@ def _decode_variant(M: int, E: int, N: int, K: int, topk: int, kind: str) -> dic
     return validate(cfg)
 
 
-def _check_variants(name, M, swap, cfg, x, w1, w2, q, tw, ids, fdt, smoke, E) -> list[dict]:  # noqa: PLR0913
-    """bf16 (fp16 under the interpreter) and the four fp8 W8A8 variants of one config."""
+def _check_variants(name, M, swap, cfg, x, w1, w2, q, tw, ids, fdt, smoke, E,  # noqa: PLR0913
+                    static_only: bool = False) -> list[dict]:
+    """bf16 (fp16 under the interpreter) and the four fp8 W8A8 variants of one config (only the
+    two with static activation scales when static_only)."""
     from kernels.fused_moe import Fp8Scales, fused_moe
     from reference import act_amax, moe_reference, rel_err
 
@@ -155,6 +160,8 @@ def _check_variants(name, M, swap, cfg, x, w1, w2, q, tw, ids, fdt, smoke, E) ->
         for static in (False, True):
             variants.append((f"fp8-{'chan' if pc else 'tensor'}-"
                              f"{'static' if static else 'dyn'}", (pc, static)))
+    if static_only:
+        variants = [(v, spec) for v, spec in variants if spec is not None and spec[1]]
     M, K = x.shape
     for vname, spec in variants:
         out = torch.full((M, K), float("nan"), dtype=fdt if spec is None or fdt == torch.float16

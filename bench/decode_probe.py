@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                               "start_s": start_s, "env": env, "engine_kwargs": kwargs,
                               "short": a.short, "long": a.long, "reps": a.reps,
                               "prompt_len": a.prompt_len, "prompts": a.prompts,
-                              "temperature": a.temperature}
+                              "temperature": a.temperature,
+                              "kernel_config_dir": os.environ.get("MOE_SERVE_KERNEL_CONFIG_DIR")}
     result["rows"] = measure(llm, batches, a.short, a.long, a.reps, a.prompt_len,
                              a.prompts == "distinct", a.temperature)
     a.out.write_text(json.dumps(result, indent=1))

@@ -16,6 +16,10 @@
 #   ORDER=vllm,optimized bash bench/h200_session.sh ttft OUT   # host: one cold-cache
 #       `spike-sizes` TTFT A/B (bench/e2e_ab.py), both variants in ORDER; alternate it per call
 #   GRID=1 before `ab` or `ttft`: first the FP8 N=7168 grid (bench/investigations/fp8_large_n.py)
+#   bash bench/h200_session.sh retune OUT        # host: `moe-serve tune --force` of the fp8 tables
+#       of every TUNED shape (A_PREQUANT among the candidates) into /root/tuned, GPU correctness
+#       (every path, with A_PREQUANT), the served validation of the new tables, then the FP8 A/B
+#       with moe-serve reading them (MOE_SERVE_KERNEL_CONFIG_DIR); a later `ab` call resumes it
 # `ab` and `ttft` install first when they carry the last chunk (then no `tune` call is needed).
 # Installing unpacks a carried .dev/caches.tar.xz (an earlier call's OUT/caches.tar.xz.0:
 # vLLM's compile and FlashInfer's autotune caches) into /root.
@@ -41,14 +45,19 @@ host_env() {  # vLLM (installed by `tune`), moe-serve, FlashInfer
   source bench/device_env.sh >/dev/null || return 1
   fi_env
 }
-tune() {  # model tp dtype budget_min
+tune() {  # model tp dtype budget_min [tune_cli flag...]
   local q=""; [[ $3 == fp8 ]] && q="--quantization fp8"
   local t0=$SECONDS
   python3 -m kernels.tune_cli --model "bench/models/$1" -tp "$2" $q --budget-minutes "$4" \
-    --out /root/tuned 2>&1 | grep -v "^\[tune\] \[" | tee -a "$out/tune.log"
+    --out /root/tuned "${@:5}" 2>&1 | grep -v "^\[tune\] \[" | tee -a "$out/tune.log"
   echo "TUNE_TIME $1 tp$2 $3 with-vllm $((SECONDS - t0))s" | tee -a "$out/tune.log"
   tar -C /root -cf "$out/tuned.tar" tuned            # table names carry '=' and ','
   touch "/root/tuned.done.$1.$2.$3"
+}
+retune_fp8() {  # fp8 tables of every TUNED shape; one finished in an earlier call is not repeated
+  for m in "mixtral-8x7b 8" "qwen3-30b-a3b 8" "deepseek-v3 8" "mixtral-8x7b 2" "qwen3-30b-a3b 1"; do
+    [[ -f /root/tuned.done.${m% *}.${m#* }.fp8 ]] || tune ${m% *} ${m#* } fp8 1.3 --force
+  done
 }
 tune_all() {  # the four runs; one finished in an earlier call is not repeated
   for m in "mixtral-8x7b 2" "qwen3-30b-a3b 1"; do
@@ -105,8 +114,8 @@ case $stage in
     mkdir -p "$out" /root/tuned
     install_all 2>&1 | tee "$out/install.log"; host_env || exit 1
     tune_all ;;
-  validate|ab|ttft)
-    mkdir -p "$out"
+  validate|ab|ttft|retune)
+    mkdir -p "$out" /root/tuned
     if ls .dbundle/c[0-9] >/dev/null 2>&1; then install_all 2>&1 | tee "$out/install.log"; fi
     host_env || exit 1
     if [[ $stage == validate ]]; then
@@ -119,6 +128,17 @@ case $stage in
         --shapes "$NEW_SHAPES" --out "$out/kernels/fp8b" 2>&1 | grep "^\[fp8b" | tail -3
       tar -C "$out" -cf "$out/kernels.tar" kernels && rm -rf "$out/kernels"
     fi
+    if [[ $stage == retune ]]; then
+      retune_fp8
+      mkdir -p "$out/kernels"
+      MOE_SERVE_KERNEL_CONFIG_DIR=/root/tuned timeout 150 python3 bench/bench_kernels.py --correctness \
+        --dtypes fp8 --out "$out/kernels/correctness" 2>&1 | tee "$out/kernels/correctness.log" \
+        | grep -E "PASS,|FAIL"
+      MOE_SERVE_KERNEL_CONFIG_DIR=/root/tuned timeout 240 python3 bench/bench_kernels.py --bench \
+        --dtypes fp8 --ms "$FINE_MS" --replays 10 --out "$out/kernels/validation" 2>&1 \
+        | tee "$out/kernels/validation.log" | grep -E "geomean|served <|total"
+      tar -C "$out" -cf "$out/kernels.tar" kernels && rm -rf "$out/kernels"
+    fi
     if [[ -n ${GRID:-} ]]; then
       timeout 200 python3 bench/investigations/fp8_large_n.py --out "$out/fp8_large_n" 2>&1 \
         | tee "$out/grid.log" | grep -E "^M="
@@ -127,6 +147,8 @@ case $stage in
       timeout $((BUDGET - SECONDS)) python3 bench/e2e_ab.py --scenarios spike-sizes \
         --variants "${ORDER:-vllm,optimized}" --out "$out/ttft" 2>&1 | grep -v "^INFO"
       tar -C "$out" -cf "$out/ttft.tar" ttft && rm -rf "$out/ttft"
+    elif [[ -f /root/tuned.done.mixtral-8x7b.8.fp8 ]]; then   # retuned here: moe-serve reads them
+      MOE_SERVE_KERNEL_CONFIG_DIR=/root/tuned dab stock,moe-serve fp8-static $((BUDGET - SECONDS)) fp8_retuned
     else
       dab stock,moe-serve fp8-static $((BUDGET - SECONDS)) fp8_spread \
         && dab stock,moe-serve none $((BUDGET - SECONDS)) bf16_spread
