@@ -49,7 +49,8 @@ def run_one(model: Path, variant: str, rnd: int, a: argparse.Namespace) -> float
     cmd = [sys.executable, str(ROOT / "bench" / "decode_probe.py"), "--model", str(model),
            "--variant", variant, "--batches", a.batches, "--short", str(a.short),
            "--long", str(a.long), "--reps", str(a.reps), "--prompts", a.prompts,
-           "--temperature", str(a.temperature), "--out", str(out)]
+           "--temperature", str(a.temperature), "--gpu-memory-utilization", str(a.gpu_memory_utilization),
+           "--out", str(out)]
     t0 = time.monotonic()
     with logf.open("w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=a.probe_timeout_s,
@@ -78,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", choices=("distinct", "same"), default="distinct",
                    help="decode_probe.py: one prompt per sequence, or one for all B")
     p.add_argument("--temperature", type=float, default=1.0, help="decode_probe.py: 0 = greedy")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.35,
+                   help="decode_probe.py: raise it for a whole model")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--budget-s", type=float, default=540.0, help="start no process after this")
     p.add_argument("--probe-timeout-s", type=float, default=300.0)

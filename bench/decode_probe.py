@@ -40,11 +40,11 @@ def log(msg: str) -> None:
     print(f"[probe {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def make_llm(model: str, variant: str, batches: list[int], max_len: int) -> Any:
+def make_llm(model: str, variant: str, batches: list[int], max_len: int, gpu_util: float) -> Any:
     from vllm import LLM
 
     return LLM(model=model, load_format="dummy", max_model_len=max_len, max_num_seqs=max(batches),
-               gpu_memory_utilization=0.35, seed=0, enable_prefix_caching=False,
+               gpu_memory_utilization=gpu_util, seed=0, enable_prefix_caching=False,
                compilation_config={"cudagraph_capture_sizes": sorted(batches)},
                **VARIANTS[variant][1])
 
@@ -102,13 +102,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", choices=("distinct", "same"), default="distinct",
                     help="one prompt per sequence, or one prompt for all B")
     ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.35,
+                    help="vLLM's share of GPU memory: raise it for a whole model (weights + KV cache)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     env, kwargs = VARIANTS[a.variant]
     os.environ.update(env)                 # before vLLM is imported: plugins load on import
     batches = [int(b) for b in a.batches.split(",")]
     t0 = time.perf_counter()
-    llm = make_llm(a.model, a.variant, batches, a.prompt_len + max(a.long, a.short) + 16)
+    llm = make_llm(a.model, a.variant, batches, a.prompt_len + max(a.long, a.short) + 16,
+                   a.gpu_memory_utilization)
     start_s = time.perf_counter() - t0
     log(f"engine up in {start_s:.1f} s ({a.variant}: {env} {kwargs})")
     result: dict[str, Any] = {"variant": a.variant, "model": a.model, "pid": os.getpid(),

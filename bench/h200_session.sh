@@ -15,6 +15,8 @@
 #       committed under bench/results/*/*/decode_ab_<fp8|bf16>_spread
 #   ORDER=vllm,optimized bash bench/h200_session.sh ttft OUT   # host: one cold-cache
 #       `spike-sizes` TTFT A/B (bench/e2e_ab.py), both variants in ORDER; alternate it per call
+#   AB_MODEL=qwen3-30b-a3b-tp8-rank (or a whole model with AB_GPU_UTIL=0.8) before `ab`: its A/B,
+#       in decode_ab_<model>_<fp8|bf16>_spread
 #   GRID=1 before `ab` or `ttft`: first the FP8 N=7168 grid (bench/investigations/fp8_large_n.py)
 #   bash bench/h200_session.sh retune OUT        # host: `moe-serve tune --force` of the fp8 tables
 #       of every TUNED shape (A_PREQUANT among the candidates) into /root/tuned, GPU correctness
@@ -67,16 +69,19 @@ tune_all() {  # the four runs; one finished in an earlier call is not repeated
   done
 }
 dab() {  # variants quantization budget_s name: runs done on this machine or committed are skipped
-  local d=/root/dab-$4 expect=300 src              # a model's first engine start compiles
+  # (AB_MODEL: the bench/models model, default the Mixtral TP=8 rank; AB_GPU_UTIL for a whole model)
+  local model=${AB_MODEL:-mixtral-8x7b-tp8-rank} name=$4
+  [[ $model == mixtral-8x7b-tp8-rank ]] || name=${model}_$4
+  local d=/root/dab-$name expect=300 src           # a model's first engine start compiles
   mkdir -p "$d"
-  for src in bench/results/*/*/decode_ab_"$4"; do cp -n "$src"/run-*.json "$d"/ 2>/dev/null; done
+  for src in bench/results/*/*/decode_ab_"$name"; do cp -n "$src"/run-*.json "$d"/ 2>/dev/null; done
   [[ -f $d/.warm ]] && expect=180
-  python3 bench/decode_ab.py --model mixtral-8x7b-tp8-rank --quantization "$2" --variants "$1" \
-    --processes 6 --budget-s "$3" --expect-run-s "$expect" --probe-timeout-s 420 --out "$d" 2>&1 \
-    | grep "decode_ab"
+  python3 bench/decode_ab.py --model "$model" --quantization "$2" --variants "$1" \
+    --gpu-memory-utilization "${AB_GPU_UTIL:-0.35}" --processes 6 --budget-s "$3" \
+    --expect-run-s "$expect" --probe-timeout-s 420 --out "$d" 2>&1 | grep "decode_ab"
   local rc=${PIPESTATUS[0]}
   ls "$d"/run-*.log >/dev/null 2>&1 && touch "$d/.warm"
-  tar -C /root -cf "$out/dab-$4.tar" --exclude=models "dab-$4"
+  tar -C /root -cf "$out/dab-$name.tar" --exclude=models "dab-$name"
   return "$rc"
 }
 install_all() {  # vLLM from the carried chunks (with the earlier calls' in /root/dbundle), FlashInfer

@@ -19,7 +19,8 @@ def load_driver():
     return mod
 
 
-@pytest.mark.parametrize("name", ["mixtral-8x7b", "mixtral-8x7b-tp8-rank-at-tp2", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "mixtral-8x7b-tp8-rank-at-tp2", "qwen3-30b-a3b",
+                                  "qwen3-30b-a3b-tp8-rank"])
 def test_model_configs_use_the_mixtral_tokenizer_vocab(name: str) -> None:
     cfg = json.loads((REPO / "bench" / "models" / name / "config.json").read_text())
     assert cfg["vocab_size"] == 32000 and cfg["bos_token_id"] == 1 and cfg["eos_token_id"] == 2
@@ -133,3 +134,21 @@ def test_tables_only_joins_variants_run_in_separate_calls(tmp_path: Path) -> Non
     (tmp_path / "variant-optimized.json").unlink()
     assert drv.main(["--out", str(tmp_path), "--tables-only"]) == 1
     assert "variants ['optimized'] failed or missing" in (tmp_path / "summary.md").read_text()
+
+
+@pytest.mark.parametrize(("rank_model", "whole", "shard"), [("mixtral-8x7b-tp8-rank", "mixtral-8x7b", "Mixtral-8x7B/TP8"),
+                                                            ("qwen3-30b-a3b-tp8-rank", "qwen3-30b-a3b", "Qwen3-30B-A3B/TP8")])
+def test_tp8_rank_models_run_one_tp8_rank_moe_shape(rank_model: str, whole: str, shard: str) -> None:
+    """A '-tp8-rank' model at TP=1 runs the MoE shape one rank of the whole model runs at TP=8:
+    the tuned shard of bench/shapes.py, so its decode A/B exercises that shard's tables."""
+    import sys
+
+    from kernels.model_shapes import moe_shapes, read_config
+    sys.path.insert(0, str(REPO / "bench"))
+    from shapes import TUNED
+
+    def key(name: str, tp: int) -> tuple:
+        (shape,) = moe_shapes(read_config(REPO / "bench" / "models" / name), tp=tp)
+        return shape.key
+
+    assert key(rank_model, 1) == key(whole, 8) == TUNED[shard]
