@@ -5,7 +5,8 @@
 One run's step ratios carry the order, the warm-up and the machine's noise; pooling runs made
 in both orders (A/B and B/A) shows which effects survive. Per stage: output tok/s, ITL p50 and
 TTFT p50 ratios (optimized / vllm) per run and their geometric mean; per scenario: TTFT
-p50/p99 over all requests of each run and serving-phase JIT compiles. Prints markdown.
+p50/p99 over all requests of each run and serving-phase JIT compiles, and the TTFT p50 ratio
+pooled over runs with its interval. Prints markdown.
 """
 from __future__ import annotations
 
@@ -102,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         out += stage_table(a.runs, scenario)
         out += ["", f"## `{scenario}`: all requests of the scenario", ""]
         out += scenario_lines(a.runs, scenario)
+        out += ["", f"## `{scenario}`: TTFT p50 over runs", ""]
+        out += ttft_p50_pooled(a.runs, scenario)
     print("\n".join(out))
     return 0
 
