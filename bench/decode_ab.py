@@ -93,14 +93,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
-    quant = None if a.quantization == "none" else a.quantization
-    model = Path(a.model) if Path(a.model).is_dir() and quant is None else \
-        dummy_model_dir(a.model, a.out, quantization=quant)
     other = {decode_stats.workload(r) for r in decode_stats.load_runs([a.out])} - {(a.prompts, a.temperature)}
     if other:
         log(f"runs in {a.out} decoded another workload {sorted(other)} (prompts, temperature); "
             f"this command's is {(a.prompts, a.temperature)}: use another --out")
         return 2
+    quant = None if a.quantization == "none" else a.quantization
+    model = Path(a.model) if Path(a.model).is_dir() and quant is None else \
+        dummy_model_dir(a.model, a.out, quantization=quant)
     plan = rounds(a.variants.split(","), a.processes)
     todo = [(r, v) for r, v in plan if not (a.out / f"run-r{r}-{v}.json").is_file()]
     log(f"{len(plan) - len(todo)} of {len(plan)} runs done; model {model}")

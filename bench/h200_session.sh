@@ -68,6 +68,12 @@ tune_all() {  # the four runs; one finished in an earlier call is not repeated
     done
   done
 }
+served_validation() {  # bench_kernels.py flags: the served bench of /root/tuned's tables, fine M list
+  mkdir -p "$out/kernels"
+  MOE_SERVE_KERNEL_CONFIG_DIR=/root/tuned timeout 240 python3 bench/bench_kernels.py --bench \
+    --ms "$FINE_MS" --replays 10 --out "$out/kernels/validation" "$@" 2>&1 \
+    | tee "$out/kernels/validation.log" | grep -E "geomean|served <|total"
+}
 dab() {  # variants quantization budget_s name: runs done on this machine or committed are skipped
   # (AB_MODEL: the bench/models model, default the Mixtral TP=8 rank; AB_GPU_UTIL for a whole model)
   local model=${AB_MODEL:-mixtral-8x7b-tp8-rank} name=$4
@@ -125,10 +131,7 @@ case $stage in
     host_env || exit 1
     if [[ $stage == validate ]]; then
       tune_all
-      mkdir -p "$out/kernels"
-      MOE_SERVE_KERNEL_CONFIG_DIR=/root/tuned timeout 240 python3 bench/bench_kernels.py --bench \
-        --shapes "$NEW_SHAPES" --ms "$FINE_MS" --replays 10 --out "$out/kernels/validation" 2>&1 \
-        | tee "$out/kernels/validation.log" | grep -E "geomean|served <|total"
+      served_validation --shapes "$NEW_SHAPES"
       MOE_SERVE_KERNEL_CONFIG_DIR=/root/tuned timeout 120 python3 bench/fp8_backends.py \
         --shapes "$NEW_SHAPES" --out "$out/kernels/fp8b" 2>&1 | grep "^\[fp8b" | tail -3
       tar -C "$out" -cf "$out/kernels.tar" kernels && rm -rf "$out/kernels"
@@ -139,9 +142,7 @@ case $stage in
       MOE_SERVE_KERNEL_CONFIG_DIR=/root/tuned timeout 150 python3 bench/bench_kernels.py --correctness \
         --dtypes fp8 --out "$out/kernels/correctness" 2>&1 | tee "$out/kernels/correctness.log" \
         | grep -E "PASS,|FAIL"
-      MOE_SERVE_KERNEL_CONFIG_DIR=/root/tuned timeout 240 python3 bench/bench_kernels.py --bench \
-        --dtypes fp8 --ms "$FINE_MS" --replays 10 --out "$out/kernels/validation" 2>&1 \
-        | tee "$out/kernels/validation.log" | grep -E "geomean|served <|total"
+      served_validation --dtypes fp8
       tar -C "$out" -cf "$out/kernels.tar" kernels && rm -rf "$out/kernels"
     fi
     if [[ -n ${GRID:-} ]]; then

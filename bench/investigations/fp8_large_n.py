@@ -5,8 +5,8 @@
 The tuned table (kernels/configs) measured 0.84-0.88x vLLM's `fused_experts` at M = 12..192
 although the search started from vLLM's config. This times ours, under CUDA-graph replay, over
 a grid around the shipped config of the M bucket (GEMM1 BLOCK_N x FUSE_GU x num_stages x
-A_PREQUANT; the GEMM2 axes were covered by the run in tune_ab_session/fp8_large_n.json) and around vLLM's config mapped to ours
-(kernels.heuristics.from_vllm_config; the dicts below are vLLM 0.26's
+A_PREQUANT; the GEMM2 axes were covered by the run in tune_ab_session/fp8_large_n.json) and
+around vLLM's config mapped to ours (kernels.heuristics.from_vllm_config; the dicts below are vLLM 0.26's
 E=8,N=7168,device_name=NVIDIA_H200,dtype=fp8_w8a8.json entries), and writes every row
 (config, us) to --out/rows.json. No vLLM needed: the comparison point is the vLLM time measured
 in bench/results/2026-12-01/tune_ab_session/validation.json.
