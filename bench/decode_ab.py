@@ -8,8 +8,11 @@
 Round r runs every variant once, one `bench/decode_probe.py` process each, in the order
 rotated by r (so every variant takes every position equally often). Each process writes
 run-r<r>-<variant>.json and its log; a finished run is never repeated, so a budget-bound call
-can stop between processes and the next call continues. The MoE backend vLLM picked is read
-from each process's log (its "Using ... MoE backend" line) into the run file.
+can stop between processes and the next call continues. Before it starts a process it checks
+that the budget holds the longer of this variant's last two processes on this host (the run
+files record host and end time; a variant's first process on a machine compiles and is slow), or
+`--expect-run-s` for a variant not yet run here. The MoE backend vLLM picked is read from each
+process's log (its "Using ... MoE backend" line) into the run file.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -59,10 +63,20 @@ def run_one(model: Path, variant: str, rnd: int, a: argparse.Namespace) -> float
     if proc.returncode != 0 or not out.is_file():
         raise RuntimeError(f"probe {variant} r{rnd} exited {proc.returncode}; see {logf}")
     res = json.loads(out.read_text())
-    res.update(round=rnd, wall_s=wall,
+    res.update(round=rnd, wall_s=wall, host=socket.gethostname(), ended=time.time(),
                moe_backend_log=sorted(set(BACKEND_LINE.findall(logf.read_text())))[:4])
     out.write_text(json.dumps(res, indent=1))
     return wall
+
+
+def expected_walls(out: Path) -> dict[str, float]:
+    """variant -> the longer wall seconds of its last two runs in `out` made on this host."""
+    walls: dict[str, list[tuple[float, float]]] = {}
+    for p in out.glob("run-r*-*.json"):
+        r = json.loads(p.read_text())
+        if r.get("host") == socket.gethostname() and "ended" in r:
+            walls.setdefault(r["variant"], []).append((r["ended"], r["wall_s"]))
+    return {v: max(w for _, w in sorted(ws)[-2:]) for v, ws in walls.items()}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,8 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=540.0, help="start no process after this")
     p.add_argument("--probe-timeout-s", type=float, default=300.0)
     p.add_argument("--expect-run-s", type=float, default=60.0,
-                   help="seconds a variant's process is assumed to take until one has run in "
-                        "this call (a cold machine's first engine start compiles: minutes)")
+                   help="seconds a variant's process is assumed to take until one has run on "
+                        "this host (a cold machine's first engine start compiles: minutes)")
     return p.parse_args(argv)
 
 
@@ -104,10 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     plan = rounds(a.variants.split(","), a.processes)
     todo = [(r, v) for r, v in plan if not (a.out / f"run-r{r}-{v}.json").is_file()]
     log(f"{len(plan) - len(todo)} of {len(plan)} runs done; model {model}")
-    longest: dict[str, float] = {}        # per variant, this call: cold starts are per variant
+    expect = expected_walls(a.out)
     for i, (r, v) in enumerate(todo):
         left = a.budget_s - (time.monotonic() - T0)
-        need = longest.get(v, a.expect_run_s)
+        need = expect.get(v, a.expect_run_s)
         if left < need:
             log(f"budget: {left:.0f} s left < {need:.0f} s per run; stopping "
                 f"with {len(todo) - i} runs to go (run the same command to resume)")
@@ -118,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             log(f"FAILED: {e}")
             return 1
-        longest[v] = max(longest.get(v, 0.0), wall)
+        expect = expected_walls(a.out)
         log(f"round {r} {v} done in {wall:.0f} s")
     log("all runs done")
     return 0

@@ -10,8 +10,9 @@
 #       vLLM and FlashInfer, `moe-serve tune` Mixtral-8x7B TP=2 and Qwen3-30B-A3B TP=1 (bf16, fp8)
 #   bash bench/h200_session.sh validate OUT      # host: the served kernel bench of those tables
 #       (fine M list), the FP8 backend table on their shapes, then `ab`
-#   bash bench/h200_session.sh ab OUT            # host: the decode A/B (stock vs moe-serve), FP8
-#       static then bf16 (distinct sequences: decode_probe.py's default), resumed from the runs
+#   bash bench/h200_session.sh ab OUT            # host: the decode A/B, FP8 static (stock vs
+#       vllm-triton vs moe-serve) then bf16 (stock vs moe-serve); distinct sequences (decode_probe.py's
+#       default); resumed from the runs
 #       committed under bench/results/*/*/decode_ab_<fp8|bf16>_spread
 #   ORDER=vllm,optimized bash bench/h200_session.sh ttft OUT   # host: one cold-cache
 #       `spike-sizes` TTFT A/B (bench/e2e_ab.py), both variants in ORDER; alternate it per call
@@ -75,20 +76,25 @@ served_validation() {  # bench_kernels.py flags: the served bench of /root/tuned
     | tee "$out/kernels/validation.log" | grep -E "geomean|served <|total"
 }
 dab() {  # variants quantization budget_s name: runs done on this machine or committed are skipped
-  # (AB_MODEL: the bench/models model, default the Mixtral TP=8 rank; AB_GPU_UTIL for a whole model)
+  # (AB_MODEL: the bench/models model, default the Mixtral TP=8 rank; AB_GPU_UTIL for a whole model).
+  # The runs are tarred into $out every 15 s, so a call killed at its limit loses only the run
+  # in flight.
   local model=${AB_MODEL:-mixtral-8x7b-tp8-rank} name=$4
   [[ $model == mixtral-8x7b-tp8-rank ]] || name=${model}_$4
-  local d=/root/dab-$name expect=300 src           # a model's first engine start compiles
+  local d=/root/dab-$name src pid
   mkdir -p "$d"
   for src in bench/results/*/*/decode_ab_"$name"; do cp -n "$src"/run-*.json "$d"/ 2>/dev/null; done
-  [[ -f $d/.warm ]] && expect=180
   python3 bench/decode_ab.py --model "$model" --quantization "$2" --variants "$1" \
     --gpu-memory-utilization "${AB_GPU_UTIL:-0.35}" --processes 6 --budget-s "$3" \
-    --expect-run-s "$expect" --probe-timeout-s 420 --out "$d" 2>&1 | grep "decode_ab"
-  local rc=${PIPESTATUS[0]}
-  ls "$d"/run-*.log >/dev/null 2>&1 && touch "$d/.warm"
-  tar -C /root -cf "$out/dab-$name.tar" --exclude=models "dab-$name"
+    --expect-run-s 200 --probe-timeout-s 420 --out "$d" > "$d.log" 2>&1 &
+  pid=$!
+  while kill -0 "$pid" 2>/dev/null; do sleep 15; snapshot "$name"; done
+  wait "$pid"; local rc=$?
+  grep "decode_ab" "$d.log"; snapshot "$name"
   return "$rc"
+}
+snapshot() {  # name: /root/dab-<name> (its run files and logs) into $out/dab-<name>.tar, atomically
+  tar -C /root -cf "$out/.dab-$1.tar" --exclude=models "dab-$1" && mv "$out/.dab-$1.tar" "$out/dab-$1.tar"
 }
 install_all() {  # vLLM from the carried chunks (with the earlier calls' in /root/dbundle), FlashInfer
   mkdir -p /root/dbundle /opt/fi-site
@@ -156,7 +162,7 @@ case $stage in
     elif [[ -f /root/tuned.done.mixtral-8x7b.8.fp8 ]]; then   # retuned here: moe-serve reads them
       MOE_SERVE_KERNEL_CONFIG_DIR=/root/tuned dab stock,moe-serve fp8-static $((BUDGET - SECONDS)) fp8_retuned
     else
-      dab stock,moe-serve fp8-static $((BUDGET - SECONDS)) fp8_spread \
+      dab stock,vllm-triton,moe-serve fp8-static $((BUDGET - SECONDS)) fp8_spread \
         && dab stock,moe-serve none $((BUDGET - SECONDS)) bf16_spread
     fi
     (( SECONDS < BUDGET + 15 )) && caches ;;

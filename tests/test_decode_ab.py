@@ -141,3 +141,20 @@ def test_decode_ab_will_not_resume_a_dir_of_another_workload(tmp_path, capsys):
     assert decode_ab.main(["--model", str(model), "--processes", "1", "--out", str(tmp_path)]) == 2
     assert "another workload" in capsys.readouterr().out
     assert not (tmp_path / "run-r0-moe-serve.log").exists()
+
+
+def test_decode_ab_expects_a_variants_last_two_runs_on_this_host(tmp_path, capsys):
+    import socket
+
+    here, other = socket.gethostname(), socket.gethostname() + "-other"
+    for r, (host, ended, wall) in enumerate([(here, 1.0, 290.0), (here, 2.0, 95.0), (here, 3.0, 110.0),
+                                              (other, 4.0, 400.0)]):
+        (tmp_path / f"run-r{r}-stock.json").write_text(json.dumps(
+            {**_run("stock", r, {1: 100.0}), "host": host, "ended": ended, "wall_s": wall}))
+    # the first (cold) run here and the other host's run do not count: the last two here do
+    assert decode_ab.expected_walls(tmp_path) == {"stock": 110.0}
+    model = tmp_path / "model"
+    model.mkdir()
+    assert decode_ab.main(["--model", str(model), "--variants", "stock", "--processes", "5",
+                           "--out", str(tmp_path), "--budget-s", "100", "--expect-run-s", "10"]) == 3
+    assert "s left < 110 s per run; stopping" in capsys.readouterr().out
