@@ -1,5 +1,5 @@
 """RESULTS.md renderers for the FP8-backend proof: the three-way kernel table, the decode A/B
-intervals, the MoE share of a decode step and the tuner's two-phase times."""
+intervals and process times, the MoE share of a decode step and the tuner's two-phase times."""
 from __future__ import annotations
 
 import json
@@ -60,6 +60,46 @@ def decode_ab(baseline: str, *dirs: Path) -> list[str]:
     return out
 
 
+_CLOCK = r"(\d\d:\d\d:\d\d)"
+_PHASES = (("engine args", _CLOCK + r" \[api_utils\.py:\d+\] non-default args", 0),  # (name, line, which)
+           ("engine core's first line", _CLOCK + r" \[core\.py:\d+\] Initializing", 0),
+           ("engine up", r"\[probe " + _CLOCK + r"\] engine up", 0),
+           ("last B measured", r"\[probe " + _CLOCK + r"\] B=", -1))
+
+
+def _phase_s(run: dict, log: Path) -> list[float] | None:
+    """Seconds from process start to each of _PHASES, from the log's wall clocks (1 s steps)."""
+    if not log.is_file():
+        return None
+    text = log.read_text()
+    clocks = [re.findall(pat, text) for _, pat, _ in _PHASES]
+    if not all(clocks):
+        return None
+    secs = [sum(int(x) * f for x, f in zip(c[which].split(":"), (3600, 60, 1)))
+            for c, (_, _, which) in zip(clocks, _PHASES)]
+    t0 = secs[2] - run["start_s"]                       # engine up is start_s after the start
+    return [x - t0 for x in secs]
+
+
+def process_times(*dirs: Path) -> list[str]:
+    """Per probe process in run order: its vLLM import, when the engine arguments, the engine
+    core's first log line, engine up and the last batch size's result came (seconds after the
+    process start, from the log's clock), and its wall seconds."""
+    runs = sorted(((r, p) for d in dirs for p in sorted(d.glob("run-r*-*.json"))
+                   for r in [json.loads(p.read_text())] if r.get("rows")),
+                  key=lambda rp: (rp[0].get("ended", 0.0), rp[0]["round"]))
+    out = ["| run | round | variant | vLLM import | " + " | ".join(n for n, _, _ in _PHASES)
+           + " | process wall |", "|---:|---:|---|" + "---:|" * (len(_PHASES) + 2)]
+    for i, (r, p) in enumerate(runs, 1):
+        imp = f"{r['import_s']:.0f}" if "import_s" in r else "n/a"
+        ph = _phase_s(r, p.with_suffix(".log"))
+        cells = [f"{x:.0f}" for x in ph] if ph else ["n/a"] * len(_PHASES)
+        out.append(f"| {i} | {r['round']} | {r['variant']} | {imp} | " + " | ".join(cells)
+                   + f" | {r['wall_s']:.0f} |")
+    out += ["", "Seconds after the process start."]
+    return out
+
+
 def tune_phases(log: Path) -> list[str]:
     """`moe-serve tune` per model and dtype: wall time of the search call (--no-vllm) and of
     the vLLM-timing/routing call, and what the routing call measured (ours / vLLM)."""
@@ -81,31 +121,39 @@ def tune_phases(log: Path) -> list[str]:
     return out
 
 
-def _stock_and_served_us(path: Path, shape: str, dtype: str) -> tuple[str, dict[int, tuple[float, float]]]:
-    """(stock kernel name, M -> (stock kernel us, served us)) for one shard, from either an
-    fp8_backends.py file (stock = FlashInfer CUTLASS) or a bench_kernels.py file (stock = vLLM Triton)."""
+def _kernel_us(path: Path, shape: str, dtype: str) -> tuple[str, dict[int, dict[str, float]]]:
+    """(stock kernel name, M -> {variant: kernel us}) for one shard, from either an fp8_backends.py
+    file (stock = FlashInfer CUTLASS, with vllm-triton) or a bench_kernels.py file (stock = vLLM Triton)."""
     res = json.loads(path.read_text())
     if "rows" in res:
-        return "FI", {r["M"]: (r["flashinfer_cutlass_us"], r["served_us"]) for r in res["rows"]
+        return "FI", {r["M"]: {"stock": r["flashinfer_cutlass_us"], "moe-serve": r["served_us"],
+                               **({"vllm-triton": r["vllm_triton_us"]} if r.get("vllm_triton_us") else {})}
+                      for r in res["rows"]
                       if r["shape"] == shape and r.get("flashinfer_cutlass_us") and r.get("served_us")}
-    return "vLLM Triton", {r["M"]: (r["vllm_us"], r["vllm_us"] / r["served_speedup"]) for r in res["bench"]
-                           if r["shape"] == shape and r["dtype"] == dtype and r.get("vllm_us")
-                           and r.get("served_speedup")}
+    return "vLLM Triton", {r["M"]: {"stock": r["vllm_us"], "moe-serve": r["vllm_us"] / r["served_speedup"]}
+                           for r in res["bench"] if r["shape"] == shape and r["dtype"] == dtype
+                           and r.get("vllm_us") and r.get("served_speedup")}
 
 
 def moe_share(shape: str, dtype: str, layers: int, kernels: Path, *dab_dirs: Path) -> list[str]:
-    """Per B: the MoE share of a stock decode step (layers x stock's kernel time / step) and the
-    end-to-end ratio the served kernel time predicts, beside the measured one."""
-    stock_name, kern = _stock_and_served_us(kernels, shape, dtype)
+    """Per B: the MoE share of a stock decode step (layers x stock's kernel time / step) and, per
+    variant run beside stock, the end-to-end ratio its kernel time predicts and the measured one."""
+    stock_name, kern = _kernel_us(kernels, shape, dtype)
     pp = decode_stats.per_process(decode_stats.load_runs(list(dab_dirs)))
-    out = [f"| B | stock step (ms) | MoE share of it ({layers} x {stock_name} kernel) | predicted moe-serve / stock | "
-           "measured |", "|---|---:|---:|---:|---:|"]
+    others = [v for v in ("moe-serve", "vllm-triton")
+              if v in pp and any(v in k for k in kern.values())] or ["moe-serve"]
+    out = [f"| B | stock step (ms) | MoE share of it ({layers} x {stock_name} kernel) | "
+           + " | ".join(f"predicted {v} / stock | measured" for v in others) + " |",
+           "|---|---:|---:|" + "---:|---:|" * len(others)]
     for b in sorted((int(k) for k in pp.get("stock", {}) if k.isdigit())):
         if b not in kern:
             continue
         step = 1e3 * b / geometric_mean(pp["stock"][str(b)])          # ms per decode step
-        base, served = (layers * us / 1e3 for us in kern[b])
-        meas = geometric_mean(pp["moe-serve"][str(b)]) / geometric_mean(pp["stock"][str(b)]) if "moe-serve" in pp else None
-        out.append(f"| {b} | {step:.3f} | {100 * base / step:.0f} % | {step / (step - base + served):.3f} | "
-                   f"{'n/a' if meas is None else f'{meas:.3f}'} |")
+        base = layers * kern[b]["stock"] / 1e3
+        cells = []
+        for v in others:
+            meas = geometric_mean(pp[v][str(b)]) / geometric_mean(pp["stock"][str(b)]) if v in pp else None
+            pred = step / (step - base + layers * kern[b][v] / 1e3) if v in kern[b] else None
+            cells += ["n/a" if pred is None else f"{pred:.3f}", "n/a" if meas is None else f"{meas:.3f}"]
+        out.append(f"| {b} | {step:.3f} | {100 * base / step:.0f} % | " + " | ".join(cells) + " |")
     return out

@@ -59,7 +59,12 @@ B2 = (K1 + "kernels_validation/tuned_fine_m.json", K1 + "kernels_validation/untu
 F8 = K1 + "fp8_session/"
 T3 = K1 + "tune_ab_session/"
 S4 = K1 + "bf16_ab_session/"
+S5 = K1 + "fp8_spread_session/decode_ab_fp8_spread"
 REGISTRY: dict[str, Entry] = {
+    "decode-ab-fp8-spread": Entry((S5,), rf.decode_ab, ("stock",)),
+    "decode-ab-fp8-spread-vs-triton": Entry((S5,), rf.decode_ab, ("vllm-triton",)),
+    "moe-share-fp8-spread": Entry((F8 + "fp8_backends.json", S5), rf.moe_share, ("Mixtral-8x7B/TP8", "fp8", 32)),
+    "process-times-fp8-spread": Entry((S5,), rf.process_times),
     "decode-ab-bf16-6": Entry((S4 + "decode_ab_bf16",), rf.decode_ab, ("stock",)),
     "moe-share-bf16-6": Entry((B2[0], S4 + "decode_ab_bf16"), rf.moe_share, ("Mixtral-8x7B/TP8", "bf16", 32)),
     "ttft-spike-pooled": Entry(E2E_RUNS + (D + "e2e_tp2_a", D + "e2e_tp2_b"), rr.e2e_ttft_pooled, ("spike-sizes",)),
