@@ -26,11 +26,12 @@
 #       (every path, with A_PREQUANT), the served validation of the new tables, then the FP8 A/B
 #       with moe-serve reading them (MOE_SERVE_KERNEL_CONFIG_DIR); a later `ab` call resumes it
 # `ab` and `ttft` install first when they carry the last chunk (then no `tune` call is needed).
-# Installing unpacks .dev/caches.tar.xz (an earlier call's OUT/caches.tar.xz.0: vLLM's compile
-# and FlashInfer's autotune caches; carried in a `recv` call of its own) into /root.
+# Installing unpacks .dev/caches.tar.xz (an earlier call's OUT/caches.tar.xz.N joined with cat:
+# vLLM's compile and FlashInfer's autotune caches; carried in a `recv` call of its own) into /root.
 #
 # pack: the working tree plus one chunk must stay under a call's 64 MiB, so the chunk size is
-# 64 MiB minus the tree (git ls-files) minus 2 MiB; the last chunk also rides with .dev/fi.
+# 64 MiB minus the tree (tracked and untracked-not-ignored files) minus 2 MiB; the last chunk
+# also rides with .dev/fi.
 set -uo pipefail
 stage=$1 out=${2:-}
 LIMIT=$((64 * 1024 * 1024))
@@ -117,7 +118,7 @@ caches() {  # vLLM's compile and FlashInfer autotune caches, for a later session
 
 case $stage in
   pack)
-    tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
+    tree=$(git ls-files -coz --exclude-standard | xargs -0 du -cb | tail -1 | cut -f1)   # what a call sends
     chunk=$((LIMIT - tree - 2 * 1024 * 1024))
     rm -f .dbundle/c[0-9]
     (cd .dbundle && cat "${PARTS[@]}" | split -b "$chunk" -d -a 1 - c)
@@ -126,7 +127,10 @@ case $stage in
     echo "tree $tree B, chunk $chunk B: $(ls .dbundle/c[0-9] | tr '\n' ' ')"
     (( $(stat -c %s "$last") + fi_bytes + tree < LIMIT - 1024 * 1024 )) || { echo "$last + .dev/fi over 64 MiB"; exit 1; }
     for c in .dbundle/c[0-9]; do [[ $c == "$last" ]] || echo "recv carry: [\"$c\"]"; done
-    [[ -f .dev/caches.tar.xz ]] && echo 'recv carry: [".dev/caches.tar.xz"]'
+    if [[ -f .dev/caches.tar.xz ]]; then
+      (( $(stat -c %s .dev/caches.tar.xz) + tree < LIMIT - 1024 * 1024 )) || { echo ".dev/caches.tar.xz over 64 MiB"; exit 1; }
+      echo 'recv carry: [".dev/caches.tar.xz"]'
+    fi
     echo "stage carry: [\"$last\", \".dbundle/SHA256SUMS\", \".dbundle/install.sh\", \".dev/fi/fi-site.tar.xz\", \".dev/fi/fused_moe_90.so.xz\"]"
     ;;
   recv)
