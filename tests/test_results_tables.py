@@ -41,3 +41,20 @@ def test_every_block_is_registered_and_every_entry_used() -> None:
     end = text.index("<!-- /results_tables -->", start) + len("<!-- /results_tables -->")
     with pytest.raises(KeyError, match="without a block"):
         results_tables.render(text[:start] + text[end:])
+
+
+def test_process_times_reads_the_phases_from_the_log_clock(tmp_path: Path) -> None:
+    import json
+
+    import results_render_fp8
+
+    run = {"variant": "stock", "round": 0, "start_s": 60.4, "import_s": 12.3, "wall_s": 90.0,
+           "ended": 1.0, "rows": [{"B": 1, "tok_s": 1.0, "step_ms": 1.0}]}
+    (tmp_path / "run-r0-stock.json").write_text(json.dumps(run))
+    (tmp_path / "run-r0-stock.log").write_text(
+        "INFO 12-01 10:00:20 [api_utils.py:273] non-default args: {}\n"
+        "(EngineCore pid=1) INFO 12-01 10:00:45 [core.py:116] Initializing a V1 LLM engine\n"
+        "[probe 10:01:00] engine up in 60.4 s\n[probe 10:01:05] B=1: step\n[probe 10:01:20] B=8: step\n")
+    rows = results_render_fp8.process_times(tmp_path)
+    # the process started 60.4 s before engine up (10:01:00): at 09:59:59.6
+    assert rows[2] == "| 1 | 0 | stock | 12 | 20 | 45 | 60 | 80 | 90 |"
