@@ -4,6 +4,7 @@ stock default for static per-tensor FP8 checkpoints on Hopper), vLLM's Triton `f
 
     python bench/fp8_backends.py --out /root/fp8b            # H200: the tuned shapes, M=1..256
     python bench/fp8_backends.py --shapes Mixtral-8x7B/TP2,Qwen3-30B-A3B/TP1 --out /root/fp8b
+    python bench/fp8_backends.py --shapes Mixtral-8x7B/TP8 --flush-l2 --out /root/fp8b  # + L2-cold
     TRITON_INTERPRET=1 python bench/fp8_backends.py --smoke --out /tmp/fp8b   # CPU: ours only
 
 Every backend gets the same problem (kernels.timing.make_problem: per-expert weight scales,
@@ -15,6 +16,9 @@ tactics first (as vLLM's warm-up does). Before timing, each backend's output at 
 checked against the float64 reference (fp8 rounding of x and the SiLU output included):
 ||out - ref|| / ||ref|| goes into the row, NaN-poisoned outputs. Rows go to --out/fp8_backends.json
 as they finish. A backend that is not importable is reported as absent, never as a number.
+With --flush-l2 each backend is also timed with L2 flushed before every call (kernels.timing:
+`<backend>_l2cold_us`, `served_l2cold_us`): the replayed calls share one set of weights, while in
+serving each MoE layer reads its own, so at small M the warm-L2 time can flatter a backend.
 """
 from __future__ import annotations
 
@@ -128,7 +132,7 @@ def check(prob: dict[str, Any], call: Callable[[int, torch.Tensor], None]) -> fl
 
 
 def run_shape(name: str, shape: tuple, ms: tuple, fi: tuple | None, n_sets: int,
-              replays: int) -> list[dict[str, Any]]:
+              replays: int, flush_l2: bool = False) -> list[dict[str, Any]]:
     E, N, K, topk = shape
     rows, weights, fi_weights = [], None, None
     for M in ms:
@@ -147,11 +151,15 @@ def run_shape(name: str, shape: tuple, ms: tuple, fi: tuple | None, n_sets: int,
                         call(0, outs[0])
                 row[f"{bname}_err"] = check(prob, call)
                 row[f"{bname}_us"] = time_graph(lambda i, c=call: c(i, outs[i]), n_sets, replays)
+                if flush_l2:
+                    row[f"{bname}_l2cold_us"] = time_graph(lambda i, c=call: c(i, outs[i]), n_sets,
+                                                           replays, flush_l2=True)
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 row[f"{bname}_error"] = f"{type(e).__name__}: {e}"[:300]
-        if "ours_us" in row and "vllm_triton_us" in row:
-            row["served_us"] = row["ours_us"] if row["route"] == routing.OURS else row["vllm_triton_us"]
+        for t in ("_us", "_l2cold_us"):
+            if "ours" + t in row and "vllm_triton" + t in row:
+                row["served" + t] = row[("ours" if row["route"] == routing.OURS else "vllm_triton") + t]
         rows.append(row)
         log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     return rows
@@ -166,7 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--n-sets", type=int, default=8)
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--flush-l2", action="store_true",
+                    help="also time every backend with L2 flushed before each call (GPU only)")
     args = ap.parse_args(argv)
+    if args.flush_l2 and not torch.cuda.is_available():
+        ap.error("--flush-l2 needs a CUDA device")
     shapes = SMOKE if args.smoke else TUNED
     if args.shapes:
         known = {**TUNED, **UNTUNED, **SMOKE}
@@ -180,11 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "flashinfer": _version("flashinfer"), "vllm": _version("vllm"),
-            "torch": torch.__version__}
+            "torch": torch.__version__, "flush_l2": args.flush_l2}
     rows: list[dict[str, Any]] = []
     for name, shape in shapes.items():
         rows += run_shape(name, shape, ms, fi, 2 if args.smoke else args.n_sets,
-                          3 if args.smoke else args.replays)
+                          3 if args.smoke else args.replays, args.flush_l2)
         (args.out / "fp8_backends.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     log(f"wrote {args.out / 'fp8_backends.json'} ({len(rows)} rows)")
     return 0

@@ -21,6 +21,8 @@
 #   AB_MODEL=qwen3-30b-a3b-tp8-rank (or a whole model with AB_GPU_UTIL=0.8) before `ab`: its A/B,
 #       in decode_ab_<model>_<fp8|bf16>_spread
 #   GRID=1 before `ab` or `ttft`: first the FP8 N=7168 grid (bench/investigations/fp8_large_n.py)
+#   L2COLD=1 before `ab` or `ttft`: first the FP8 backends on the A/B's shard, warm and L2-flushed
+#       (bench/fp8_backends.py --flush-l2), into OUT/fp8b_l2cold.json
 #   bash bench/h200_session.sh retune OUT        # host: `moe-serve tune --force` of the fp8 tables
 #       of every TUNED shape (A_PREQUANT among the candidates) into /root/tuned, GPU correctness
 #       (every path, with A_PREQUANT), the served validation of the new tables, then the FP8 A/B
@@ -166,6 +168,11 @@ case $stage in
     if [[ -n ${GRID:-} ]]; then
       timeout 200 python3 bench/investigations/fp8_large_n.py --out "$out/fp8_large_n" 2>&1 \
         | tee "$out/grid.log" | grep -E "^M="
+    fi
+    if [[ -n ${L2COLD:-} ]]; then
+      timeout 200 python3 bench/fp8_backends.py --shapes Mixtral-8x7B/TP8 --ms 1,2,4,8,16,32,64,128 \
+        --flush-l2 --out /root/fp8b_l2cold 2>&1 | tee "$out/fp8b_l2cold.log" | grep -E "^\[fp8b" | cut -c1-400
+      cp /root/fp8b_l2cold/fp8_backends.json "$out/fp8b_l2cold.json"
     fi
     if [[ $stage == ttft ]]; then
       timeout $((BUDGET - SECONDS)) python3 bench/e2e_ab.py --scenarios spike-sizes \

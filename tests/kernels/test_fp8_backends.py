@@ -33,3 +33,13 @@ def test_shapes_selects_and_unknown_names_are_an_error(tmp_path, capsys):
         fp8_backends.main(["--shapes", "Mixtral-8x7B/TP3", "--out", str(tmp_path)])
     assert e.value.code == 2
     assert "Mixtral-8x7B/TP3" in capsys.readouterr().err
+
+
+def test_flush_l2_is_refused_without_a_gpu(tmp_path, capsys):
+    from kernels.timing import time_graph
+
+    with pytest.raises(SystemExit) as e:
+        fp8_backends.main(["--smoke", "--flush-l2", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "--flush-l2 needs a CUDA device" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="flush_l2 needs a CUDA device"):
+        time_graph(lambda i: None, 2, flush_l2=True)
