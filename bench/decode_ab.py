@@ -12,7 +12,9 @@ can stop between processes and the next call continues. Before it starts a proce
 that the budget holds the longer of this variant's last two processes on this host (the run
 files record host and end time; a variant's first process on a machine compiles and is slow), or
 `--expect-run-s` for a variant not yet run here. The MoE backend vLLM picked is read from each
-process's log (its "Using ... MoE backend" line) into the run file.
+process's log (its "Using ... MoE backend" line) into the run file. With `--profile`, the next
+process of each variant that has no profiled run in --out also profiles after its timed runs
+(decode_probe.py --profile).
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ def rounds(variants: list[str], processes: int) -> list[tuple[int, str]]:
     return [(r, variants[(r + i) % k]) for r in range(processes) for i in range(k)]
 
 
-def run_one(model: Path, variant: str, rnd: int, a: argparse.Namespace) -> float:
+def run_one(model: Path, variant: str, rnd: int, a: argparse.Namespace, profile: bool = False) -> float:
     """One probe process; returns its wall seconds. Raises on failure (log kept)."""
     out = a.out / f"run-r{rnd}-{variant}.json"
     logf = a.out / f"run-r{rnd}-{variant}.log"
@@ -54,7 +56,7 @@ def run_one(model: Path, variant: str, rnd: int, a: argparse.Namespace) -> float
            "--variant", variant, "--batches", a.batches, "--short", str(a.short),
            "--long", str(a.long), "--reps", str(a.reps), "--prompts", a.prompts,
            "--temperature", str(a.temperature), "--gpu-memory-utilization", str(a.gpu_memory_utilization),
-           "--out", str(out)]
+           "--out", str(out)] + (["--profile"] if profile else [])
     t0 = time.monotonic()
     with logf.open("w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=a.probe_timeout_s,
@@ -67,6 +69,12 @@ def run_one(model: Path, variant: str, rnd: int, a: argparse.Namespace) -> float
                moe_backend_log=sorted(set(BACKEND_LINE.findall(logf.read_text())))[:4])
     out.write_text(json.dumps(res, indent=1))
     return wall
+
+
+def profiled(out: Path) -> set[str]:
+    """Variants with a profiled run in `out`."""
+    runs = [json.loads(p.read_text()) for p in out.glob("run-r*-*.json")]
+    return {r["variant"] for r in runs if r.get("profile")}
 
 
 def expected_walls(out: Path) -> dict[str, float]:
@@ -95,6 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0, help="decode_probe.py: 0 = greedy")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.35,
                    help="decode_probe.py: raise it for a whole model")
+    p.add_argument("--profile", action="store_true",
+                   help="profile one process per variant (after its timed runs), if none is yet")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--budget-s", type=float, default=540.0, help="start no process after this")
     p.add_argument("--probe-timeout-s", type=float, default=300.0)
@@ -128,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             return 3
         log(f"run {i + 1}/{len(todo)}: round {r} {v}")
         try:
-            wall = run_one(model, v, r, a)
+            wall = run_one(model, v, r, a, profile=a.profile and v not in profiled(a.out))
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             log(f"FAILED: {e}")
             return 1

@@ -15,12 +15,17 @@ instead of the spread a real batch reads. By default each sequence has its own f
 tokens are sampled at temperature 1 (dummy weights give near-uniform logits, so sampled tokens,
 hence routing, spread like random routing); each row records how many of the B outputs are
 distinct. `--prompts same --temperature 0` gives the identical-sequence case.
+
+`--profile` then records, in the same engine after the timed runs, one short and one long
+generate per B under vLLM's torch profiler and adds their summaries (bench/decode_profile.py) to
+the run file: GPU busy and MoE kernel time per decode step. Without it the profiler is not built.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -40,13 +45,14 @@ def log(msg: str) -> None:
     print(f"[probe {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def make_llm(model: str, variant: str, batches: list[int], max_len: int, gpu_util: float) -> Any:
+def make_llm(model: str, variant: str, batches: list[int], max_len: int, gpu_util: float,
+             extra: dict[str, Any]) -> Any:
     from vllm import LLM
 
     return LLM(model=model, load_format="dummy", max_model_len=max_len, max_num_seqs=max(batches),
                gpu_memory_utilization=gpu_util, seed=0, enable_prefix_caching=False,
                compilation_config={"cudagraph_capture_sizes": sorted(batches)},
-               **VARIANTS[variant][1])
+               **VARIANTS[variant][1], **extra)
 
 
 def make_prompts(B: int, length: int, distinct: bool) -> list[list[int]]:
@@ -90,6 +96,22 @@ def measure(llm: Any, batches: list[int], short: int, long: int, reps: int, prom
     return rows
 
 
+def profile(llm: Any, trace_dir: Path, batches: list[int], short: int, long: int, prompt_len: int,
+            distinct: bool, temperature: float, keep: Path | None) -> dict[str, Any]:
+    """B -> {"tokens": [short, long], "short": trace summary, "long": trace summary}."""
+    import decode_profile
+
+    out = {}
+    for B in batches:
+        prompts = make_prompts(B, prompt_len, distinct)
+        out[str(B)] = {"tokens": [short, long], **{
+            name: decode_profile.record(llm, trace_dir, f"B{B}-{name}",
+                                        lambda n=n: generate(llm, prompts, n, temperature), keep)
+            for name, n in (("short", short), ("long", long))}}
+        log(f"B={B}: profiled")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -104,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.35,
                     help="vLLM's share of GPU memory: raise it for a whole model (weights + KV cache)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed runs, profile one short and one long generate per B")
+    ap.add_argument("--keep-traces", type=Path, default=None,
+                    help="with --profile: keep the traces (Chrome/Perfetto format) in this directory")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     env, kwargs = VARIANTS[a.variant]
@@ -112,8 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     import vllm  # noqa: F401  (timed apart: the import is a large part of an engine start)
     import_s = time.perf_counter() - t0
+    trace_dir = None
+    if a.profile:
+        import decode_profile
+
+        trace_dir = decode_profile.new_trace_dir()
     llm = make_llm(a.model, a.variant, batches, a.prompt_len + max(a.long, a.short) + 16,
-                   a.gpu_memory_utilization)
+                   a.gpu_memory_utilization,
+                   decode_profile.engine_kwargs(trace_dir) if trace_dir else {})
     start_s = time.perf_counter() - t0
     log(f"engine up in {start_s:.1f} s, {import_s:.1f} s of it importing vLLM "
         f"({a.variant}: {env} {kwargs})")
@@ -127,6 +159,16 @@ def main(argv: list[str] | None = None) -> int:
     result["rows"] = measure(llm, batches, a.short, a.long, a.reps, a.prompt_len,
                              a.prompts == "distinct", a.temperature)
     a.out.write_text(json.dumps(result, indent=1))
+    if trace_dir is not None:          # the timed rows are on disk first: a failed profile keeps them
+        try:
+            result["profile"] = profile(llm, trace_dir, batches, a.short, a.long, a.prompt_len,
+                                        a.prompts == "distinct", a.temperature, a.keep_traces)
+        except Exception as e:  # noqa: BLE001  (the profile is an extra; its failure is recorded)
+            log(f"profile failed: {type(e).__name__}: {e}")
+            result["profile_error"] = f"{type(e).__name__}: {e}"[:500]
+        finally:
+            shutil.rmtree(trace_dir, ignore_errors=True)
+        a.out.write_text(json.dumps(result, indent=1))
     return 0
 
 

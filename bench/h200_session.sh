@@ -82,8 +82,8 @@ served_validation() {  # bench_kernels.py flags: the served bench of /root/tuned
 }
 dab() {  # variants quantization budget_s name: runs done on this machine or committed are skipped
   # (AB_MODEL: the bench/models model, default the Mixtral TP=8 rank; AB_GPU_UTIL for a whole model).
-  # The runs are tarred into $out every 15 s, so a call killed at its limit loses only the run
-  # in flight.
+  # One process per variant also profiles (decode_profile.py). The runs are tarred into $out
+  # every 15 s, so a call killed at its limit loses only the run in flight.
   local model=${AB_MODEL:-mixtral-8x7b-tp8-rank} name=$4
   [[ $model == mixtral-8x7b-tp8-rank ]] || name=${model}_$4
   local d=/root/dab-$name src pid
@@ -91,7 +91,7 @@ dab() {  # variants quantization budget_s name: runs done on this machine or com
   for src in bench/results/*/*/decode_ab_"$name"; do cp -n "$src"/run-*.json "$d"/ 2>/dev/null; done
   python3 bench/decode_ab.py --model "$model" --quantization "$2" --variants "$1" \
     --gpu-memory-utilization "${AB_GPU_UTIL:-0.35}" --processes 6 --budget-s "$3" \
-    --expect-run-s 200 --probe-timeout-s 420 --out "$d" > "$d.log" 2>&1 &
+    --expect-run-s 200 --probe-timeout-s 420 --profile --out "$d" > "$d.log" 2>&1 &
   pid=$!
   while kill -0 "$pid" 2>/dev/null; do sleep 15; snapshot "$name"; done
   wait "$pid"; local rc=$?

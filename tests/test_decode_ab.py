@@ -101,6 +101,7 @@ def test_dummy_model_dir_writes_a_static_fp8_checkpoint_config(tmp_path):
 
 
 def _probe(tmp_path: Path, model: Path, name: str, *extra: str) -> dict:
+    """One decode_probe.py process on the CPU engine: B = 1, 3, 2 and 6 tokens, one repetition."""
     out = tmp_path / f"{name}.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "decode_probe.py"), "--model",
                            str(model), "--variant", "stock", "--batches", "1,3",
@@ -110,14 +111,30 @@ def _probe(tmp_path: Path, model: Path, name: str, *extra: str) -> dict:
     return json.loads(out.read_text())
 
 
-def test_probe_measures_decode_on_the_real_cpu_engine(tmp_path, embedded_model_dir):
-    res = _probe(tmp_path, embedded_model_dir, "run")
+def test_probe_measures_and_profiles_decode_on_the_real_cpu_engine(tmp_path, embedded_model_dir):
+    import decode_profile
+
+    traces = tmp_path / "traces"
+    res = _probe(tmp_path, embedded_model_dir, "run", "--profile", "--keep-traces", str(traces))
     assert res["variant"] == "stock" and res["env"] == {"VLLM_PLUGINS": ""}
     assert (res["prompts"], res["temperature"]) == ("distinct", 1.0)
     assert [r["B"] for r in res["rows"]] == [1, 3]
     for r in res["rows"]:
         assert r["step_ms"] > 0 and r["tok_s"] == pytest.approx(r["B"] / r["step_ms"] * 1e3)
         assert r["distinct_outputs"] == r["B"]       # the B sequences differ, so their routing can
+    # the profile: one trace per (B, short/long) from vLLM's torch profiler; a CPU engine runs no
+    # GPU kernels, so the summaries are empty, and the kept traces' CPU ops show what was recorded
+    assert "profile_error" not in res
+    assert sorted(res["profile"]) == ["1", "3"]
+    for b in ("1", "3"):
+        p = res["profile"][b]
+        assert p["tokens"] == [2, 6] and p["short"]["kernels"] == {} and p["short"]["busy_us"] == 0
+    kept = sorted(t.name for t in traces.iterdir())
+    assert kept == [f"B{b}-{n}.pt.trace.json.gz" for b in (1, 3) for n in ("long", "short")]
+    short, long_ = (decode_profile.summarize_trace(traces / f"B3-{n}.pt.trace.json.gz", ("cpu_op",))
+                    for n in ("short", "long"))
+    assert 0 < short["busy_us"] <= short["span_us"] and long_["busy_us"] > short["busy_us"]
+    assert sum(c for c, _ in long_["kernels"].values()) > sum(c for c, _ in short["kernels"].values())
 
 
 def test_probe_same_prompt_greedy_decodes_identical_sequences(tmp_path, embedded_model_dir):
@@ -158,3 +175,22 @@ def test_decode_ab_expects_a_variants_last_two_runs_on_this_host(tmp_path, capsy
     assert decode_ab.main(["--model", str(model), "--variants", "stock", "--processes", "5",
                            "--out", str(tmp_path), "--budget-s", "100", "--expect-run-s", "10"]) == 3
     assert "s left < 110 s per run; stopping" in capsys.readouterr().out
+
+
+def test_decode_ab_profiles_one_process_per_variant(tmp_path, monkeypatch):
+    (tmp_path / "run-r0-stock.json").write_text(json.dumps({**_run("stock", 0, {1: 100.0}), "profile": {"1": {}}}))
+    (tmp_path / "run-r0-moe-serve.json").write_text(json.dumps(_run("moe-serve", 0, {1: 100.0})))
+    model = tmp_path / "model"
+    model.mkdir()
+    calls = []
+
+    def fake_run_one(model, variant, rnd, a, profile=False):
+        calls.append((rnd, variant, profile))
+        extra = {"profile": {"1": {}}} if profile else {}
+        (a.out / f"run-r{rnd}-{variant}.json").write_text(json.dumps({**_run(variant, rnd, {1: 100.0}), **extra}))
+        return 1.0
+
+    monkeypatch.setattr(decode_ab, "run_one", fake_run_one)
+    assert decode_ab.main(["--model", str(model), "--processes", "3", "--out", str(tmp_path), "--profile"]) == 0
+    # stock was profiled in round 0 already; moe-serve's first process here profiles, no later one
+    assert calls == [(1, "moe-serve", True), (1, "stock", False), (2, "stock", False), (2, "moe-serve", False)]
