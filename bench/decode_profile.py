@@ -128,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dirs", nargs="+", type=Path)
     a = ap.parse_args(argv)
-    runs = [json.loads(p.read_text()) for d in a.dirs for p in sorted(d.glob("run-r*-*.json"))]
-    print("\n".join(table(runs)))
+    from decode_stats import load_runs          # the run files as the A/B statistics read them
+
+    print("\n".join(table(load_runs(a.dirs))))
     return 0
 
 
