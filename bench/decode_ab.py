@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import decode_stats  # noqa: E402
+from bench import decode_probe, decode_stats  # noqa: E402
 from bench.dummy_model import dummy_model_dir  # noqa: E402
 
 BACKEND_LINE = re.compile(r"Using .*MoE backend.*|.*[Ss]elect.*MoE backend.*")
@@ -53,10 +53,8 @@ def run_one(model: Path, variant: str, rnd: int, a: argparse.Namespace, profile:
     out = a.out / f"run-r{rnd}-{variant}.json"
     logf = a.out / f"run-r{rnd}-{variant}.log"
     cmd = [sys.executable, str(ROOT / "bench" / "decode_probe.py"), "--model", str(model),
-           "--variant", variant, "--batches", a.batches, "--short", str(a.short),
-           "--long", str(a.long), "--reps", str(a.reps), "--prompts", a.prompts,
-           "--temperature", str(a.temperature), "--gpu-memory-utilization", str(a.gpu_memory_utilization),
-           "--out", str(out)] + (["--profile"] if profile else [])
+           "--variant", variant, *decode_probe.workload_argv(a), "--out", str(out)] \
+        + (["--profile"] if profile else [])
     t0 = time.monotonic()
     with logf.open("w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=a.probe_timeout_s,
@@ -94,15 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantization", choices=["none", "fp8-static"], default="none")
     p.add_argument("--variants", default="stock,moe-serve", help="first = the baseline")
     p.add_argument("--processes", type=int, default=6, help="processes (rounds) per variant")
-    p.add_argument("--batches", default="1,8,32,64")
-    p.add_argument("--short", type=int, default=32)
-    p.add_argument("--long", type=int, default=160)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--prompts", choices=("distinct", "same"), default="distinct",
-                   help="decode_probe.py: one prompt per sequence, or one for all B")
-    p.add_argument("--temperature", type=float, default=1.0, help="decode_probe.py: 0 = greedy")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.35,
-                   help="decode_probe.py: raise it for a whole model")
+    decode_probe.add_workload_args(p)     # forwarded to every probe process
     p.add_argument("--profile", action="store_true",
                    help="profile one process per variant (after its timed runs), if none is yet")
     p.add_argument("--out", type=Path, required=True)

@@ -112,10 +112,12 @@ def profile(llm: Any, trace_dir: Path, batches: list[int], short: int, long: int
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--variant", required=True, choices=sorted(VARIANTS))
+WORKLOAD_ARGS = ("batches", "short", "long", "reps", "prompt_len", "prompts", "temperature",
+                 "gpu_memory_utilization")
+
+
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The options that define what a probe process measures (decode_ab.py forwards them)."""
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--short", type=int, default=32, help="tokens in the short run")
     ap.add_argument("--long", type=int, default=160, help="tokens in the long run")
@@ -126,6 +128,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.35,
                     help="vLLM's share of GPU memory: raise it for a whole model (weights + KV cache)")
+
+
+def workload_argv(a: argparse.Namespace) -> list[str]:
+    """The WORKLOAD_ARGS of a parsed namespace as command-line arguments for this script."""
+    return [x for k in WORKLOAD_ARGS for x in ("--" + k.replace("_", "-"), str(getattr(a, k)))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--variant", required=True, choices=sorted(VARIANTS))
+    add_workload_args(ap)
     ap.add_argument("--profile", action="store_true",
                     help="after the timed runs, profile one short and one long generate per B")
     ap.add_argument("--keep-traces", type=Path, default=None,

@@ -13,9 +13,8 @@
 #   bash bench/h200_session.sh validate OUT      # host: the served kernel bench of those tables
 #       (fine M list), the FP8 backend table on their shapes, then `ab`
 #   bash bench/h200_session.sh ab OUT            # host: the decode A/B, FP8 static (stock vs
-#       vllm-triton vs moe-serve) then bf16 (stock vs moe-serve); distinct sequences (decode_probe.py's
-#       default); resumed from the runs
-#       committed under bench/results/*/*/decode_ab_<fp8|bf16>_spread
+#       vllm-triton vs moe-serve) then bf16 (stock vs moe-serve), distinct sequences (decode_probe.py's
+#       default), resumed from the runs committed under bench/results/*/*/decode_ab_<fp8|bf16>_spread
 #   ORDER=vllm,optimized bash bench/h200_session.sh ttft OUT   # host: one cold-cache
 #       `spike-sizes` TTFT A/B (bench/e2e_ab.py), both variants in ORDER; alternate it per call
 #   AB_MODEL=qwen3-30b-a3b-tp8-rank (or a whole model with AB_GPU_UTIL=0.8) before `ab`: its A/B,

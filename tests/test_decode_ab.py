@@ -194,3 +194,17 @@ def test_decode_ab_profiles_one_process_per_variant(tmp_path, monkeypatch):
     assert decode_ab.main(["--model", str(model), "--processes", "3", "--out", str(tmp_path), "--profile"]) == 0
     # stock was profiled in round 0 already; moe-serve's first process here profiles, no later one
     assert calls == [(1, "moe-serve", True), (1, "stock", False), (2, "stock", False), (2, "moe-serve", False)]
+
+
+def test_decode_ab_forwards_the_probe_workload_it_was_given():
+    import argparse
+
+    import decode_probe
+
+    a = decode_ab.parse_args(["--out", "x", "--batches", "1,4", "--prompts", "same", "--temperature", "0",
+                              "--prompt-len", "64", "--gpu-memory-utilization", "0.8"])
+    probe = argparse.ArgumentParser()
+    decode_probe.add_workload_args(probe)
+    got = vars(probe.parse_args(decode_probe.workload_argv(a)))
+    assert got == {k: getattr(a, k) for k in decode_probe.WORKLOAD_ARGS}
+    assert (got["batches"], got["prompts"], got["temperature"], got["prompt_len"]) == ("1,4", "same", 0.0, 64)
