@@ -105,6 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()            # the budget counts from this call, not from the import
     a = parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     other = {decode_stats.workload(r) for r in decode_stats.load_runs([a.out])} - {(a.prompts, a.temperature)}
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{len(plan) - len(todo)} of {len(plan)} runs done; model {model}")
     expect = expected_walls(a.out)
     for i, (r, v) in enumerate(todo):
-        left = a.budget_s - (time.monotonic() - T0)
+        left = a.budget_s - (time.monotonic() - started)
         need = expect.get(v, a.expect_run_s)
         if left < need:
             log(f"budget: {left:.0f} s left < {need:.0f} s per run; stopping "
