@@ -101,11 +101,11 @@ def test_dummy_model_dir_writes_a_static_fp8_checkpoint_config(tmp_path):
 
 
 def _probe(tmp_path: Path, model: Path, name: str, *extra: str) -> dict:
-    """One decode_probe.py process on the CPU engine: B = 1, 3, 2 and 6 tokens, one repetition."""
+    """One decode_probe.py process on the CPU engine: B = 1, 3, 2 and 12 tokens, one repetition."""
     out = tmp_path / f"{name}.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "decode_probe.py"), "--model",
                            str(model), "--variant", "stock", "--batches", "1,3",
-                           "--short", "2", "--long", "6", "--reps", "1", "--prompt-len", "16",
+                           "--short", "2", "--long", "12", "--reps", "1", "--prompt-len", "16",
                            *extra, "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
@@ -128,7 +128,7 @@ def test_probe_measures_and_profiles_decode_on_the_real_cpu_engine(tmp_path, emb
     assert sorted(res["profile"]) == ["1", "3"]
     for b in ("1", "3"):
         p = res["profile"][b]
-        assert p["tokens"] == [2, 6] and p["short"]["kernels"] == {} and p["short"]["busy_us"] == 0
+        assert p["tokens"] == [2, 12] and p["short"]["kernels"] == {} and p["short"]["busy_us"] == 0
     kept = sorted(t.name for t in traces.iterdir())
     assert kept == [f"B{b}-{n}.pt.trace.json.gz" for b in (1, 3) for n in ("long", "short")]
     short, long_ = (decode_profile.summarize_trace(traces / f"B3-{n}.pt.trace.json.gz", ("cpu_op",))
