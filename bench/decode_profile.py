@@ -110,9 +110,10 @@ def new_trace_dir() -> Path:
 
 
 def table(runs: list[dict[str, Any]]) -> list[str]:
-    """Markdown rows per profiled run and B: the measured step and its per-step profile (ms)."""
-    out = ["| variant | round | B | step | GPU busy | MoE kernels | other kernels | GPU waiting |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    """Markdown rows per profiled run and B: the measured step and its per-step profile (ms), and
+    the MoE kernels' share of the measured step."""
+    out = ["| variant | round | B | step | GPU busy | MoE kernels | other kernels | GPU waiting | MoE share of step |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted((r for r in runs if r.get("profile")), key=lambda r: (r["variant"], r["round"])):
         for row in r["rows"]:
             p = r["profile"].get(str(row["B"]))
@@ -120,7 +121,7 @@ def table(runs: list[dict[str, Any]]) -> list[str]:
                 d = per_step(p, row["step_ms"])
                 out.append(f"| {r['variant']} | {r['round']} | {row['B']} | {row['step_ms']:.3f} | "
                            f"{d['busy_ms']:.3f} | {d['moe_ms']:.3f} | {d['other_ms']:.3f} | "
-                           f"{d['gpu_wait_ms']:.3f} |")
+                           f"{d['gpu_wait_ms']:.3f} | {100 * d['moe_ms'] / row['step_ms']:.0f} % |")
     return out
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from statistics import geometric_mean
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import decode_profile  # noqa: E402
 import decode_stats  # noqa: E402
 
 BACKENDS = ("flashinfer_cutlass", "vllm_triton", "ours")
@@ -45,6 +46,29 @@ def fp8_backends(path: Path) -> list[str]:
                        f"{g('flashinfer_cutlass_us', 'served_us'):.2f}x | "
                        f"{g('vllm_triton_us', 'served_us'):.2f}x |")
     return out
+
+
+def fp8_backends_l2(path: Path) -> list[str]:
+    """Per shard and M: each backend's us with L2 warm (the replayed calls share one set of
+    weights) and with L2 flushed before every call, and the served time against FlashInfer both ways."""
+    res = json.loads(path.read_text())
+    names = {"flashinfer_cutlass": "FI", "vllm_triton": "vLLM Triton", "served": "served"}
+    out = [f"device {res['meta']['device']}, FlashInfer {res['meta']['flashinfer']}, vLLM "
+           f"{res['meta']['vllm']}; us per MoE layer call (CUDA-graph replay, median), warm / L2 flushed", "",
+           "| shard | M | " + " | ".join(f"{n} warm | {n} flushed" for n in names.values())
+           + " | FI / served warm | FI / served flushed |", "|---|---|" + "---:|" * (2 * len(names) + 2)]
+    for r in res["rows"]:
+        cells = [_us(r.get(b + t)) for b in names for t in ("_us", "_l2cold_us")]
+        out.append(f"| {r['shape']} | {r['M']} | " + " | ".join(cells) + " | "
+                   + f"{_ratio(r.get('flashinfer_cutlass_us'), r.get('served_us'))} | "
+                   + f"{_ratio(r.get('flashinfer_cutlass_l2cold_us'), r.get('served_l2cold_us'))} |")
+    return out
+
+
+def decode_profile_table(*dirs: Path) -> list[str]:
+    """Per profiled probe process and B: the measured step split into GPU busy, MoE kernels,
+    other kernels and GPU waiting (bench/decode_profile.py)."""
+    return decode_profile.table(decode_stats.load_runs(list(dirs)))
 
 
 def decode_ab(baseline: str, *dirs: Path) -> list[str]:
@@ -121,24 +145,27 @@ def tune_phases(log: Path) -> list[str]:
     return out
 
 
-def _kernel_us(path: Path, shape: str, dtype: str) -> tuple[str, dict[int, dict[str, float]]]:
+def _kernel_us(path: Path, shape: str, dtype: str, timing: str = "_us"
+               ) -> tuple[str, dict[int, dict[str, float]]]:
     """(stock kernel name, M -> {variant: kernel us}) for one shard, from either an fp8_backends.py
-    file (stock = FlashInfer CUTLASS, with vllm-triton) or a bench_kernels.py file (stock = vLLM Triton)."""
+    file (stock = FlashInfer CUTLASS, with vllm-triton; `timing` "_l2cold_us" takes its L2-flushed
+    times) or a bench_kernels.py file (stock = vLLM Triton)."""
     res = json.loads(path.read_text())
     if "rows" in res:
-        return "FI", {r["M"]: {"stock": r["flashinfer_cutlass_us"], "moe-serve": r["served_us"],
-                               **({"vllm-triton": r["vllm_triton_us"]} if r.get("vllm_triton_us") else {})}
-                      for r in res["rows"]
-                      if r["shape"] == shape and r.get("flashinfer_cutlass_us") and r.get("served_us")}
+        fi, vt, sv = ("flashinfer_cutlass" + timing, "vllm_triton" + timing, "served" + timing)
+        return "FI", {r["M"]: {"stock": r[fi], "moe-serve": r[sv], **({"vllm-triton": r[vt]} if r.get(vt) else {})}
+                      for r in res["rows"] if r["shape"] == shape and r.get(fi) and r.get(sv)}
     return "vLLM Triton", {r["M"]: {"stock": r["vllm_us"], "moe-serve": r["vllm_us"] / r["served_speedup"]}
                            for r in res["bench"] if r["shape"] == shape and r["dtype"] == dtype
                            and r.get("vllm_us") and r.get("served_speedup")}
 
 
-def moe_share(shape: str, dtype: str, layers: int, kernels: Path, *dab_dirs: Path) -> list[str]:
+def moe_share(shape: str, dtype: str, layers: int, kernels: Path, *dab_dirs: Path,
+              timing: str = "_us") -> list[str]:
     """Per B: the MoE share of a stock decode step (layers x stock's kernel time / step) and, per
-    variant run beside stock, the end-to-end ratio its kernel time predicts and the measured one."""
-    stock_name, kern = _kernel_us(kernels, shape, dtype)
+    variant run beside stock, the end-to-end ratio its kernel time predicts and the measured one
+    (`timing`: which kernel times of an fp8_backends.py file, see _kernel_us)."""
+    stock_name, kern = _kernel_us(kernels, shape, dtype, timing)
     pp = decode_stats.per_process(decode_stats.load_runs(list(dab_dirs)))
     others = [v for v in ("moe-serve", "vllm-triton")
               if v in pp and any(v in k for k in kern.values())] or ["moe-serve"]

@@ -65,4 +65,4 @@ def test_table_rows_for_profiled_runs_only(tmp_path, capsys):
         (tmp_path / name).write_text(json.dumps({"variant": "stock", "round": int(name[5]), "rows": rows, **extra}))
     assert decode_profile.main([str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[2:] == ["| stock | 0 | 1 | 0.100 | 0.030 | 0.030 | 0.000 | 0.070 |"]
+    assert lines[2:] == ["| stock | 0 | 1 | 0.100 | 0.030 | 0.030 | 0.000 | 0.070 | 30 % |"]

@@ -58,3 +58,39 @@ def test_process_times_reads_the_phases_from_the_log_clock(tmp_path: Path) -> No
     rows = results_render_fp8.process_times(tmp_path)
     # the process started 60.4 s before engine up (10:01:00): at 09:59:59.6
     assert rows[2] == "| 1 | 0 | stock | 12 | 20 | 45 | 60 | 80 | 90 |"
+
+
+def _fp8b_file(tmp_path: Path) -> Path:
+    import json
+
+    row = {"shape": "S", "M": 1, "route": "ours", "flashinfer_cutlass_us": 30.0, "flashinfer_cutlass_l2cold_us": 40.0,
+           "vllm_triton_us": 25.0, "vllm_triton_l2cold_us": 36.0, "ours_us": 20.0, "ours_l2cold_us": 32.0,
+           "served_us": 20.0, "served_l2cold_us": 32.0}
+    meta = {"device": "H200", "flashinfer": "0.6.14", "vllm": "0.26.0"}
+    path = tmp_path / "fp8_backends.json"
+    path.write_text(json.dumps({"meta": meta, "rows": [row]}))
+    return path
+
+
+def test_l2_table_shows_warm_and_flushed_times(tmp_path: Path) -> None:
+    import results_render_fp8
+
+    rows = results_render_fp8.fp8_backends_l2(_fp8b_file(tmp_path))
+    assert rows[-1] == "| S | 1 | 30.0 | 40.0 | 25.0 | 36.0 | 20.0 | 32.0 | 1.50x | 1.25x |"
+
+
+def test_moe_share_predicts_from_the_chosen_kernel_times(tmp_path: Path) -> None:
+    import json
+
+    import results_render_fp8
+
+    kernels = _fp8b_file(tmp_path)
+    for v, tok_s in (("stock", 400.0), ("moe-serve", 440.0)):       # steps of 2.5 and 2.2727 ms
+        (tmp_path / f"run-r0-{v}.json").write_text(json.dumps(
+            {"variant": v, "round": 0, "rows": [{"B": 1, "tok_s": tok_s, "step_ms": 1e3 / tok_s}]}))
+    warm = results_render_fp8.moe_share("S", "fp8", 10, kernels, tmp_path)
+    cold = results_render_fp8.moe_share("S", "fp8", 10, kernels, tmp_path, timing="_l2cold_us")
+    # warm: 10 x 30 us of a 2.5 ms step = 12 %, ours saves 10 x 10 us -> 2.5 / 2.4 = 1.042
+    assert warm[2] == "| 1 | 2.500 | 12 % | 1.042 | 1.100 |"
+    # flushed: 10 x 40 us = 16 %, saves 10 x 8 us -> 2.5 / 2.42 = 1.033
+    assert cold[2] == "| 1 | 2.500 | 16 % | 1.033 | 1.100 |"
