@@ -28,8 +28,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
-# Kernels of the MoE layers' expert computation and routing, ours, vLLM's and FlashInfer's.
-MOE_KERNELS = re.compile(r"moe|expert|topk|MoeFC|expandInputRows|finalizeMoe", re.I)
+# Kernels of the MoE layers' expert computation and routing, ours, vLLM's and FlashInfer's (its
+# CUTLASS fused MoE: TensorRT-LLM's cutlass_kernels helpers and CUTLASS grouped GEMMs, whose
+# mangled names carry GroupProblemShape). Elementwise kernels a MoE layer shares with other layers
+# (vLLM's act_and_mul, scaled_fp8_quant) count as other.
+MOE_KERNELS = re.compile(r"moe|expert|topk|MoeFC|expandInputRows|finalizeMoe|cutlass_kernels::|"
+                         r"GroupProblemShape", re.I)
 
 
 def engine_kwargs(trace_dir: Path) -> dict[str, Any]:

@@ -19,6 +19,7 @@
 #       `spike-sizes` TTFT A/B (bench/e2e_ab.py), both variants in ORDER; alternate it per call
 #   AB_MODEL=qwen3-30b-a3b-tp8-rank (or a whole model with AB_GPU_UTIL=0.8) before `ab`: its A/B,
 #       in decode_ab_<model>_<fp8|bf16>_spread
+#   AB_ONLY=fp8 or AB_ONLY=bf16 before `ab`: that A/B alone
 #   GRID=1 before `ab` or `ttft`: first the FP8 N=7168 grid (bench/investigations/fp8_large_n.py)
 #   L2COLD=1 before `ab` or `ttft`: first the FP8 backends on the A/B's shard, warm and L2-flushed
 #       (bench/fp8_backends.py --flush-l2), into OUT/fp8b_l2cold.json
@@ -29,6 +30,8 @@
 # `ab` and `ttft` install first when they carry the last chunk (then no `tune` call is needed).
 # Installing unpacks .dev/caches.tar.xz (an earlier call's OUT/caches.tar.xz.N joined with cat:
 # vLLM's compile and FlashInfer's autotune caches; carried in a `recv` call of its own) into /root.
+# CACHES=1 before a stage writes those parts at its end; .dev is not committed, so they serve only a
+# later machine of the same checkout. .dev/fi comes from bench/build_flashinfer.sh (CPU, no GPU).
 #
 # pack: the working tree plus one chunk must stay under a call's 64 MiB, so the chunk size is
 # 64 MiB minus the tree (tracked and untracked-not-ignored files) minus 2 MiB; the last chunk
@@ -180,10 +183,10 @@ case $stage in
     elif [[ -f /root/tuned.done.mixtral-8x7b.8.fp8 ]]; then   # retuned here: moe-serve reads them
       MOE_SERVE_KERNEL_CONFIG_DIR=/root/tuned dab stock,moe-serve fp8-static $((BUDGET - SECONDS)) fp8_retuned
     else
-      dab stock,vllm-triton,moe-serve fp8-static $((BUDGET - SECONDS)) fp8_spread \
-        && dab stock,moe-serve none $((BUDGET - SECONDS)) bf16_spread
+      if [[ ${AB_ONLY:-fp8} == fp8 ]]; then dab stock,vllm-triton,moe-serve fp8-static $((BUDGET - SECONDS)) fp8_spread; fi \
+        && if [[ ${AB_ONLY:-bf16} == bf16 ]]; then dab stock,moe-serve none $((BUDGET - SECONDS)) bf16_spread; fi
     fi
-    (( SECONDS < BUDGET + 15 )) && caches ;;
+    if [[ -n ${CACHES:-} ]] && (( SECONDS < BUDGET + 15 )); then caches; fi ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 if [[ -n $out ]]; then ls -la "$out"; fi

@@ -184,3 +184,24 @@ def moe_share(shape: str, dtype: str, layers: int, kernels: Path, *dab_dirs: Pat
             cells += ["n/a" if pred is None else f"{pred:.3f}", "n/a" if meas is None else f"{meas:.3f}"]
         out.append(f"| {b} | {step:.3f} | {100 * base / step:.0f} % | " + " | ".join(cells) + " |")
     return out
+
+
+def moe_bound(shape: str, dtype: str, kernels: Path, *dirs: Path) -> list[str]:
+    """Per profiled stock process and B: the MoE kernels' measured share of the step
+    (bench/decode_profile.py), the served kernel speedup at M = B from a kernel file, and the
+    end-to-end ratio that share and speedup allow at most: 1 / (1 - share * (1 - 1/speedup))."""
+    _, kern = _kernel_us(kernels, shape, dtype)
+    out = ["| round | B | step (ms) | MoE kernels (ms) | MoE share | served kernel speedup at M = B | "
+           "end-to-end bound |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in decode_stats.load_runs(list(dirs)):
+        if r["variant"] != "stock" or not r.get("profile"):
+            continue
+        for row in r["rows"]:
+            p, k = r["profile"].get(str(row["B"])), kern.get(row["B"])
+            if p is None or k is None:
+                continue
+            share = decode_profile.per_step(p, row["step_ms"])["moe_ms"] / row["step_ms"]
+            speedup = k["stock"] / k["moe-serve"]
+            out.append(f"| {r['round']} | {row['B']} | {row['step_ms']:.3f} | {share * row['step_ms']:.3f} | "
+                       f"{100 * share:.0f} % | {speedup:.3f} | {1 / (1 - share * (1 - 1 / speedup)):.3f} |")
+    return out

@@ -20,6 +20,7 @@ import difflib
 import re
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -60,7 +61,20 @@ F8 = K1 + "fp8_session/"
 T3 = K1 + "tune_ab_session/"
 S4 = K1 + "bf16_ab_session/"
 S5 = K1 + "fp8_spread_session/decode_ab_fp8_spread"
+S6 = "2026-12-02/fp8_spread_session6/"
+S6AB = S6 + "decode_ab_fp8_spread"
+S6BF = "2026-12-02/bf16_spread_session6/decode_ab_bf16_spread"
 REGISTRY: dict[str, Entry] = {
+    "decode-ab-fp8-spread-5": Entry((S5, S6AB), rf.decode_ab, ("stock",)),
+    "decode-ab-fp8-spread-5-vs-triton": Entry((S5, S6AB), rf.decode_ab, ("vllm-triton",)),
+    "fp8-backends-l2cold": Entry((S6 + "fp8b_l2cold.json",), rf.fp8_backends_l2),
+    "moe-share-fp8-spread-5": Entry((S6 + "fp8b_l2cold.json", S5, S6AB), rf.moe_share, ("Mixtral-8x7B/TP8", "fp8", 32)),
+    "moe-share-fp8-spread-5-l2cold": Entry((S6 + "fp8b_l2cold.json", S5, S6AB),
+                                           partial(rf.moe_share, timing="_l2cold_us"), ("Mixtral-8x7B/TP8", "fp8", 32)),
+    "decode-profile-fp8-spread": Entry((S6AB,), rf.decode_profile_table),
+    "decode-profile-bf16-spread": Entry((S6BF,), rf.decode_profile_table),
+    "moe-bound-bf16-spread": Entry((B2[0], S6BF), rf.moe_bound, ("Mixtral-8x7B/TP8", "bf16")),
+    "process-times-session6": Entry((S6AB, S6BF), rf.process_times),
     "decode-ab-fp8-spread": Entry((S5,), rf.decode_ab, ("stock",)),
     "decode-ab-fp8-spread-vs-triton": Entry((S5,), rf.decode_ab, ("vllm-triton",)),
     "moe-share-fp8-spread": Entry((F8 + "fp8_backends.json", S5), rf.moe_share, ("Mixtral-8x7B/TP8", "fp8", 32)),

@@ -51,6 +51,11 @@ def test_per_step_takes_long_minus_short_over_the_extra_tokens(tmp_path):
 @pytest.mark.parametrize("name,moe", [("moe_gemm_kernel", True), ("fused_moe_kernel", True),
                                       ("topkGatingSoftmax", True), ("moe_align_block_size_kernel", True),
                                       ("void cutlass_kernels::MoeFCGemm<...>", True),
+                                      ("void tensorrt_llm::kernels::cutlass_kernels::doActivationKernel<...>", True),
+                                      ("_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversalINS1_17"
+                                       "GroupProblemShapeIN4cute5tupleIJlllEEEEENS1_10", True),
+                                      ("void cutlass::device_kernel<vllm::cutlass_3x_gemm_sm90_fp8<...>", False),
+                                      ("void vllm::act_and_mul_kernel<...>", False),
                                       ("flash_fwd_kernel", False), ("rms_norm_kernel", False)])
 def test_moe_kernel_names(name, moe):
     assert bool(decode_profile.MOE_KERNELS.search(name)) is moe

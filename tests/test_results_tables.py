@@ -94,3 +94,29 @@ def test_moe_share_predicts_from_the_chosen_kernel_times(tmp_path: Path) -> None
     assert warm[2] == "| 1 | 2.500 | 12 % | 1.042 | 1.100 |"
     # flushed: 10 x 40 us = 16 %, saves 10 x 8 us -> 2.5 / 2.42 = 1.033
     assert cold[2] == "| 1 | 2.500 | 16 % | 1.033 | 1.100 |"
+
+
+def test_moe_bound_from_a_profiled_stock_run(tmp_path: Path) -> None:
+    import gzip
+    import json
+
+    import decode_profile
+    import results_render_fp8
+
+    def summary(name: str, steps: int) -> dict:       # per step: 600 us of MoE, 400 us of other
+        ev = [{"ph": "X", "cat": "kernel", "name": n, "ts": 1000.0 * i + t0, "dur": d}
+              for i in range(steps) for n, t0, d in (("fused_moe_kernel", 0, 600.0), ("attn", 600, 400.0))]
+        path = tmp_path / f"{name}.json.gz"
+        with gzip.open(path, "wt") as f:
+            json.dump({"traceEvents": ev}, f)
+        return decode_profile.summarize_trace(path)
+
+    prof = {"1": {"tokens": [2, 6], "short": summary("s", 2), "long": summary("l", 6)}}
+    run = {"variant": "stock", "round": 0, "rows": [{"B": 1, "tok_s": 800.0, "step_ms": 1.25}], "profile": prof}
+    (tmp_path / "run-r0-stock.json").write_text(json.dumps(run))
+    kernels = tmp_path / "k.json"          # a bench_kernels.py file: ours 1.2x vLLM's at M = 1
+    kernels.write_text(json.dumps({"bench": [{"shape": "S", "dtype": "bf16", "M": 1, "vllm_us": 30.0,
+                                              "served_speedup": 1.2}]}))
+    rows = results_render_fp8.moe_bound("S", "bf16", kernels, tmp_path)
+    # share 0.6 / 1.25 = 48 %; bound 1 / (1 - 0.48 * (1 - 1/1.2)) = 1 / 0.92 = 1.087
+    assert rows[2:] == ["| 0 | 1 | 1.250 | 0.600 | 48 % | 1.200 | 1.087 |"]
