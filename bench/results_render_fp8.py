@@ -200,8 +200,8 @@ def moe_bound(shape: str, dtype: str, kernels: Path, *dirs: Path) -> list[str]:
             p, k = r["profile"].get(str(row["B"])), kern.get(row["B"])
             if p is None or k is None:
                 continue
-            share = decode_profile.per_step(p, row["step_ms"])["moe_ms"] / row["step_ms"]
-            speedup = k["stock"] / k["moe-serve"]
-            out.append(f"| {r['round']} | {row['B']} | {row['step_ms']:.3f} | {share * row['step_ms']:.3f} | "
+            moe_ms = decode_profile.per_step(p, row["step_ms"])["moe_ms"]
+            share, speedup = moe_ms / row["step_ms"], k["stock"] / k["moe-serve"]
+            out.append(f"| {r['round']} | {row['B']} | {row['step_ms']:.3f} | {moe_ms:.3f} | "
                        f"{100 * share:.0f} % | {speedup:.3f} | {1 / (1 - share * (1 - 1 / speedup)):.3f} |")
     return out
