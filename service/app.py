@@ -19,6 +19,8 @@ from service.errors import install_error_handlers
 from service.memory_trim import trim_periodically
 from service.middleware import AUTHENTICATED, AccessLogMiddleware, AuthMiddleware, BodyLimitMiddleware
 from service.openai_api import router as openai_router
+from service.profiling import profiler_configured
+from service.profiling import router as profiling_router
 from service.settings import Settings
 from service.state import ServerState
 from service.warmup import warm_up_request_path
@@ -97,6 +99,8 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
     app.state.server = state
     install_error_handlers(app)
     app.include_router(openai_router)
+    if profiler_configured(settings):          # as vllm serve: only with a profiler configured
+        app.include_router(profiling_router)
 
     @app.get("/health")
     async def health() -> Response:

@@ -60,6 +60,10 @@ def build_engine_args(settings: Settings, model_path: str) -> Any:
         from vllm.config import StructuredOutputsConfig
 
         kwargs["structured_outputs_config"] = StructuredOutputsConfig(**kwargs["structured_outputs_config"])
+    if isinstance(kwargs.get("profiler_config"), dict):  # as vllm serve's --profiler-config JSON
+        from vllm.config import ProfilerConfig
+
+        kwargs["profiler_config"] = ProfilerConfig(**kwargs["profiler_config"])
     from kernels import backend_policy
 
     backend_policy.apply(kwargs, settings.moe_kernels, model_path)  # an explicit moe_backend wins
