@@ -11,7 +11,10 @@ time, long minus short over (long - short) tokens cancels prefill and per-reques
 
 and the measured step time minus busy is time the GPU waited (the CPU side of the step).
 MoE and other are sums of kernel durations (kernels that overlap, as with PDL, count twice);
-busy is the union.
+busy is the union. `kernel_class` sorts every kernel into one of KERNEL_CLASSES (the MoE kernels
+into expert GEMMs, router top-k and alignment; the router's own GEMM is a dense cuBLAS GEMM that
+its name does not tell apart, so it counts as a dense GEMM) and `per_step_classes` gives the
+per-step time of each class the same way.
 
     python bench/decode_profile.py DIR [DIR...]     # markdown table of the profiled run files
 """
@@ -34,6 +37,42 @@ GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 # (vLLM's act_and_mul, scaled_fp8_quant) count as other.
 MOE_KERNELS = re.compile(r"moe|expert|topk|MoeFC|expandInputRows|finalizeMoe|cutlass_kernels::|"
                          r"GroupProblemShape", re.I)
+# torch's own top-k and sort kernels serve the sampler (top-k/top-p), not the MoE router.
+SAMPLER_TOPK = re.compile(r"gatherTopK|sbtopk|radixSelect|bitonicSort", re.I)
+# Within the MoE kernels, first match wins, else "expert GEMMs": alignment and token sorting (ours,
+# vLLM's, FlashInfer's expert maps / prefix sums / row expansion), the experts' own kernels (GEMMs,
+# activation, the weighted top-k sum, FlashInfer's finalize), then routing (softmax / sigmoid top-k,
+# grouped top-k).
+MOE_SUBCLASSES = (
+    ("alignment", re.compile(r"align|count_and_sort|PrefixSum|BuildExpertMaps|expandInputRows|computeStrides", re.I)),
+    ("expert GEMMs", re.compile(r"topk_sum|moe_sum|finalizeMoe|MoeFC|GroupProblemShape|fused_moe|moe_gemm|"
+                                r"moe_decode|doActivation", re.I)),
+    ("router top-k", re.compile(r"topk|gating|routing|fused_gate|softmax", re.I)),
+)
+# The other kernels, first match wins, else "other". Names of Inductor's fused kernels (triton_*) and
+# of FlashAttention's (templated on cutlass types) mention GEMMs: they are matched before GEMMs.
+OTHER_CLASSES = (
+    ("attention", re.compile(r"flash|attn|attention|fmha|mla|reshape_and_cache|paged|slot_mapping", re.I)),
+    ("norms/elementwise", re.compile(r"^triton_(poi|red|per)_", re.I)),
+    ("dense GEMMs", re.compile(r"gemm|gemv|nvjet|cublas|splitKreduce|cutlass|xmma|^Kernel2$", re.I)),
+    ("sampling", re.compile(r"sampl|argmax|softmax|distribution_|exponential|multinomial|TopKTopP|"
+                            r"top_k_top_p|penalt|cumsum|sort", re.I)),
+    ("norms/elementwise", re.compile(r"norm|elementwise|act_and_mul|silu|gelu|rotary|rope|quant|Fill|copy|"
+                                     r"CatArray|gather|scatter|index|triton_", re.I)),
+    ("memcpy/memset", re.compile(r"memcpy|memset", re.I)),
+)
+MOE_CLASSES = ("expert GEMMs", "router top-k", "alignment")
+KERNEL_CLASSES = MOE_CLASSES + ("attention", "dense GEMMs", "norms/elementwise", "sampling",
+                                "memcpy/memset", "other")
+
+
+def kernel_class(name: str) -> str:
+    """The one of KERNEL_CLASSES a GPU kernel (or memcpy/memset) of that name belongs to."""
+    if MOE_KERNELS.search(name) and not SAMPLER_TOPK.search(name):
+        return next((cls for cls, rx in MOE_SUBCLASSES if rx.search(name)), "expert GEMMs")
+    if SAMPLER_TOPK.search(name):
+        return "sampling"
+    return next((cls for cls, rx in OTHER_CLASSES if rx.search(name)), "other")
 
 
 def engine_kwargs(trace_dir: Path) -> dict[str, Any]:
@@ -45,13 +84,16 @@ def engine_kwargs(trace_dir: Path) -> dict[str, Any]:
 
 def summarize_trace(path: Path, categories: tuple[str, ...] = GPU_CATEGORIES) -> dict[str, Any]:
     """{kernels: {name: [count, total us]}, busy_us, span_us} of one Chrome trace (.json[.gz]),
-    over its complete events ("ph": "X") of the given categories."""
+    over its complete events ("ph": "X") of the given categories, and cpu_ops: how many CPU op
+    events it holds (what a CPU engine's trace shows)."""
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
         events = json.load(f)["traceEvents"]
     spans: list[tuple[float, float]] = []
     kernels: dict[str, list[float]] = {}
+    cpu_ops = 0
     for e in events:
+        cpu_ops += e.get("cat") == "cpu_op"
         if e.get("ph") == "X" and e.get("cat") in categories:
             start, dur = float(e["ts"]), float(e.get("dur", 0.0))
             spans.append((start, start + dur))
@@ -64,7 +106,7 @@ def summarize_trace(path: Path, categories: tuple[str, ...] = GPU_CATEGORIES) ->
             busy += t - max(s, end)
             end = t
     span = max(t for _, t in spans) - min(s for s, _ in spans) if spans else 0.0
-    return {"kernels": kernels, "busy_us": busy, "span_us": span}
+    return {"kernels": kernels, "busy_us": busy, "span_us": span, "cpu_ops": cpu_ops}
 
 
 def record(llm: Any, trace_dir: Path, prefix: str, run: Callable[[], Any],
@@ -99,13 +141,31 @@ def per_step(profile: dict[str, Any], step_ms: float) -> dict[str, float]:
         return (f(long_) - f(short)) / (l - s) / 1e3
 
     def moe_us(summary: dict[str, Any]) -> float:
-        return sum(us for name, (_, us) in summary["kernels"].items() if MOE_KERNELS.search(name))
+        return sum(us for name, (_, us) in summary["kernels"].items() if kernel_class(name) in MOE_CLASSES)
 
     def all_us(summary: dict[str, Any]) -> float:
         return sum(us for _, us in summary["kernels"].values())
 
     busy, moe = diff(lambda x: x["busy_us"]), diff(moe_us)
     return {"busy_ms": busy, "moe_ms": moe, "other_ms": diff(all_us) - moe, "gpu_wait_ms": step_ms - busy}
+
+
+def class_us(summary: dict[str, Any]) -> dict[str, float]:
+    """Kernel us per KERNEL_CLASSES entry in one trace summary."""
+    out = dict.fromkeys(KERNEL_CLASSES, 0.0)
+    for name, (_, us) in summary["kernels"].items():
+        out[kernel_class(name)] += us
+    return out
+
+
+def per_step_classes(profile: dict[str, Any], step_ms: float) -> dict[str, float]:
+    """Per decode step (ms), long minus short as in per_step: each kernel class, GPU busy, and
+    the measured step minus busy (GPU idle)."""
+    (s, l), short, long_ = profile["tokens"], class_us(profile["short"]), class_us(profile["long"])
+    out = {cls: (long_[cls] - short[cls]) / (l - s) / 1e3 for cls in KERNEL_CLASSES}
+    out["busy_ms"] = (profile["long"]["busy_us"] - profile["short"]["busy_us"]) / (l - s) / 1e3
+    out["gpu_idle_ms"] = step_ms - out["busy_ms"]
+    return out
 
 
 def new_trace_dir() -> Path:

