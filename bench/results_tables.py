@@ -29,6 +29,7 @@ sys.path.insert(0, str(BENCH))
 import results_render as rr  # noqa: E402
 import results_render_fp8 as rf  # noqa: E402
 import results_render_kernels as rk  # noqa: E402
+import serve_render as sr  # noqa: E402
 
 RESULTS_MD = BENCH / "RESULTS.md"
 RAW = BENCH / "results"
@@ -65,6 +66,7 @@ S6 = "2026-12-02/fp8_spread_session6/"
 S6AB = S6 + "decode_ab_fp8_spread"
 S6BF = "2026-12-02/bf16_spread_session6/decode_ab_bf16_spread"
 REGISTRY: dict[str, Entry] = {
+    "serve-ab-cpu-embedded": Entry(("2026-12-02/serve_ab_cpu_embedded",), sr.results_table),
     "decode-ab-fp8-spread-5": Entry((S5, S6AB), rf.decode_ab, ("stock",)),
     "decode-ab-fp8-spread-5-vs-triton": Entry((S5, S6AB), rf.decode_ab, ("vllm-triton",)),
     "fp8-backends-l2cold": Entry((S6 + "fp8b_l2cold.json",), rf.fp8_backends_l2),
