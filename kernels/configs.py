@@ -1,7 +1,8 @@
 """Which kernel config serves M tokens of a shape: a tuned table, else a default.
 
-Tables: ``E={E},N={N},K={K},dtype={dtype},device={device}.json`` (schema: kernels.config_schema),
-keyed by M bucket; M maps to the smallest bucket >= M (else the largest), so the set of
+Tables: ``E={E},N={N},K={K},dtype={dtype},device={device}.json`` (schema: kernels.config_schema;
+dtype: the layer's kernels.quant_format key, e.g. ``dtype=fp8_w8a8,block_shape=[128,128]``), keyed
+by M bucket; M maps to the smallest bucket >= M (else the largest), so the set of
 configs, hence of compiled variants, is finite. Searched in order: $MOE_SERVE_KERNEL_CONFIG_DIR,
 the tuner's cache ($MOE_SERVE_CACHE/kernels/<device>/triton-<version>, written by
 `moe-serve tune`), then the tables shipped in kernels/configs/.
@@ -9,6 +10,7 @@ the tuner's cache ($MOE_SERVE_CACHE/kernels/<device>/triton-<version>, written b
 Default for a shape with no table: the decode path while tokens per expert are few
 (heuristics.use_decode_path), else the aligned path with vLLM's own config for the shape
 when vLLM is importable on a GPU (kernels.vllm_kernels), else heuristics.aligned_config.
+Block-FP8 configs always have BLOCK_K = the activation group (config_schema.with_block_k).
 """
 from __future__ import annotations
 
@@ -17,13 +19,13 @@ import json
 import os
 from pathlib import Path
 
-from kernels import heuristics, smem, vllm_kernels
-from kernels.config_schema import KEYS, Config, down_config, validate
+from kernels import heuristics, quant_format, smem, vllm_kernels
+from kernels.config_schema import KEYS, Config, block_k_of, down_config, validate, with_block_k
 
 M_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
-__all__ = ["KEYS", "Config", "down_config", "validate", "get_config", "load_table"]
+__all__ = ["KEYS", "Config", "block_k_of", "down_config", "validate", "get_config", "load_table"]
 
 
 def device_file_name(gpu_name: str) -> str:
@@ -109,7 +111,19 @@ def get_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
         cfg = table[bucket_of(M, tuple(sorted(table)))]
     else:
         cfg = default_config(bucket_of(M), E, N, K, topk, dtype, device)
-    return smem.fit(cfg, dtype, act_bytes, topk)
+    return fit(cfg, dtype, act_bytes, topk)
+
+
+def fit(cfg: Config, dtype: str, act_bytes: int = 2, topk: int = 8) -> Config:
+    """cfg made launchable for format `dtype`: block FP8's BLOCK_K, then smem.fit (Hopper's
+    shared memory; it lowers stages first, so a block config keeps its BLOCK_K)."""
+    bs = quant_format.block_shape(dtype)
+    if bs:
+        cfg = with_block_k(cfg, bs[1])
+    cfg = smem.fit(cfg, quant_format.weight_dtype(dtype), act_bytes, topk)
+    if bs and block_k_of(cfg) != {bs[1]}:
+        raise ValueError(f"no shared-memory fit of {cfg} with BLOCK_K {bs[1]} (block FP8)")
+    return cfg
 
 
 def buckets_for(E: int, N: int, K: int, dtype: str, device: str | None = None) -> tuple[int, ...]:

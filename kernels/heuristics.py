@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kernels import quant_format
 from kernels.config_schema import MAX_SPLIT_K, Config, validate
 
 NUM_SMS_DEFAULT = 132  # H100/H200 SXM
@@ -49,8 +50,11 @@ def decode_config(M: int, E: int, N: int, K: int, topk: int, dtype: str) -> Conf
     fewer than ~160 programs (hit experts x N / 32), else swapped 64-row tiles (wgmma;
     BLOCK_K 128 bf16 / 256 fp8). Down kernel: swapped 64-row tiles when M x K / 64 >= 16
     programs (fewer, longer programs won at M = 1 down to K = 1024), else 32 or 16 rows;
-    BLOCK_K 256 (<= padded N); 4 stages (5 for fp8); PDL."""
+    BLOCK_K 256 (<= padded N); 4 stages (5 for fp8); PDL. Block FP8: BLOCK_K = the activation
+    group (128) in both kernels, so one more stage each keeps about as many weight bytes in
+    flight (untimed: a starting point for the tuner)."""
     fp8 = dtype.startswith("fp8")
+    block = quant_format.block_shape(dtype)
     p32 = expected_experts(M, E, topk) * -(-N // 32)
     if p32 < 160:
         swap1, bn1, bk1 = False, 32, 256
@@ -67,6 +71,9 @@ def decode_config(M: int, E: int, N: int, K: int, topk: int, dtype: str) -> Conf
            "SWAP_AB": swap1,
            "DOWN": {"BLOCK_N": bn2, "BLOCK_K": _pow2_at_most(N, 256), "GROUP_M": 1,
                     "num_warps": 4, "num_stages": 5 if fp8 else 4, "SWAP_AB": swap2}}
+    if block:
+        cfg.update(BLOCK_K=block[1], num_stages=5)
+        cfg["DOWN"].update(BLOCK_K=block[1], num_stages=6)
     return validate(cfg)
 
 
@@ -94,6 +101,7 @@ def aligned_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
     Tiles give >= ~1 wave of programs, swap AB while BLOCK_M < 64; when GEMM1's fused grid
     is under ~2 programs per SM, un-fuse gate/up and split K; GEMM2 likewise splits K."""
     fp8 = dtype.startswith("fp8")
+    block = quant_format.block_shape(dtype)
     slots = M * topk
     tokens_per_expert = slots / E
     block_m = 16 if tokens_per_expert <= 16 else 32 if tokens_per_expert <= 32 else \
@@ -103,8 +111,10 @@ def aligned_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
     bk = 128 if fp8 else 64
     if block_m <= 32:
         bk = 256 if fp8 else 128
+    if block:                          # one K step = one activation group
+        bk = block[1]
     stages = 4 if block_m <= 32 else 3
-    gate = {"BLOCK_M": block_m, "BLOCK_K": _pow2_at_most(K, bk),
+    gate = {"BLOCK_M": block_m, "BLOCK_K": bk if block else _pow2_at_most(K, bk),
             "GROUP_M": 1 if tokens_per_expert < 128 else 8,
             "num_warps": 4 if block_m <= 64 else 8, "num_stages": stages}
     bn1 = _tile_n(N, active_blocks, not swap, num_sms)
@@ -112,7 +122,7 @@ def aligned_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
     if block_m >= 128:
         bn1 = bn2 = 128
     cfg = {**gate, "BLOCK_N": bn1, "SWAP_AB": swap, "SPLIT_K": 1, "FUSE_GU": True}
-    down_bk = _pow2_at_most(N, bk)
+    down_bk = bk if block else _pow2_at_most(N, bk)
     down = {"BLOCK_N": bn2, "BLOCK_K": down_bk, "GROUP_M": gate["GROUP_M"],
             "num_warps": gate["num_warps"], "num_stages": stages, "SWAP_AB": swap, "SPLIT_K": 1}
     target = 2 * num_sms
