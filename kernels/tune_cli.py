@@ -1,10 +1,12 @@
 """`moe-serve tune`: tune our fused-MoE kernels for a model's MoE shapes on this GPU.
 
-    moe-serve tune --model DIR [--tensor-parallel-size N] [--quantization fp8]
+    moe-serve tune --model DIR [--tensor-parallel-size N] [--quantization fp8|compressed-tensors]
                    [--budget-minutes M] [--out DIR] [--no-vllm] [--force]
 
-Reads DIR/config.json (no weights), derives the shapes one rank runs, searches configs for
-every M bucket (kernels.tune) within the budget, then times ours against vLLM's
+Reads DIR/config.json (no weights), derives the shapes one rank runs and their format (its
+quantization_config as vLLM reads it, --quantization overriding the method: per-tensor 'fp8',
+block 'fp8_w8a8,block_shape=[128,128]', per-token 'fp8_w8a8,per_token'; kernels.quant_format),
+searches configs for every M bucket (kernels.tune) within the budget, then times ours against vLLM's
 fused_experts at M = 1..4096 and writes the configs and the routing table (ours only where
 measured >= 1.02x) into the cache the server reads first ($MOE_SERVE_CACHE/kernels/<device>/
 triton-<version>, or --out). Interrupted runs resume after their last finished phase; a
@@ -121,8 +123,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="local HF model directory (config.json)")
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    ap.add_argument("--quantization", choices=["fp8"], default=None,
-                    help="tune fp8 W8A8 (default: the checkpoint's quantization_config)")
+    ap.add_argument("--quantization", choices=["fp8", "compressed-tensors"], default=None,
+                    help="vLLM's --quantization: the method whose format to tune (default: the "
+                         "checkpoint's quantization_config; 'fp8' with no such config: vLLM's "
+                         "online per-tensor FP8)")
     ap.add_argument("--budget-minutes", type=float, default=10.0)
     ap.add_argument("--out", default=None, help="default: the server's tuned-config cache")
     ap.add_argument("--buckets", default=",".join(map(str, configs.M_BUCKETS)))
