@@ -2,7 +2,7 @@
 
     python bench/bench_kernels.py --correctness --sass --compiles --out $OUT
     python bench/bench_kernels.py --bench --untuned --out $OUT   (ours, vLLM, floor)
-    (tuning: `moe-serve tune --model DIR`, kernels/tune_cli.py)
+    (tuning: `moe-serve tune --model DIR`, kernels/tuning/tune_cli.py)
     python bench/bench_kernels.py --quick-bench --out $OUT     (M in 1,4,16,64,256 only)
     TRITON_INTERPRET=1 python bench/bench_kernels.py --smoke --out /tmp/smoke   (CPU)
 Each part is isolated (a failure prints its traceback and the others go on); results go to
@@ -50,7 +50,7 @@ def copy_ceiling() -> dict[str, Any]:
     the graph-replayed memcpy; the ceiling is the best of them, all are reported."""
     if not CUDA:
         return {"copy_bytes_per_s": float("nan")}
-    from kernels.timing import time_graph
+    from kernels.tuning.timing import time_graph
 
     n = 1 << 28                                   # 256 Mi fp32 = 1 GiB per buffer
     a = torch.rand(n, device=DEV)
@@ -78,7 +78,7 @@ def copy_ceiling() -> dict[str, Any]:
 
 
 def _problem(shape, M, dtype, n_sets, weights=None):
-    from kernels.timing import make_problem
+    from kernels.tuning.timing import make_problem
 
     E, N, K, topk = shape
     return make_problem(E, N, K, topk, M, dtype, n_sets, DEV, seed=M, weights=weights)
@@ -88,7 +88,7 @@ def _problem(shape, M, dtype, n_sets, weights=None):
 def part_correctness(shapes: dict, ms: tuple, smoke: bool) -> list[dict]:
     """Every path (aligned: plain, swapped, split, x quantized once; decode: heuristic, swapped,
     narrow) in bf16 and fp8 W8A8 against the float64 reference, into NaN-poisoned outputs."""
-    from kernels import configs, smem
+    from kernels.moe import configs, smem
     from reference import quant_fp8
 
     rows = []
@@ -134,8 +134,8 @@ def part_correctness(shapes: dict, ms: tuple, smoke: bool) -> list[dict]:
 def _decode_variant(M: int, E: int, N: int, K: int, topk: int, kind: str) -> dict:
     """The decode heuristic's config, forced to swapped 64-row tiles ('decode-swap') or to
     16-row mma.sync tiles with BLOCK_K 64 and no PDL ('decode-narrow')."""
-    from kernels import heuristics
-    from kernels.config_schema import validate
+    from kernels.moe import heuristics
+    from kernels.moe.config_schema import validate
 
     cfg = heuristics.decode_config(M, E, N, K, topk, "bf16")
     if kind == "decode-swap":
@@ -151,7 +151,7 @@ def _check_variants(name, M, swap, cfg, x, w1, w2, q, tw, ids, fdt, smoke, E,  #
                     static_only: bool = False) -> list[dict]:
     """bf16 (fp16 under the interpreter) and the four fp8 W8A8 variants of one config (only the
     two with static activation scales when static_only)."""
-    from kernels.fused_moe import Fp8Scales, fused_moe
+    from kernels.moe.fused_moe import Fp8Scales, fused_moe
     from reference import act_amax, moe_reference, rel_err
 
     rows = []
@@ -200,9 +200,9 @@ def _check_variants(name, M, swap, cfg, x, w1, w2, q, tw, ids, fdt, smoke, E,  #
 # ----------------------------------------------------------------------------------------
 def part_sass(out_dir: Path) -> list[dict]:
     """Compile swapped / unswapped small-M bf16 and fp8 variants for sm_90; grep the SASS."""
-    from kernels import aot
-    from kernels.fused_moe import Fp8Scales, fused_moe
-    from kernels.launch import record_launches
+    from kernels.moe import aot
+    from kernels.moe.fused_moe import Fp8Scales, fused_moe
+    from kernels.moe.launch import record_launches
 
     rows = []
     E, N, K, topk = TUNED["Mixtral-8x7B/TP8"]
@@ -257,10 +257,11 @@ def part_bench(shapes: dict, ms: tuple, dtypes: tuple, ceiling: float, n_sets: i
     the streaming floor of the same expert bytes, per (shape, dtype, M), in one run."""
     from floor import floor_us
 
-    from kernels import configs, precompile, routing
-    from kernels.config_schema import label
-    from kernels.fused_moe import num_programs
-    from kernels.timing import time_ours, time_vllm
+    from kernels.moe import configs, routing
+    from kernels.tuning import precompile
+    from kernels.moe.config_schema import label
+    from kernels.moe.fused_moe import num_programs
+    from kernels.tuning.timing import time_ours, time_vllm
 
     rows = []
     floors: dict[int, float] = {}
@@ -323,9 +324,9 @@ def part_bench(shapes: dict, ms: tuple, dtypes: tuple, ceiling: float, n_sets: i
 
 def part_compiles(shape: tuple, dtype: str, max_m: int) -> dict:
     """Compiles (jit_monitor) while M sweeps 1..max_m after warm-up, ours and vLLM's."""
-    from kernels import jit_monitor
-    from kernels.fused_moe import fused_moe
-    from kernels.moe_variants import warm_moe_variants
+    from kernels.plugin import jit_monitor
+    from kernels.moe.fused_moe import fused_moe
+    from kernels.moe.moe_variants import warm_moe_variants
 
     E, N, K, topk = shape
     jit_monitor.install()
@@ -345,7 +346,7 @@ def part_compiles(shape: tuple, dtype: str, max_m: int) -> dict:
     res["ours_serving_compiles"] = sum(v for (k, ph, kd), v in snap.items()
                                        if ph == "serving" and kd == "compile")
     res["ours_warmup_compiles"] = sum(v for (k, ph, kd), v in before.items() if kd == "compile")
-    from kernels import vllm_kernels
+    from kernels.moe import vllm_kernels
 
     vl = vllm_kernels.fused_experts() if CUDA else None
     if vl is not None:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from kernels import configs
+from kernels.moe import configs
 
 
 @pytest.mark.parametrize("shape", [(8, 1792, 4096, 2), (128, 96, 2048, 8), (256, 256, 7168, 8),
@@ -55,8 +55,8 @@ def test_validate_rejects_bad():
 
 
 def test_a_prequant_is_kept_only_when_set_and_only_on_the_aligned_path():
-    from kernels.config_schema import label
-    from kernels.tune import aligned_b
+    from kernels.moe.config_schema import label
+    from kernels.tuning.tune import aligned_b
 
     base = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=16, num_warps=4, num_stages=4,
                 SWAP_AB=False)

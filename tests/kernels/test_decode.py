@@ -1,12 +1,12 @@
-"""The two-launch decode path (kernels.moe_decode) against the float64 reference, under
+"""The two-launch decode path (kernels.moe.moe_decode) against the float64 reference, under
 TRITON_INTERPRET=1: every variant, into NaN-poisoned outputs, on fresh random inputs."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import heuristics
-from kernels.fused_moe import Fp8Scales, fused_moe
+from kernels.moe import heuristics
+from kernels.moe.fused_moe import Fp8Scales, fused_moe
 from reference import act_amax, moe_reference, quant_fp8, rel_err, routing
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
@@ -110,7 +110,7 @@ def test_decode_block_m_must_hold_all_slots():
 
 def test_default_path_choice():
     """Untuned shapes: decode while M * topk <= min(32, E), else the aligned path."""
-    from kernels import configs
+    from kernels.moe import configs
 
     assert configs.default_config(1, 8, 1792, 4096, 2, "bf16").get("DECODE")
     assert configs.default_config(4, 8, 1792, 4096, 2, "bf16").get("DECODE")

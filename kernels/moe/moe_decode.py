@@ -18,7 +18,7 @@ moe_decode_down_kernel  grid (M * cdiv(K, BLOCK_N),)   (token fastest: tokens th
     fp32 accumulation in registers, one store of the output dtype: the routed weight and the
     top-k reduction ride in the epilogue.
 
-A_MODE (activations) as in kernels.moe_gemm: 0 float; 1 fp8 input with a static scale;
+A_MODE (activations) as in kernels.moe.moe_gemm: 0 float; 1 fp8 input with a static scale;
 2 static scale, quantized on load; 3 dynamic per-row scale (absmax / 448, one pre-pass).
 W_SCALE: 0 none, 1 per-tensor ([E]), 2 per-channel ([E, rows of w]).
 SWAP_AB: acc[BN, BM] += w[BN, BK] @ a^T[BK, BM], so weight rows fill wgmma's 64-row slot.
@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import triton.language as tl
 
-from kernels.launch import jit
-from kernels.moe_gemm import _dequant, _mma, _quant_fp8, _token_scale
+from kernels.moe.launch import jit
+from kernels.moe.moe_gemm import _dequant, _mma, _quant_fp8, _token_scale
 
 
 @jit(do_not_specialize=["num_slots"])

@@ -1,5 +1,5 @@
 """Kernel launch indirection: launch normally, or record launches (no execution) so the
-exact same arguments can be compiled ahead of time (kernels.aot) or counted (warmup)."""
+exact same arguments can be compiled ahead of time (kernels.moe.aot) or counted (warmup)."""
 from __future__ import annotations
 
 import contextlib

@@ -1,6 +1,6 @@
-"""Build the routing table (kernels/routing.py) from bench_kernels results.json files.
+"""Build the routing table (kernels/moe/routing.py) from bench_kernels results.json files.
 
-    python -m kernels.make_routing bench/results/2026-11-29/kernels_quick_bench_tuned.json \
+    python -m kernels.tuning.make_routing bench/results/2026-11-29/kernels_quick_bench_tuned.json \
         bench/results/2026-11-29/kernels_untuned.json --device NVIDIA_H200
 
 Rule (conservative): at a measured M, "ours" iff our speed-up over vLLM's fused_experts is
@@ -8,7 +8,7 @@ Rule (conservative): at a measured M, "ours" iff our speed-up over vLLM's fused_
 adjacent measured M at most MAX_GAP (2x) apart, "ours" iff BOTH neighbours are >= THRESHOLD
 (a wider gap is "vllm": DeepSeek-V3 bf16 won at M=256 and 4096 and lost at 512); above the largest measured
 M, and for rows that errored (no speed-up), "vllm". Shapes never measured are absent: they
-route to vLLM (kernels.routing). The measured config string of each point is kept, so a test
+route to vLLM (kernels.moe.routing). The measured config string of each point is kept, so a test
 can check that the configs routed to ours are still the ones that were measured.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 THRESHOLD = 1.02
 MAX_GAP = 2          # interpolate "ours" only between measured M at most 2x apart
 
@@ -56,7 +56,7 @@ def build_ranges(points: dict[int, float | None], threshold: float = THRESHOLD) 
 
 def build(results: list[dict[str, Any]], device: str, sources: list[str],
           threshold: float = THRESHOLD) -> dict[str, Any]:
-    from kernels.routing import shape_key
+    from kernels.moe.routing import shape_key
 
     shapes = shape_table()
     acc: dict[str, dict[str, Any]] = {}
@@ -86,7 +86,7 @@ def build(results: list[dict[str, Any]], device: str, sources: list[str],
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kernels import configs, routing
+    from kernels.moe import configs, routing
 
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

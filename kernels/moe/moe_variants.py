@@ -3,7 +3,7 @@
 Variants = one per distinct (kernel, constexprs, argument dtypes) over the config of every
 M bucket up to max_tokens. With every run-time-varying int in do_not_specialize, M itself
 never causes a compile, so after warm_moe_variants() serving compiles nothing.
-(The plugin's per-layer warm-up is kernels/layer_warmup.py; the HTTP start-up warm-up is
+(The plugin's per-layer warm-up is kernels/plugin/layer_warmup.py; the HTTP start-up warm-up is
 service/warmup.py.)
 """
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from kernels import configs
-from kernels.aot import compile_launches
-from kernels.fused_moe import FP8, Fp8Scales, dtype_name, fused_moe
-from kernels.launch import kernel_name, record_launches
+from kernels.moe import configs
+from kernels.moe.aot import compile_launches
+from kernels.moe.fused_moe import FP8, Fp8Scales, dtype_name, fused_moe
+from kernels.moe.launch import kernel_name, record_launches
 
 def _variant_key(kernel: Any, args: tuple, kwargs: dict) -> tuple:
     dtypes = tuple(str(a.dtype) if isinstance(a, torch.Tensor) else None for a in args)
@@ -52,7 +52,7 @@ def warm_moe_variants(E: int, N: int, K: int, topk: int, dtype: torch.dtype, max
 
     dtype: activation dtype (bf16/fp16/fp32); fp8: None | 'per_tensor' | 'per_channel'
     (W8A8 weights, activation scale static if static_act else dynamic per-token).
-    compile_only: record the launches and compile them for sm_90 via kernels.aot (no GPU
+    compile_only: record the launches and compile them for sm_90 via kernels.moe.aot (no GPU
     needed) instead of running them. Returns the number of distinct variants.
     """
     device = str(device)

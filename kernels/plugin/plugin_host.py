@@ -1,11 +1,11 @@
-"""What the plugin's parts (kernels/moe_hook.py, kernels/layer_warmup.py) need from the plugin
-object (kernels/vllm_plugin.MoePlugin), as a Protocol: the parts import nothing above them."""
+"""What the plugin's parts (kernels/plugin/moe_hook.py, kernels/plugin/layer_warmup.py) need from the plugin
+object (kernels.plugin.vllm_plugin.MoePlugin), as a Protocol: the parts import nothing above them."""
 from __future__ import annotations
 
 import logging
 from typing import Any, Protocol
 
-from kernels.vllm_compat import WorkerFacts
+from kernels.plugin.vllm_compat import WorkerFacts
 
 
 class PluginHost(Protocol):

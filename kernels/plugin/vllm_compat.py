@@ -184,7 +184,7 @@ def moe_config(M: int, E: int, N: int, K: int, topk: int, dtype: str) -> dict[st
 
 def align_op() -> Callable:
     """vLLM's moe_align_block_size(topk_ids, block_size, num_experts) -> (sorted_ids,
-    expert_ids, num_tokens_post_pad): the same outputs as kernels.align, a CUDA kernel."""
+    expert_ids, num_tokens_post_pad): the same outputs as kernels.moe.align, a CUDA kernel."""
     from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
 
     return moe_align_block_size

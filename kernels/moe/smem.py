@@ -12,7 +12,7 @@ and up rows). The extra operand tile covers the register -> shared copy of A aft
 conversion (fp8 quantization, SiLU, transpose for swap-AB). The epilogue's layout conversions
 reuse the (dead) pipeline buffers.
 
-The decode path (kernels.moe_decode) keeps, per stage, the [BLOCK_M, BK] A tile plus two
+The decode path (kernels.moe.moe_decode) keeps, per stage, the [BLOCK_M, BK] A tile plus two
 (up kernel) or one (down kernel) weight tiles.
 
 The estimates are checked to be upper bounds of Triton's own figure (CompiledKernel
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kernels.config_schema import down_config, validate
+from kernels.moe.config_schema import down_config, validate
 
 SMEM_LIMIT = 232448  # bytes per CTA on sm_90 (227 KB), cudaDevAttrMaxSharedMemoryPerBlockOptin
 MIN_STAGES = 2

@@ -1,6 +1,6 @@
 """vLLM's kernel-side pieces our kernels reuse, when vLLM is importable: its fused_moe config
 for a shape, its CUDA alignment op and its fused_experts (the baseline the tuner and the
-benchmarks time). Each returns None without vLLM; kernels.vllm_compat does the touching."""
+benchmarks time). Each returns None without vLLM; kernels.plugin.vllm_compat does the touching."""
 from __future__ import annotations
 
 import functools
@@ -13,7 +13,7 @@ import torch
 @functools.lru_cache(maxsize=None)
 def _compat() -> ModuleType | None:
     try:
-        from kernels import vllm_compat  # optional heavy dependency: imports vllm
+        from kernels.plugin import vllm_compat  # optional heavy dependency: imports vllm
     except ImportError:
         return None
     return vllm_compat

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 import triton
 
-from kernels import configs, smem
-from kernels.align import max_padded_len, moe_align
-from kernels.launch import launch
-from kernels.moe_decode import moe_decode_down_kernel, moe_decode_up_kernel
-from kernels.moe_gemm import moe_gemm_kernel, quant_fp8_kernel, topk_sum_kernel
+from kernels.moe import configs, smem
+from kernels.moe.align import max_padded_len, moe_align
+from kernels.moe.launch import launch
+from kernels.moe.moe_decode import moe_decode_down_kernel, moe_decode_up_kernel
+from kernels.moe.moe_gemm import moe_gemm_kernel, quant_fp8_kernel, topk_sum_kernel
 
 FP8 = torch.float8_e4m3fn
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # see moe_gemm._quant_fp8
@@ -98,7 +98,7 @@ def _launch_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, n_out: int, 
                             w.element_size(), gate_up, a_silu)
         raise KernelConfigError(
             f"moe_gemm_kernel config {({k: cfg[k] for k in cfg if k != 'DOWN'})} (A {a.dtype}, "
-            f"W {w.dtype} {tuple(w.shape)}) cannot launch: {exc} (kernels.smem estimate {est} B, "
+            f"W {w.dtype} {tuple(w.shape)}) cannot launch: {exc} (kernels.moe.smem estimate {est} B, "
             f"limit {smem.SMEM_LIMIT} B). The MoE output is NOT valid; lower num_stages / "
             f"BLOCK_K in the config file or pass a smaller config.") from exc
 
@@ -251,7 +251,7 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
 def _fused_moe_decode(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, tw: torch.Tensor,
                       ids: torch.Tensor, fp8: Fp8Scales | None, on_input: bool, out: torch.Tensor,
                       cfg: dict[str, Any]) -> torch.Tensor:
-    """The two-launch small-batch path (kernels.moe_decode); shapes checked by fused_moe."""
+    """The two-launch small-batch path (kernels.moe.moe_decode); shapes checked by fused_moe."""
     M, K = x.shape
     E, N = w1.shape[0], w1.shape[1] // 2
     topk = ids.shape[1]

@@ -4,7 +4,7 @@
                    [--budget-minutes M] [--out DIR] [--no-vllm] [--force]
 
 Reads DIR/config.json (no weights), derives the shapes one rank runs, searches configs for
-every M bucket (kernels.tune) within the budget, then times ours against vLLM's
+every M bucket (kernels.tuning.tune) within the budget, then times ours against vLLM's
 fused_experts at M = 1..4096 and writes the configs and the routing table (ours only where
 measured >= 1.02x) into the cache the server reads first ($MOE_SERVE_CACHE/kernels/<device>/
 triton-<version>, or --out). Interrupted runs resume after their last finished phase; a
@@ -23,10 +23,11 @@ from typing import Any
 
 import torch
 
-from kernels import configs, make_routing, precompile, routing, tune, vllm_kernels
-from kernels.config_schema import label
-from kernels.model_shapes import ModelConfigError, MoEShape, moe_shapes, read_config
-from kernels.timing import make_problem, time_ours, time_vllm
+from kernels.moe import configs, routing, vllm_kernels
+from kernels.tuning import make_routing, precompile, tune
+from kernels.moe.config_schema import label
+from kernels.tuning.model_shapes import ModelConfigError, MoEShape, moe_shapes, read_config
+from kernels.tuning.timing import make_problem, time_ours, time_vllm
 
 ROUTE_MS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024,
             2048, 4096)

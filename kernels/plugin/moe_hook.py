@@ -1,10 +1,10 @@
 """The plugin's MoE hook: vLLM's TritonExperts.apply -> our fused_moe where we support the call
-and the measured routing table (kernels/routing.py) says ours is faster for (E, N, K, dtype, M).
+and the measured routing table (kernels/moe/routing.py) says ours is faster for (E, N, K, dtype, M).
 
 Supported: gated SiLU, no expert_map / LoRA / bias / clamp; bf16/fp16/fp32, or FP8 W8A8 with
 per-tensor or per-channel weight scales and a per-tensor activation scale. Everything else, and
 supported calls routed to vLLM, run vLLM's original (counted 'fallback' + reason, or
-'routed_to_vllm'). Every layer shape seen is queued for warm-up (kernels/layer_warmup.py).
+'routed_to_vllm'). Every layer shape seen is queued for warm-up (kernels/plugin/layer_warmup.py).
 Why this point: it owns the whole expert computation (both GEMMs, activation, routed-weight
 reduction into ``output``: TritonExperts' finalize is a no-op) for every model and for both the
 unquantized and FP8 paths, while prepare/finalize, routing and CUDA graphs stay vLLM's.
@@ -15,11 +15,11 @@ from typing import Any, Callable
 
 import torch
 
-from kernels import routing
-from kernels.fused_moe import FP8, Fp8Scales, fused_moe
-from kernels.layer_warmup import LayerShape, LayerWarmup, VllmCallTemplate
-from kernels.plugin_host import PluginHost
-from kernels.vllm_compat import OUTPUT_WRITTEN, ApplyCall, call_apply
+from kernels.moe import routing
+from kernels.moe.fused_moe import FP8, Fp8Scales, fused_moe
+from kernels.plugin.layer_warmup import LayerShape, LayerWarmup, VllmCallTemplate
+from kernels.plugin.plugin_host import PluginHost
+from kernels.plugin.vllm_compat import OUTPUT_WRITTEN, ApplyCall, call_apply
 
 
 def unsupported_reason(experts: Any, call: ApplyCall, require_cuda: bool = True) -> str | None:

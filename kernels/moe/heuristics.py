@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kernels.config_schema import MAX_SPLIT_K, Config, validate
+from kernels.moe.config_schema import MAX_SPLIT_K, Config, validate
 
 NUM_SMS_DEFAULT = 132  # H100/H200 SXM
 DECODE_MAX_SLOTS = 32
@@ -43,7 +43,7 @@ def _pow2_at_most(limit: int, cap: int) -> int:
 
 
 def decode_config(M: int, E: int, N: int, K: int, topk: int, dtype: str) -> Config:
-    """Decode-path config for bucket M (kernels.moe_decode), all M * topk slots in one tile.
+    """Decode-path config for bucket M (kernels.moe.moe_decode), all M * topk slots in one tile.
 
     Up kernel: 32-row weight tiles without swap (mma.sync, BLOCK_K 256) while they give
     fewer than ~160 programs (hit experts x N / 32), else swapped 64-row tiles (wgmma;

@@ -1,7 +1,7 @@
 """The plugin's per-layer warm-up: for every MoE layer shape a worker has seen, compile before
 serving every kernel variant serving can hit, ours and vLLM's.
 
-Ours: kernels.moe_variants.warm_moe_variants (all M buckets up to max_num_batched_tokens) when
+Ours: kernels.moe.moe_variants.warm_moe_variants (all M buckets up to max_num_batched_tokens) when
 the routing table sends any M of the shape to ours. vLLM's: its original TritonExperts.apply,
 with the layer's real weights and quant config, at every decode M (1..max_num_seqs) and one M
 per specialization class of vLLM's kernel up to max_num_batched_tokens (warmup_plan) that the
@@ -16,11 +16,11 @@ from typing import Any, Callable
 
 import torch
 
-from kernels import configs, routing
-from kernels.fused_moe import dtype_name
-from kernels.moe_variants import warm_moe_variants
-from kernels.plugin_host import PluginHost
-from kernels.vllm_compat import ApplyCall, call_apply, vllm_config_chooser
+from kernels.moe import configs, routing
+from kernels.moe.fused_moe import dtype_name
+from kernels.moe.moe_variants import warm_moe_variants
+from kernels.plugin.plugin_host import PluginHost
+from kernels.plugin.vllm_compat import ApplyCall, call_apply, vllm_config_chooser
 
 VLLM_WARMUP_MAX_CALLS_ENV = "MOE_SERVE_VLLM_WARMUP_MAX_CALLS"
 DEFAULT_MAX_TOKENS, DEFAULT_MAX_SEQS = 8192, 256  # when the worker's scheduler config is unknown

@@ -33,7 +33,7 @@ WARMUP_SHAPES = "moe_serve_plugin_warmup_shapes"
 KERNEL_INFO_LABELS = ("backend", "swap_ab", "dtype", "tp_size", "mode")
 WORKER_INFO_LABELS = ("rank", "mode", "phase", "moe_hook", "jit_monitor")  # + pid (gauge mode 'all')
 LAUNCH_PATHS = ("optimized", "routed_to_vllm", "fallback")
-JIT_FAMILIES = {  # Triton event kind (kernels.jit_monitor) -> (family, help)
+JIT_FAMILIES = {  # Triton event kind (kernels.plugin.jit_monitor) -> (family, help)
     "compile": (JIT_COMPILES, "Triton JIT compilations in the vLLM workers, per kernel, phase "
                 "(warmup|serving) and TP rank (sum over rank for the server)"),
     "cache_load": (JIT_CACHE_LOADS, "Triton kernels loaded from the on-disk cache in the vLLM "

@@ -14,10 +14,10 @@ from typing import Callable
 
 import torch
 
-from kernels import aot
-from kernels.fused_moe import FP8, Fp8Scales, fused_moe
-from kernels.launch import kernel_name, record_launches
-from kernels.smem import SMEM_LIMIT
+from kernels.moe import aot
+from kernels.moe.fused_moe import FP8, Fp8Scales, fused_moe
+from kernels.moe.launch import kernel_name, record_launches
+from kernels.moe.smem import SMEM_LIMIT
 
 _POOL = None
 

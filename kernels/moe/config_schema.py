@@ -1,6 +1,6 @@
 """The kernel config schema: keys, validation and GEMM2's (DOWN) view of a config.
 
-A config is a dict (JSON in kernels/configs/*.json, one per M bucket)::
+A config is a dict (JSON in kernels/moe/configs/*.json, one per M bucket)::
 
     {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4,
      "num_stages": 4, "SWAP_AB": true, "DOWN": {...same keys but BLOCK_M...}}
@@ -11,7 +11,7 @@ and DOWN's independent), "FUSE_GU" (GEMM1 only, default true: one program comput
 gate and the up tile; false: 2N/BLOCK_N programs), "A_PREQUANT" (aligned path, fp8 with a static
 activation scale: GEMM1's input quantized once by its own launch instead of in every program's
 K loop; default false), "DECODE" (the two-launch small-batch path
-of kernels.moe_decode: BLOCK_M >= M * topk rows, no split-K) and "PDL" (decode only: the
+of kernels.moe.moe_decode: BLOCK_M >= M * topk rows, no split-K) and "PDL" (decode only: the
 down kernel is a programmatic dependent launch).
 """
 from __future__ import annotations

@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.launch import jit
+from kernels.moe.launch import jit
 
 FP8_MAX = 448.0
 

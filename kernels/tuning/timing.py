@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from kernels.fused_moe import FP8, Fp8Scales, fused_moe
+from kernels.moe.fused_moe import FP8, Fp8Scales, fused_moe
 
 
 def time_graph(fn: Callable[[int], Any], n_sets: int, replays: int = 20, flush_l2: bool = False) -> float:
@@ -109,7 +109,7 @@ def time_ours(prob: dict[str, Any], cfg: dict | None, replays: int = 20) -> floa
 
 def time_vllm(prob: dict[str, Any], replays: int = 20) -> float | None:
     """vLLM's fused_experts on the same problem (None when vLLM is absent)."""
-    from kernels import vllm_kernels
+    from kernels.moe import vllm_kernels
 
     fx = vllm_kernels.fused_experts()
     if fx is None:

@@ -1,14 +1,14 @@
 """Which kernel config serves M tokens of a shape: a tuned table, else a default.
 
-Tables: ``E={E},N={N},K={K},dtype={dtype},device={device}.json`` (schema: kernels.config_schema),
+Tables: ``E={E},N={N},K={K},dtype={dtype},device={device}.json`` (schema: kernels.moe.config_schema),
 keyed by M bucket; M maps to the smallest bucket >= M (else the largest), so the set of
 configs, hence of compiled variants, is finite. Searched in order: $MOE_SERVE_KERNEL_CONFIG_DIR,
 the tuner's cache ($MOE_SERVE_CACHE/kernels/<device>/triton-<version>, written by
-`moe-serve tune`), then the tables shipped in kernels/configs/.
+`moe-serve tune`), then the tables shipped in kernels/moe/configs/.
 
 Default for a shape with no table: the decode path while tokens per expert are few
 (heuristics.use_decode_path), else the aligned path with vLLM's own config for the shape
-when vLLM is importable on a GPU (kernels.vllm_kernels), else heuristics.aligned_config.
+when vLLM is importable on a GPU (kernels.moe.vllm_kernels), else heuristics.aligned_config.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import json
 import os
 from pathlib import Path
 
-from kernels import heuristics, smem, vllm_kernels
-from kernels.config_schema import KEYS, Config, down_config, validate
+from kernels.moe import heuristics, smem, vllm_kernels
+from kernels.moe.config_schema import KEYS, Config, down_config, validate
 
 M_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"

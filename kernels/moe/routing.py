@@ -1,7 +1,7 @@
 """Per-case backend routing: our kernel or vLLM's, from measurements on the device.
 
-The table (``routing,device={device}.json`` in kernels/configs/, or the dir in
-$MOE_SERVE_KERNEL_CONFIG_DIR, searched first) is written by ``kernels/make_routing.py`` from
+The table (``routing,device={device}.json`` in kernels/moe/configs/, or the dir in
+$MOE_SERVE_KERNEL_CONFIG_DIR, searched first) is written by ``kernels/tuning/make_routing.py`` from
 bench_kernels' results.json files. Per shape key ``E={E},N={N},K={K},dtype={dtype}`` it holds
 M ranges, each routed to "ours" or "vllm"::
 
@@ -10,7 +10,7 @@ M ranges, each routed to "ours" or "vllm"::
             "ranges": [{"m_min": 1, "m_max": 256, "backend": "ours"},
                        {"m_min": 257, "m_max": null, "backend": "vllm"}], "measured": {...}}}}
 
-Tables are merged over the config dirs (kernels.configs.config_dirs: the env override, the
+Tables are merged over the config dirs (kernels.moe.configs.config_dirs: the env override, the
 tuner's cache, the shipped tables), the first file that names a shape wins for that shape.
 A shape no table names routes by the default rule when its top-k is known: ours for the M
 buckets the decode path serves by default (heuristics.use_decode_path: few tokens per
@@ -28,7 +28,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kernels import configs, heuristics
+from kernels.moe import configs, heuristics
 
 ROUTING_ENV = "MOE_SERVE_MOE_ROUTING"
 OURS, VLLM = "ours", "vllm"
