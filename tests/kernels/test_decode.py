@@ -77,7 +77,7 @@ SPLITS = [(2, 1), (1, 2), (4, 8), (8, 4)]  # (up, down): more splits than tiles 
 
 
 def _split_ws_zero() -> bool:
-    from kernels import fused_moe as fm
+    from kernels.moe import fused_moe as fm
     return all(not (f.any() or c.any()) for f, c in fm._SPLIT_WS.values())
 
 
