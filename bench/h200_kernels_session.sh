@@ -10,7 +10,7 @@ mkdir -p /root/tuned "$out"
 tune() {  # model tp dtype budget_min
   local q=""; [[ $3 == fp8 ]] && q="--quantization fp8"
   local t0=$SECONDS
-  python3 -m kernels.tune_cli --model "bench/models/$1" -tp "$2" $q --budget-minutes "$4" \
+  python3 -m kernels.tuning.tune_cli --model "bench/models/$1" -tp "$2" $q --budget-minutes "$4" \
     --no-vllm --out /root/tuned 2>&1 | grep -v "^\[tune\] \[" | tee -a "$out/tune.log"
   echo "TUNE_TIME $1 tp$2 $3 $((SECONDS - t0))s" | tee -a "$out/tune.log"
 }

@@ -58,7 +58,7 @@ host_env() {  # vLLM (installed by `tune`), moe-serve, FlashInfer
 tune() {  # model tp dtype budget_min [tune_cli flag...]
   local q=""; [[ $3 == fp8 ]] && q="--quantization fp8"
   local t0=$SECONDS
-  python3 -m kernels.tune_cli --model "bench/models/$1" -tp "$2" $q --budget-minutes "$4" \
+  python3 -m kernels.tuning.tune_cli --model "bench/models/$1" -tp "$2" $q --budget-minutes "$4" \
     --out /root/tuned "${@:5}" 2>&1 | grep -v "^\[tune\] \[" | tee -a "$out/tune.log"
   echo "TUNE_TIME $1 tp$2 $3 with-vllm $((SECONDS - t0))s" | tee -a "$out/tune.log"
   tar -C /root -cf "$out/tuned.tar" tuned            # table names carry '=' and ','

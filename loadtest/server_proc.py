@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from kernels.plugin_metrics import RUNTIME_DIR_ENV
+from kernels.plugin.plugin_metrics import RUNTIME_DIR_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_NAME = "moe-serve-tiny-mixtral"

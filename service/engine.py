@@ -60,7 +60,7 @@ def build_engine_args(settings: Settings, model_path: str) -> Any:
         from vllm.config import StructuredOutputsConfig
 
         kwargs["structured_outputs_config"] = StructuredOutputsConfig(**kwargs["structured_outputs_config"])
-    from kernels import backend_policy
+    from kernels.plugin import backend_policy
 
     backend_policy.apply(kwargs, settings.moe_kernels, model_path)  # an explicit moe_backend wins
     return AsyncEngineArgs(**kwargs)

@@ -143,7 +143,7 @@ def test_tp8_rank_models_run_one_tp8_rank_moe_shape(rank_model: str, whole: str,
     the tuned shard of bench/shapes.py, so its decode A/B exercises that shard's tables."""
     import sys
 
-    from kernels.model_shapes import moe_shapes, read_config
+    from kernels.tuning.model_shapes import moe_shapes, read_config
     sys.path.insert(0, str(REPO / "bench"))
     from shapes import TUNED
 

@@ -27,7 +27,8 @@ import torch  # noqa: E402
 
 from floor import floor_us  # noqa: E402
 from shapes import TUNED, UNTUNED  # noqa: E402
-from kernels import configs, heuristics, tune  # noqa: E402
+from kernels.moe import configs, heuristics  # noqa: E402
+from kernels.tuning import tune  # noqa: E402
 
 SHAPES = {**TUNED, **UNTUNED}  # name: (E, N per rank, K hidden, topk)
 MS = (1, 2, 4, 8, 16, 32, 64)

@@ -2,11 +2,11 @@
 
     python bench/investigations/fp8_large_n.py --out /root/out/fp8_large_n    # H200
 
-The tuned table (kernels/configs) measured 0.84-0.88x vLLM's `fused_experts` at M = 12..192
+The tuned table (kernels/moe/configs) measured 0.84-0.88x vLLM's `fused_experts` at M = 12..192
 although the search started from vLLM's config. This times ours, under CUDA-graph replay, over
 a grid around the shipped config of the M bucket (GEMM1 BLOCK_N x FUSE_GU x num_stages x
 A_PREQUANT; the GEMM2 axes were covered by the run in tune_ab_session/fp8_large_n.json) and
-around vLLM's config mapped to ours (kernels.heuristics.from_vllm_config; the dicts below are vLLM 0.26's
+around vLLM's config mapped to ours (kernels.moe.heuristics.from_vllm_config; the dicts below are vLLM 0.26's
 E=8,N=7168,device_name=NVIDIA_H200,dtype=fp8_w8a8.json entries), and writes every row
 (config, us) to --out/rows.json. No vLLM needed: the comparison point is the vLLM time measured
 in bench/results/2026-12-01/tune_ab_session/validation.json.
@@ -44,9 +44,10 @@ def grid(base: dict) -> list[dict]:
 def main() -> int:
     import torch
 
-    from kernels import configs, heuristics, precompile, tune
-    from kernels.config_schema import label, validate
-    from kernels.timing import make_problem, time_ours
+    from kernels.moe import configs, heuristics
+    from kernels.tuning import precompile, tune
+    from kernels.moe.config_schema import label, validate
+    from kernels.tuning.timing import make_problem, time_ours
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import heuristics
-from kernels.fused_moe import Fp8Scales, fused_moe
-from kernels.launch import kernel_name, record_launches
+from kernels.moe import heuristics
+from kernels.moe.fused_moe import Fp8Scales, fused_moe
+from kernels.moe.launch import kernel_name, record_launches
 from reference import (moe_reference, quant_act_groups, quant_fp8, quant_fp8_block, rel_err,
                        routing)
 
@@ -73,15 +73,20 @@ SHAPES = [
 
 
 @pytest.mark.parametrize("shape", range(len(SHAPES)))
-@pytest.mark.parametrize("variant", ["plain", "swap-prequant", "epilogue-quant"])
+@pytest.mark.parametrize("variant", ["plain", "swap-prequant", "epilogue-quant", "split"])
 def test_block_decode(shape, variant):
     """Decode path: swap on/off, x quantized in the K loop or once (A_PREQUANT), act quantized
-    in the up kernel's epilogue (BLOCK_N a multiple of bk) or by the down kernel on load."""
+    in the up kernel's epilogue (BLOCK_N a multiple of bk) or by the down kernel on load;
+    split-K in both kernels (block-scaled partials, the epilogue quantization by the tile's
+    last program)."""
     M, E, N, K, topk, block = SHAPES[shape]
     bk = block[1]
     cfg = {"plain": _decode(M, topk, 16, bk, False, False, 16, False),
            "swap-prequant": _decode(M, topk, 64, bk, True, True, 64, True),
-           "epilogue-quant": _decode(M, topk, 2 * bk, bk, False, False, 32, True)}[variant]
+           "epilogue-quant": _decode(M, topk, 2 * bk, bk, False, False, 32, True),
+           "split": _decode(M, topk, bk, bk, False, False, 16, False)}[variant]
+    if variant == "split":
+        cfg.update(SPLIT_K=2, DOWN={**cfg["DOWN"], "SPLIT_K": 2})
     _block_check(M, E, N, K, topk, block, cfg)
 
 
@@ -121,8 +126,8 @@ def test_block_decode_non_local_experts():
     """Expert id -1 (not on this rank) contributes nothing, tokens share experts."""
     M, E, N, K, topk = 4, 8, 32, 64, 2
     ids = torch.tensor([[3, 5], [5, 3], [3, -1], [-1, 5]], dtype=torch.int32)
-    _block_check(M, E, N, K, topk, (32, 32), _decode(M, topk, 32, 32, True and False, False, 16,
-                                                      False), ids=ids)
+    _block_check(M, E, N, K, topk, (32, 32), _decode(M, topk, 32, 32, False, False, 16, False),
+                 ids=ids)
 
 
 def test_block_m_up_to_64():
@@ -169,7 +174,7 @@ def test_block_needs_block_k_equal_to_the_group():
 def test_block_default_configs():
     """No config: the format's table/default (decode for few tokens per expert, aligned above)
     with BLOCK_K = the group, through both paths."""
-    from kernels import configs, quant_format
+    from kernels.moe import configs, quant_format
 
     key = quant_format.block_key(32, 32)
     assert configs.get_config(1, 8, 32, 64, 2, key, device="cpu").get("DECODE")

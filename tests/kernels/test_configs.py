@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from kernels import configs
+from kernels.moe import configs
 
 
 @pytest.mark.parametrize("shape", [(8, 1792, 4096, 2), (128, 96, 2048, 8), (256, 256, 7168, 8),
@@ -58,8 +58,8 @@ def test_a_prequant_defaults_per_path_and_is_kept_only_where_it_differs():
     """Quantize-once is the aligned path's default, in-loop the decode path's; a config keeps
     the key (and its label a mark) only when it departs from its path's default, so the shipped
     tables' aligned configs now quantize once."""
-    from kernels.config_schema import label, prequant
-    from kernels.tune import PHASES, aligned_b
+    from kernels.moe.config_schema import label, prequant
+    from kernels.tuning.tune import PHASES, aligned_b
 
     base = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=16, num_warps=4, num_stages=4,
                 SWAP_AB=False)
@@ -82,7 +82,7 @@ def test_a_prequant_defaults_per_path_and_is_kept_only_where_it_differs():
 def test_format_keys_name_tables_as_vllm_does():
     """Block FP8 tables are named with vLLM's dtype/block_shape spelling and get BLOCK_K = the
     group; per-token and per-tensor keys are apart; smem fitting uses the weight dtype."""
-    from kernels import quant_format
+    from kernels.moe import quant_format
 
     key = quant_format.block_key(128, 128)
     assert configs.config_file_name(256, 256, 7168, key, "NVIDIA_H200") == \
@@ -98,7 +98,7 @@ def test_format_keys_name_tables_as_vllm_does():
 
 
 def test_format_of_checkpoints():
-    from kernels.quant_format import FP8, PER_TOKEN, FormatError, block_key, of_checkpoint
+    from kernels.moe.quant_format import FP8, PER_TOKEN, FormatError, block_key, of_checkpoint
 
     assert of_checkpoint(None) is None
     assert of_checkpoint({"quant_method": "fp8", "activation_scheme": "dynamic",
@@ -118,3 +118,20 @@ def test_format_of_checkpoints():
         of_checkpoint(ct)
     with pytest.raises(FormatError, match="awq"):
         of_checkpoint({"quant_method": "awq"})
+
+
+def test_decode_split_fills_the_sms():
+    """Split-K (when asked for) brings a decode kernel's programs up to ~one per SM, keeps each
+    split's share of the loop, and never splits a kernel that already fills the GPU."""
+    from kernels.moe.heuristics import decode_config, decode_split
+
+    assert decode_split(32, 24, 2) == 8            # 32 programs -> 256 >= 132 SMs
+    assert decode_split(32, 12, 2) == 4            # 8 splits would leave < 2 of 12 iterations each
+    assert decode_split(200, 64, 2) == 1           # already one program per SM
+    assert decode_split(1, 1024, 2) == 16          # capped at MAX_SPLIT_K
+    plain = decode_config(1, 128, 768, 2048, 8, "bf16")
+    split = decode_config(1, 128, 768, 2048, 8, "bf16", split=True)
+    assert plain["SPLIT_K"] == plain["DOWN"]["SPLIT_K"] == 1
+    assert split["SPLIT_K"] == 2 and split["DOWN"]["SPLIT_K"] == 8
+    assert {k: v for k, v in split.items() if k not in ("SPLIT_K", "DOWN")} == \
+        {k: v for k, v in plain.items() if k not in ("SPLIT_K", "DOWN")}
