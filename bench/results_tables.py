@@ -1,4 +1,5 @@
-"""RESULTS.md's tables, recomputed from the committed raw files under bench/results/.
+"""RESULTS.md's tables, recomputed from the committed raw files under bench/results/ (plain files,
+or a closed date's archive: bench/results_archive.py).
 
 Each generated block of RESULTS.md sits between two marker lines::
 
@@ -22,33 +23,43 @@ import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Union
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 import results_render as rr  # noqa: E402
 import results_render_fp8 as rf  # noqa: E402
 import results_render_kernels as rk  # noqa: E402
+from results_archive import raw  # noqa: E402
 
 RESULTS_MD = BENCH / "RESULTS.md"
-RAW = BENCH / "results"
 BLOCK = re.compile(r"(<!-- results_tables: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /results_tables -->)", re.S)
+Raw = Union[str, tuple["Raw", ...]]
+
+
+def _resolve(r: Raw):
+    """A raw path relative to bench/results/ (or a nested tuple of them) -> readable path(s)."""
+    return raw(r) if isinstance(r, str) else tuple(_resolve(x) for x in r)
+
+
+def _flat(r: Raw) -> list[str]:
+    return [r] if isinstance(r, str) else [p for x in r for p in _flat(x)]
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One generated block: render(*args, *raw paths) -> markdown lines (args first)."""
+    """One generated block: render(*args, *raw paths) -> markdown lines (args first). A raw item
+    may be a tuple of paths; the renderer then gets a tuple."""
 
-    raw: tuple[str, ...]                 # paths relative to bench/results/
+    raw: tuple[Raw, ...]                 # paths relative to bench/results/
     render: Callable[..., list[str]]
     args: tuple = ()
 
     def lines(self) -> list[str]:
-        paths = [RAW / p for p in self.raw]
-        missing = [str(p) for p in paths if not p.exists()]
+        missing = [p for p in _flat(self.raw) if not raw(p).exists()]
         if missing:
-            raise FileNotFoundError(f"raw files missing: {missing}")
-        return self.render(*self.args, *paths)
+            raise FileNotFoundError(f"raw files missing under {BENCH / 'results'}: {missing}")
+        return self.render(*self.args, *_resolve(self.raw))
 
 
 D = "2026-11-29/"
