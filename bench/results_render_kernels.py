@@ -1,4 +1,4 @@
-"""Markdown for RESULTS.md's 2026-12-01 kernel sections (decode path, floor, tuner), computed
+"""Markdown for HISTORY.md's 2026-12-01 kernel sections (decode path, floor, tuner), computed
 from the raw files (bench/results_tables.py's registry calls these)."""
 from __future__ import annotations
 
