@@ -51,9 +51,12 @@ def decode_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
     fewer than ~160 programs (hit experts x N / 32), else swapped 64-row tiles (wgmma;
     BLOCK_K 128 bf16 / 256 fp8). Down kernel: swapped 64-row tiles when M x K / 64 >= 16
     programs (fewer, longer programs won at M = 1 down to K = 1024), else 32 or 16 rows;
-    BLOCK_K 256 (<= padded N); 4 stages (5 for fp8); PDL. With `split`, either kernel splits
-    its reduction (decode_split) while its tiles give fewer programs than SMs (not the default
-    until measured against the routing table's untuned-shape cells). Block FP8: BLOCK_K = the
+    BLOCK_K 256 (<= padded N); 4 stages (5 for fp8); PDL. With `split`, the down kernel (and,
+    for fp8, the up kernel) splits its reduction where its tiles leave most SMs idle
+    (decode_split): on the H200 (bench/results/2026-12-02/session7_kernels/decode_split.json)
+    splitting won where a kernel had <= ~64 programs and lost where it already had ~128, and
+    splitting the bf16 up kernel lost in 8 of 10 shapes at M = 1. Not the default until the
+    routing table's untuned-shape cells are measured with it. Block FP8: BLOCK_K = the
     activation group (128) in both kernels, so one more stage each keeps about as many weight
     bytes in flight (untimed: a starting point for the tuner)."""
     fp8 = dtype.startswith("fp8")
@@ -76,7 +79,9 @@ def decode_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
         stages1, stages2 = 5, 6
     split1 = split2 = 1
     if split:
-        split1 = decode_split(round(expected_experts(M, E, topk)) * -(-N // bn1), -(-K // bk1), 4)
+        if fp8:
+            split1 = decode_split(round(expected_experts(M, E, topk)) * -(-N // bn1),
+                                  -(-K // bk1), 4)
         split2 = decode_split(M * -(-K // bn2), topk * -(-N // bk2), 2)
     cfg = {"DECODE": True, "PDL": True, "BLOCK_M": decode_block_m(M, topk), "BLOCK_N": bn1,
            "BLOCK_K": bk1, "GROUP_M": 1, "num_warps": 4, "num_stages": stages1,
@@ -88,11 +93,13 @@ def decode_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
 
 def decode_split(programs: int, iterations: int, min_iterations: int,
                  num_sms: int = NUM_SMS_DEFAULT) -> int:
-    """SPLIT_K of a decode kernel: the smallest power of two (<= MAX_SPLIT_K) that gives every
-    SM a program, while each split keeps >= min_iterations of the reduction loop's
-    `iterations` (weight tiles streamed back to back)."""
+    """SPLIT_K of a decode kernel: 1 when its programs fill at least half the SMs, else the
+    smallest power of two (<= MAX_SPLIT_K) giving ~two programs per SM, while each split keeps
+    >= min_iterations of the reduction loop's `iterations` (weight tiles streamed back to back)."""
     s = 1
-    while (max(1, programs) * s < num_sms and 2 * s <= MAX_SPLIT_K
+    if 2 * max(1, programs) > num_sms:
+        return s
+    while (max(1, programs) * s < 1.9 * num_sms and 2 * s <= MAX_SPLIT_K
            and iterations >= 2 * s * min_iterations):
         s *= 2
     return s

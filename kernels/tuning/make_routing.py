@@ -1,4 +1,6 @@
-"""Build the routing table (kernels/moe/routing.py) from bench_kernels results.json files.
+"""Build the routing table (kernels/moe/routing.py) from bench_kernels results.json files and
+the routing tables `moe-serve tune` writes (their measured points; a later tune of a shape
+replaces every earlier point of that shape, since its tables changed).
 
     python -m kernels.tuning.make_routing bench/results/2026-11-29/kernels_quick_bench_tuned.json \
         bench/results/2026-11-29/kernels_untuned.json --device NVIDIA_H200
@@ -61,6 +63,11 @@ def build(results: list[dict[str, Any]], device: str, sources: list[str],
     shapes = shape_table()
     acc: dict[str, dict[str, Any]] = {}
     for res in results:
+        if "shapes" in res:                                  # a `moe-serve tune` routing table
+            for key, ent in res["shapes"].items():
+                acc[key] = {"name": ent["name"], "topk": ent["topk"],
+                            "measured": {m: {**v, "part": "tune"} for m, v in ent["measured"].items()}}
+            continue
         for part, rows in res.items():
             if not isinstance(rows, list):
                 continue
@@ -90,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("results", nargs="+", help="bench_kernels results.json files")
+    ap.add_argument("results", nargs="+",
+                    help="bench_kernels results.json files or `moe-serve tune` routing tables")
     ap.add_argument("--device", default="NVIDIA_H200")
     ap.add_argument("--out", default=str(configs.CONFIG_DIR))
     ap.add_argument("--threshold", type=float, default=THRESHOLD)
