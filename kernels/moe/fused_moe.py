@@ -1,5 +1,6 @@
 """Launcher of the fused MoE: align -> GEMM1 (+SiLU-and-mul) -> GEMM2 (+routed weight) -> top-k sum,
-or, for few tokens (a DECODE config), kernels.moe.moe_decode's two launches (split-K or not).
+or, for few tokens (a DECODE config), kernels.moe.moe_decode's two launches (split-K or not:
+kernels.moe.moe_decode_launch).
 
 Fused path (SPLIT_K 1, FUSE_GU): four launches (three when topk == 1).
 Split / un-fused path (decode: more programs streaming weights):
@@ -8,6 +9,9 @@ Split / un-fused path (decode: more programs streaming weights):
     GEMM2 with SiLU-and-mul applied on loading h (A_SILU) -> fp32 [M, K] atomically
     (SPLIT_K > 1; rows = token, so the top-k reduction rides on the atomics) or c [T, K],
     top-k sum / fp32 -> out dtype conversion.  = 5 launches at most.
+FP8 with float hidden states and A_PREQUANT (this path's default) adds one quantize-once launch
+before GEMM1, and one before GEMM2 for a dynamic act that GEMM1's epilogue cannot quantize
+(per token; block groups wider than its tile): kernels.moe.fp8_scales.
 No host sync, every buffer sized from shapes only: CUDA-graph capturable.
 """
 from __future__ import annotations
