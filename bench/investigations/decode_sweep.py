@@ -1,7 +1,7 @@
 """Investigation: where the two-launch decode path stands against the memory floor.
 
 For each (shape, dtype, M) cell with M * topk <= 128 it times, under CUDA-graph replay on
-8 rotating input sets, the aligned path (configs.get_config), the decode heuristic
+8 rotating input sets, the aligned path (selection.get_config), the decode heuristic
 (heuristics.decode_config), and a coordinate search over decode configs (phases: up-kernel
 tile, BLOCK_K, stages, down-kernel tile, down stages, PDL), plus the streaming floor
 of the cell's expert bytes. Phase-major: each phase's new variants for all cells are
@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from floor import floor_us  # noqa: E402
 from shapes import TUNED, UNTUNED  # noqa: E402
-from kernels.moe import configs, heuristics  # noqa: E402
+from kernels.moe import configs, heuristics, selection  # noqa: E402
 from kernels.tuning import tune  # noqa: E402
 
 SHAPES = {**TUNED, **UNTUNED}  # name: (E, N per rank, K hidden, topk)
@@ -139,7 +139,7 @@ def main() -> int:
         c["bytes_hit"] = hit * 3 * N * K * (1 if dt == "fp8" else 2)
         c.update(floor_us(int(c["bytes_hit"])) if dev == "cuda" else {"floor_us": float("nan")})
         try:
-            c["aligned_us"] = tune.time_ours(p, configs.get_config(M, E, N, K, topk, dt),
+            c["aligned_us"] = tune.time_ours(p, selection.get_config(M, E, N, K, topk, dt),
                                              args.replays)
         except Exception as e:  # noqa: BLE001
             c["aligned_error"] = repr(e)[:200]

@@ -44,7 +44,7 @@ def grid(base: dict) -> list[dict]:
 def main() -> int:
     import torch
 
-    from kernels.moe import configs, heuristics
+    from kernels.moe import configs, heuristics, selection
     from kernels.tuning import precompile, tune
     from kernels.moe.config_schema import label, validate
     from kernels.tuning.timing import make_problem, time_ours
@@ -57,7 +57,7 @@ def main() -> int:
     dev = configs.device_name()
     rows, weights = [], None
     for M in (int(m) for m in a.ms.split(",")):
-        shipped = configs.get_config(M, E, N, K, TOPK, "fp8", dev)
+        shipped = selection.get_config(M, E, N, K, TOPK, "fp8", dev)
         starts = {"shipped": shipped, "vllm-mapped": heuristics.from_vllm_config(VLLM_CFG[M])}
         cands: dict[str, dict] = {}                  # key: the whole config (labels omit stages)
         for name, s in starts.items():

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import triton
 
-from kernels.moe import configs, smem
+from kernels.moe import configs, selection, smem
 from kernels.moe.align import max_padded_len, moe_align
 from kernels.moe.launch import launch
 from kernels.moe.moe_decode import moe_decode_down_kernel, moe_decode_up_kernel
@@ -192,8 +192,8 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         topk_weights = topk_weights.float()
     topk_weights = topk_weights.contiguous()
 
-    cfg = config or configs.get_config(M, E, N, K, topk, dtype_name(w1.dtype),
-                                       act_bytes=hidden_states.element_size())
+    cfg = config or selection.get_config(M, E, N, K, topk, dtype_name(w1.dtype),
+                                         act_bytes=hidden_states.element_size())
     if cfg.get("DECODE"):
         return _fused_moe_decode(hidden_states, w1, w2, topk_weights, topk_ids, fp8,
                                  apply_router_weight_on_input, out, cfg)
