@@ -2,9 +2,9 @@
 stock default for static per-tensor FP8 checkpoints on Hopper), vLLM's Triton `fused_experts`
 (`moe_backend=triton`) and ours (as served: our kernel where routing says so), per shard and M.
 
-    python bench/fp8_backends.py --out /root/fp8b            # H200: the tuned shapes, M=1..256
-    python bench/fp8_backends.py --shapes Mixtral-8x7B/TP2,Qwen3-30B-A3B/TP1 --out /root/fp8b
-    python bench/fp8_backends.py --shapes Mixtral-8x7B/TP8 --flush-l2 --out /root/fp8b  # + L2-cold
+    python bench/fp8_backends.py --out runs/fp8b            # H200: the tuned shapes, M=1..256
+    python bench/fp8_backends.py --shapes Mixtral-8x7B/TP2,Qwen3-30B-A3B/TP1 --out runs/fp8b
+    python bench/fp8_backends.py --shapes Mixtral-8x7B/TP8 --flush-l2 --out runs/fp8b  # + L2-cold
     TRITON_INTERPRET=1 python bench/fp8_backends.py --smoke --out /tmp/fp8b   # CPU: ours only
 
 Every backend gets the same problem (kernels.tuning.timing.make_problem: per-expert weight scales,

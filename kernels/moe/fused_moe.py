@@ -1,4 +1,5 @@
-"""Launcher of the fused MoE: align -> GEMM1 (+SiLU-and-mul) -> GEMM2 (+routed weight) -> top-k sum.
+"""Launcher of the fused MoE: align -> GEMM1 (+SiLU-and-mul) -> GEMM2 (+routed weight) -> top-k sum,
+or, for few tokens (a DECODE config), kernels.moe.moe_decode's two launches (split-K or not).
 
 Fused path (SPLIT_K 1, FUSE_GU): four launches (three when topk == 1).
 Split / un-fused path (decode: more programs streaming weights):
@@ -101,6 +102,35 @@ def _launch_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, n_out: int, 
             f"W {w.dtype} {tuple(w.shape)}) cannot launch: {exc} (kernels.moe.smem estimate {est} B, "
             f"limit {smem.SMEM_LIMIT} B). The MoE output is NOT valid; lower num_stages / "
             f"BLOCK_K in the config file or pass a smaller config.") from exc
+
+
+_SPLIT_WS: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_OUTGROWN: list[tuple[torch.Tensor, torch.Tensor]] = []  # a captured graph may still use them
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def split_workspace(device: torch.device, n_floats: int, n_counters: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 [>= n_floats], int32 [>= n_counters]) for the decode path's split-K reduction.
+
+    Zero on allocation and zero again after every call (each tile's last program clears what
+    it read), so a call needs no memset launch. One pair per device and stream, grown in powers
+    of two; an outgrown pair is kept alive, since a captured CUDA graph holds its pointers."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    have = _SPLIT_WS.get(key)
+    if have is not None and have[0].numel() >= n_floats and have[1].numel() >= n_counters:
+        return have
+    fl, ct = _pow2_at_least(n_floats), _pow2_at_least(n_counters)
+    if have is not None:
+        _OUTGROWN.append(have)
+        fl, ct = max(fl, have[0].numel()), max(ct, have[1].numel())
+    _SPLIT_WS[key] = (torch.zeros(fl, dtype=torch.float32, device=device),
+                      torch.zeros(ct, dtype=torch.int32, device=device))
+    return _SPLIT_WS[key]
 
 
 class KernelConfigError(RuntimeError):
@@ -270,24 +300,34 @@ def _fused_moe_decode(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, tw: t
     a_mode2 = 0 if not use_fp8 else 1 if c_fp8 else 3
     ws1 = w1s if w1s is not None else dummy
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    bn2, bk2 = down["BLOCK_N"], down["BLOCK_K"]
+    split1, split2 = int(cfg.get("SPLIT_K", 1)), int(down.get("SPLIT_K", 1))
+    h = o = cnt1 = cnt2 = dummy
+    if split1 > 1 or split2 > 1:     # one workspace: [h: T x 2N][o: M x K], counters likewise
+        n_h = T * 2 * N if split1 > 1 else 0
+        n_c1 = T * triton.cdiv(N, bn) if split1 > 1 else 0
+        n_o = M * K if split2 > 1 else 0
+        n_c2 = M * triton.cdiv(K, bn2) if split2 > 1 else 0
+        wsf, wsc = split_workspace(x.device, n_h + n_o, n_c1 + n_c2)
+        h, o = wsf[:max(1, n_h)], wsf[n_h:n_h + max(1, n_o)]
+        cnt1, cnt2 = wsc[:max(1, n_c1)], wsc[n_c1:n_c1 + max(1, n_c2)]
     launch(
-        moe_decode_up_kernel, (T, triton.cdiv(N, bn)),
+        moe_decode_up_kernel, (T, triton.cdiv(N, bn), split1),
         x, w1, act, ids, tw, a1s if a1s is not None else dummy, ws1,
-        a2s if c_fp8 else dummy,
+        a2s if c_fp8 else dummy, h, cnt1,
         N, K, T,
         x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
         act.stride(0), act.stride(1),
         ws1.stride(0) if w1_mode else 0, ws1.stride(1) if w1_mode == 2 else 0,
         TOPK=topk, MUL_ROUTED=on_input, A_MODE=a_mode1, W_SCALE=w1_mode, C_FP8=c_fp8,
         EVEN_K=K % bk == 0, SWAP_AB=cfg["SWAP_AB"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
-        BLOCK_K=bk, FP8_PREROUND=a_mode1 >= 2 and _INTERPRET, USE_PDL=pdl,
+        BLOCK_K=bk, FP8_PREROUND=a_mode1 >= 2 and _INTERPRET, USE_PDL=pdl, SPLIT_K=split1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     ws2 = w2s if w2s is not None else dummy
-    bn2, bk2 = down["BLOCK_N"], down["BLOCK_K"]
     launch(
-        moe_decode_down_kernel, (M * triton.cdiv(K, bn2),),
-        act, w2, out, ids, tw, a2s if a2s is not None else dummy, ws2,
+        moe_decode_down_kernel, (M * triton.cdiv(K, bn2), split2),
+        act, w2, out, ids, tw, a2s if a2s is not None else dummy, ws2, o, cnt2,
         K, N, M,
         act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         out.stride(0), out.stride(1),
@@ -295,7 +335,7 @@ def _fused_moe_decode(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, tw: t
         TOPK=topk, MUL_ROUTED=not on_input, A_MODE=a_mode2, W_SCALE=w2_mode,
         EVEN_N=N % bk2 == 0, SWAP_AB=down["SWAP_AB"],
         BLOCK_M=max(16, triton.next_power_of_2(topk)), BLOCK_N=bn2, BLOCK_K=bk2,
-        FP8_PREROUND=a_mode2 >= 2 and _INTERPRET, USE_PDL=pdl,
+        FP8_PREROUND=a_mode2 >= 2 and _INTERPRET, USE_PDL=pdl, SPLIT_K=split2,
         num_warps=down["num_warps"], num_stages=down["num_stages"],
         **({"launch_pdl": True} if pdl else {}),
     )

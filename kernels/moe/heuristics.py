@@ -42,14 +42,20 @@ def _pow2_at_most(limit: int, cap: int) -> int:
     return min(cap, max(16, 1 << (limit - 1).bit_length()))
 
 
-def decode_config(M: int, E: int, N: int, K: int, topk: int, dtype: str) -> Config:
+def decode_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
+                  split: bool = False) -> Config:
     """Decode-path config for bucket M (kernels.moe.moe_decode), all M * topk slots in one tile.
 
     Up kernel: 32-row weight tiles without swap (mma.sync, BLOCK_K 256) while they give
     fewer than ~160 programs (hit experts x N / 32), else swapped 64-row tiles (wgmma;
     BLOCK_K 128 bf16 / 256 fp8). Down kernel: swapped 64-row tiles when M x K / 64 >= 16
     programs (fewer, longer programs won at M = 1 down to K = 1024), else 32 or 16 rows;
-    BLOCK_K 256 (<= padded N); 4 stages (5 for fp8); PDL."""
+    BLOCK_K 256 (<= padded N); 4 stages (5 for fp8); PDL. With `split`, the down kernel (and,
+    for fp8, the up kernel) splits its reduction where its tiles leave most SMs idle
+    (decode_split): on the H200 (bench/results/2026-12-02/session7_kernels/decode_split.json)
+    splitting won where a kernel had <= ~64 programs and lost where it already had ~128, and
+    splitting the bf16 up kernel lost in 8 of 10 shapes at M = 1. Not the default until the
+    routing table's untuned-shape cells are measured with it."""
     fp8 = dtype.startswith("fp8")
     p32 = expected_experts(M, E, topk) * -(-N // 32)
     if p32 < 160:
@@ -62,12 +68,33 @@ def decode_config(M: int, E: int, N: int, K: int, topk: int, dtype: str) -> Conf
         swap2, bn2 = False, 32
     else:
         swap2, bn2 = False, 16
+    bk1, bk2 = _pow2_at_most(K, bk1), _pow2_at_most(N, 256)
+    split1 = split2 = 1
+    if split:
+        if fp8:
+            split1 = decode_split(round(expected_experts(M, E, topk)) * -(-N // bn1),
+                                  -(-K // bk1), 4)
+        split2 = decode_split(M * -(-K // bn2), topk * -(-N // bk2), 2)
     cfg = {"DECODE": True, "PDL": True, "BLOCK_M": decode_block_m(M, topk), "BLOCK_N": bn1,
-           "BLOCK_K": _pow2_at_most(K, bk1), "GROUP_M": 1, "num_warps": 4, "num_stages": 4,
-           "SWAP_AB": swap1,
-           "DOWN": {"BLOCK_N": bn2, "BLOCK_K": _pow2_at_most(N, 256), "GROUP_M": 1,
-                    "num_warps": 4, "num_stages": 5 if fp8 else 4, "SWAP_AB": swap2}}
+           "BLOCK_K": bk1, "GROUP_M": 1, "num_warps": 4, "num_stages": 4, "SWAP_AB": swap1,
+           "SPLIT_K": split1,
+           "DOWN": {"BLOCK_N": bn2, "BLOCK_K": bk2, "GROUP_M": 1, "num_warps": 4,
+                    "num_stages": 5 if fp8 else 4, "SWAP_AB": swap2, "SPLIT_K": split2}}
     return validate(cfg)
+
+
+def decode_split(programs: int, iterations: int, min_iterations: int,
+                 num_sms: int = NUM_SMS_DEFAULT) -> int:
+    """SPLIT_K of a decode kernel: 1 when its programs fill at least half the SMs, else the
+    smallest power of two (<= MAX_SPLIT_K) giving ~two programs per SM, while each split keeps
+    >= min_iterations of the reduction loop's `iterations` (weight tiles streamed back to back)."""
+    s = 1
+    if 2 * max(1, programs) > num_sms:
+        return s
+    while (max(1, programs) * s < 1.9 * num_sms and 2 * s <= MAX_SPLIT_K
+           and iterations >= 2 * s * min_iterations):
+        s *= 2
+    return s
 
 
 def _tile_n(n_out: int, active_blocks: int, allow_small: bool, num_sms: int) -> int:

@@ -24,19 +24,53 @@ W_SCALE: 0 none, 1 per-tensor ([E]), 2 per-channel ([E, rows of w]).
 SWAP_AB: acc[BN, BM] += w[BN, BK] @ a^T[BK, BM], so weight rows fill wgmma's 64-row slot.
 USE_PDL (GPU): the down kernel is a programmatic dependent launch; it waits (gdc_wait) for
 the up kernel only before its first activation load.
+
+SPLIT_K > 1 (either kernel; a shape with few programs per SM, e.g. one token): program_id of
+the split axis s reduces its share of the reduction (up: K tiles; down: the flat slot x N-chunk
+loop) and adds its fp32 partial into a workspace with atomics; the program that finishes a
+tile last (a per-tile arrival counter, acq_rel) reads the sums back while zeroing them
+(atomic exchange), resets the counter, and runs the epilogue. Workspace and counters are
+therefore zero again after every call (see kernels.moe.fused_moe.split_workspace): no memset
+launch, and the path stays two launches under CUDA graphs.
 """
 from __future__ import annotations
 
+import triton
 import triton.language as tl
 
 from kernels.moe.launch import jit
 from kernels.moe.moe_gemm import _dequant, _mma, _quant_fp8, _token_scale
 
 
+@triton.jit
+def _arrive_last(cnt_ptr, SPLIT_K: tl.constexpr):
+    """Count this program's arrival at its tile (after its partial sums were added); True for
+    the last of the SPLIT_K programs, which also resets the counter for the next call."""
+    tl.debug_barrier()                      # every thread's partial atomics precede the count
+    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    last = done == SPLIT_K - 1
+    if last:
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+    tl.debug_barrier()
+    return last
+
+
+@triton.jit
+def _take(ptrs, mask, R: tl.constexpr, C: tl.constexpr):
+    """The reduced [R, C] fp32 sums (read at L2 through an atomic add of zero, so no stale
+    cached copy), then zeroed for the next call."""
+    zero = tl.zeros((R, C), dtype=tl.float32)
+    acc = tl.atomic_add(ptrs, zero, mask=mask, sem="relaxed", scope="gpu")
+    tl.store(ptrs, zero, mask=mask)
+    return acc
+
+
 @jit(do_not_specialize=["num_slots"])
 def moe_decode_up_kernel(
-    # pointers
+    # pointers (h_ptr [>= T, 2N] fp32 and cnt_ptr [>= T * cdiv(N, BLOCK_N)] int32: the split
+    # workspace, zero between calls; unused when SPLIT_K == 1)
     x_ptr, w_ptr, c_ptr, ids_ptr, topk_w_ptr, a_scale_ptr, w_scale_ptr, c_scale_ptr,
+    h_ptr, cnt_ptr,
     # sizes: N = gate (= up) rows of w1, K = hidden, num_slots = T
     N, K, num_slots,
     # strides
@@ -46,7 +80,7 @@ def moe_decode_up_kernel(
     TOPK: tl.constexpr, MUL_ROUTED: tl.constexpr, A_MODE: tl.constexpr,
     W_SCALE: tl.constexpr, C_FP8: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP8_PREROUND: tl.constexpr, USE_PDL: tl.constexpr,
+    FP8_PREROUND: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     if USE_PDL:                        # let the down kernel's programs launch during our tail
         tl.extra.cuda.gdc_launch_dependents()
@@ -72,6 +106,12 @@ def moe_decode_up_kernel(
     wu_ptrs = wg_ptrs + N * stride_wn
 
     num_k_tiles = tl.cdiv(K, BLOCK_K)
+    k_lo = 0
+    k_hi = num_k_tiles
+    if SPLIT_K > 1:                                                  # this split's K tiles
+        per_split = tl.cdiv(num_k_tiles, SPLIT_K)
+        k_lo = tl.program_id(2) * per_split
+        k_hi = tl.minimum(k_lo + per_split, num_k_tiles)
     a_scale = 1.0
     if A_MODE == 3:                                                  # per-token absmax over K
         a_scale = _token_scale(a_ptrs, rows, 0, K, stride_xk, BLOCK_K, False)  # [BM]
@@ -86,7 +126,10 @@ def moe_decode_up_kernel(
     else:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, num_k_tiles):
+    a_ptrs += k_lo * BLOCK_K * stride_xk
+    wg_ptrs += k_lo * BLOCK_K * stride_wk
+    wu_ptrs += k_lo * BLOCK_K * stride_wk
+    for k in range(k_lo, k_hi):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=rows[:, None], other=0.0)
             wg = tl.load(wg_ptrs, mask=n_mask[:, None], other=0.0)
@@ -108,6 +151,15 @@ def moe_decode_up_kernel(
     if SWAP_AB:
         acc_g = tl.trans(acc_g)                                      # [BM, BN]
         acc_u = tl.trans(acc_u)
+    c_mask = rows[:, None] & n_mask[None, :]
+    if SPLIT_K > 1:                  # add the partials; the tile's last program goes on
+        h_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * (2 * N) + offs_n[None, :]   # [BM, BN]
+        tl.atomic_add(h_ptrs, acc_g, mask=c_mask, sem="relaxed", scope="gpu")
+        tl.atomic_add(h_ptrs + N, acc_u, mask=c_mask, sem="relaxed", scope="gpu")
+        if not _arrive_last(cnt_ptr + s * tl.num_programs(1) + pid_n, SPLIT_K):
+            return
+        acc_g = _take(h_ptrs, c_mask, BLOCK_M, BLOCK_N)
+        acc_u = _take(h_ptrs + N, c_mask, BLOCK_M, BLOCK_N)
 
     # ---- epilogue: dequant, routed weight (on input), SiLU-and-mul, store --------------------
     acc_g = _dequant(acc_g, a_scale, w_scale_ptr, expert, stride_se, offs_n, N, stride_sn,
@@ -118,7 +170,6 @@ def moe_decode_up_kernel(
         rw = tl.load(topk_w_ptr + offs_m, mask=rows, other=0.0).to(tl.float32)[:, None]
         acc_g = acc_g * rw
         acc_u = acc_u * rw
-    c_mask = rows[:, None] & n_mask[None, :]
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cs + offs_n[None, :] * stride_cn
     res = acc_g * tl.sigmoid(acc_g) * acc_u
     if C_FP8:
@@ -128,8 +179,9 @@ def moe_decode_up_kernel(
 
 @jit(do_not_specialize=["M"])
 def moe_decode_down_kernel(
-    # pointers
-    a_ptr, w_ptr, out_ptr, ids_ptr, topk_w_ptr, a_scale_ptr, w_scale_ptr,
+    # pointers (o_ptr [>= M, K] fp32 and cnt_ptr [>= M * cdiv(K, BLOCK_N)] int32: the split
+    # workspace, zero between calls; unused when SPLIT_K == 1)
+    a_ptr, w_ptr, out_ptr, ids_ptr, topk_w_ptr, a_scale_ptr, w_scale_ptr, o_ptr, cnt_ptr,
     # sizes: K = output columns (hidden), N = reduction (intermediate), M tokens
     K, N, M,
     # strides
@@ -139,9 +191,10 @@ def moe_decode_down_kernel(
     TOPK: tl.constexpr, MUL_ROUTED: tl.constexpr, A_MODE: tl.constexpr, W_SCALE: tl.constexpr,
     EVEN_N: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP8_PREROUND: tl.constexpr, USE_PDL: tl.constexpr,
+    FP8_PREROUND: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    """Row j of the [BLOCK_M >= TOPK, BK] A tile carries slot j's chunk (other rows zero), so
+    """Grid (M * cdiv(K, BLOCK_N), SPLIT_K). Row j of the [BLOCK_M >= TOPK, BK] A tile
+    carries slot j's chunk (other rows zero), so
     acc[j, :] accumulates slot j's product with its own expert; per-row scales (routed
     weight, weight and activation scales) and the sum over rows come once, after the loop."""
     pid = tl.program_id(0)
@@ -173,7 +226,13 @@ def moe_decode_down_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for it in range(0, TOPK * n_chunks):
+    it_lo = 0
+    it_hi = TOPK * n_chunks
+    if SPLIT_K > 1:                                    # this split's share of the flat loop
+        per_split = tl.cdiv(TOPK * n_chunks, SPLIT_K)
+        it_lo = tl.program_id(1) * per_split
+        it_hi = tl.minimum(it_lo + per_split, TOPK * n_chunks)
+    for it in range(it_lo, it_hi):
         j = it // n_chunks
         c = it - j * n_chunks
         e = tl.sum(tl.where(offs_j == j, ids, 0), axis=0)             # no in-loop load
@@ -207,5 +266,11 @@ def moe_decode_down_kernel(
         s_ptrs = w_scale_ptr + e_rows[:, None] * stride_se + offs_kout[None, :] * stride_sk
         acc = acc * tl.load(s_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
     out = tl.sum(acc, axis=0)                                        # [BN]
+    if SPLIT_K > 1:                  # add the partial row; the tile's last program stores
+        o_ptrs = o_ptr + m * K + offs_kout
+        tl.atomic_add(o_ptrs, out, mask=k_mask, sem="relaxed", scope="gpu")
+        if not _arrive_last(cnt_ptr + pid, SPLIT_K):
+            return
+        out = tl.sum(_take(o_ptrs[None, :], k_mask[None, :], 1, BLOCK_N), axis=0)
     tl.store(out_ptr + m * stride_om + offs_kout * stride_ok,
              out.to(out_ptr.dtype.element_ty), mask=k_mask)

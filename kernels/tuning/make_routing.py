@@ -1,7 +1,9 @@
-"""Build the routing table (kernels/moe/routing.py) from bench_kernels results.json files.
+"""Build the routing table (kernels/moe/routing.py) from bench_kernels results.json files and
+the routing tables `moe-serve tune` writes (their measured points; a later tune of a shape
+replaces every earlier point of that shape, since its tables changed).
 
-    python -m kernels.tuning.make_routing bench/results/2026-12-01/kernels_session_b/bench_results.json \
-        ... --device NVIDIA_H200 --triton-version 3.6.0
+    python -m kernels.tuning.make_routing bench/results/2026-12-02/.../bench_results.json \
+        .../tuned/routing_mixtral-8x7b.json --device NVIDIA_H200 --triton-version 3.6.0
 
 Per shape and measured M, s = vLLM's time / ours (> 1: ours faster). A run-to-run spread d
 (in ln s) tells a real difference from noise:
@@ -22,7 +24,7 @@ Per shape and measured M, s = vLLM's time / ours (> 1: ours faster). A run-to-ru
   the largest measured M: vLLM.
 
 Repeated readings of a cell with the config of its last file are averaged (geometric mean).
-Rows whose shape kernels.tuning.named_shapes does not name are skipped; shapes never measured
+Bench rows whose shape kernels.tuning.named_shapes does not name are skipped; shapes never measured
 are absent (they take the default rule: kernels.moe.routing.default_ranges). Each point keeps
 its measured config string (a test checks the configs routed to ours are still the measured
 ones), its route and the reason for it.
@@ -106,7 +108,7 @@ def route_measured(measured: dict[str, dict[str, Any]], spread: float = DEFAULT_
 
 
 def measured_spread(cells: dict[tuple, list[float]]) -> tuple[float, str]:
-    """(spread, where it came from) from repeated cells {(shape, dtype, M, cfg): [s, ...]}."""
+    """(spread, where it came from) from repeated cells {(shape, M, cfg): [s, ...]}."""
     reps = sorted(math.log(max(v) / min(v)) for v in cells.values() if len(v) > 1)
     if len(reps) < MIN_REPEATS:
         return DEFAULT_SPREAD, f"default ({len(reps)} repeated cells, fewer than {MIN_REPEATS})"
@@ -114,39 +116,53 @@ def measured_spread(cells: dict[tuple, list[float]]) -> tuple[float, str]:
     return round(max(MIN_SPREAD, p90), 4), f"measured: 90th percentile over {len(reps)} repeated cells"
 
 
-def build(results: list[dict[str, Any]], device: str, sources: list[str], triton_version: str,
-          spread: float | None = None) -> dict[str, Any]:
-    """The routing table of results (in file order: a later file's reading of a cell wins)."""
+def _readings(results: list[dict[str, Any]]) -> tuple[dict[str, dict], dict[str, dict[int, list[dict]]]]:
+    """({shape key: {name, topk}}, {shape key: {M: readings in file order}}) of bench results
+    and tune routing tables (a tune table's shape drops the shape's earlier readings)."""
     from kernels.moe.routing import shape_key
 
     shapes = {**TUNED, **UNTUNED}
-    rows: dict[tuple[str, str, int], list[dict]] = {}
+    info: dict[str, dict] = {}
+    rows: dict[str, dict[int, list[dict]]] = {}
     for res in results:
+        if "shapes" in res:                                  # a `moe-serve tune` routing table
+            for key, ent in res["shapes"].items():
+                info[key] = {"name": ent["name"], "topk": ent["topk"]}
+                rows[key] = {int(m): [{**v, "part": "tune"}] for m, v in ent.get("measured", {}).items()}
+            continue
         for part, part_rows in res.items():
-            if not isinstance(part_rows, list):
-                continue
-            for r in part_rows:
+            for r in part_rows if isinstance(part_rows, list) else []:
                 if isinstance(r, dict) and r.get("shape") in shapes:
-                    rows.setdefault((r["shape"], r["dtype"], r["M"]), []).append({**r, "part": part})
+                    E, N, K, topk = shapes[r["shape"]]
+                    key = shape_key(E, N, K, r["dtype"])
+                    info.setdefault(key, {"name": r["shape"], "topk": topk})
+                    rows.setdefault(key, {}).setdefault(r["M"], []).append({**r, "part": part})
+    return info, rows
+
+
+def build(results: list[dict[str, Any]], device: str, sources: list[str], triton_version: str,
+          spread: float | None = None) -> dict[str, Any]:
+    """The routing table of results (in file order: a later file's reading of a cell wins)."""
+    info, rows = _readings(results)
     cells: dict[tuple, list[float]] = {}
-    for (name, dt, M), rs in rows.items():
-        for r in rs:
-            if _speedup(r) is not None:
-                cells.setdefault((name, dt, M, r.get("cfg")), []).append(_speedup(r))
+    for key, by_m in rows.items():
+        for M, rs in by_m.items():
+            for r in rs:
+                if _speedup(r) is not None:
+                    cells.setdefault((key, M, r.get("cfg")), []).append(_speedup(r))
     measured_d, spread_from = measured_spread(cells)
     d = measured_d if spread is None else spread
     acc: dict[str, dict[str, Any]] = {}
-    for (name, dt, M), rs in sorted(rows.items(), key=lambda kv: kv[0][2]):
-        E, N, K, topk = shapes[name]
-        ent = acc.setdefault(shape_key(E, N, K, dt), {"name": name, "topk": topk, "measured": {}})
-        last = rs[-1]
-        same = [_speedup(r) for r in rs if r.get("cfg") == last.get("cfg") and _speedup(r) is not None]
-        sp = math.exp(sum(map(math.log, same)) / len(same)) if same and _speedup(last) is not None else None
-        ent["measured"][str(M)] = {
-            "speedup": None if sp is None else round(sp, 4), "readings": len(same) or 1,
-            "ours_us": last.get("ours_us"), "vllm_us": last.get("vllm_us"), "cfg": last.get("cfg"),
-            "error": (last.get("error") or "")[:80] or None, "part": last["part"]}
-    for ent in acc.values():
+    for key, by_m in rows.items():
+        ent = acc[key] = {**info[key], "measured": {}}
+        for M, rs in sorted(by_m.items()):
+            last = rs[-1]
+            same = [_speedup(r) for r in rs if r.get("cfg") == last.get("cfg") and _speedup(r) is not None]
+            sp = math.exp(sum(map(math.log, same)) / len(same)) if same and _speedup(last) is not None else None
+            ent["measured"][str(M)] = {
+                "speedup": None if sp is None else round(sp, 4), "readings": len(same) or 1,
+                "ours_us": last.get("ours_us"), "vllm_us": last.get("vllm_us"), "cfg": last.get("cfg"),
+                "error": (last.get("error") or "")[:80] or None, "part": last["part"]}
         ent["ranges"] = route_measured(ent["measured"], d)
     return {"device": device, "triton_version": triton_version, "spread": d,
             "spread_from": spread_from if spread is None else "given", "sources": sources,
@@ -163,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("results", nargs="+", help="bench_kernels results.json files")
+    ap.add_argument("results", nargs="+",
+                    help="bench_kernels results.json files or `moe-serve tune` routing tables")
     ap.add_argument("--device", default="NVIDIA_H200")
     ap.add_argument("--triton-version", default=None,
                     help="the Triton the results were measured with (default: this one)")

@@ -4,7 +4,7 @@ Per M bucket two families compete, each starting from its default and walked one
 at a time (phases), every phase's new candidates compiled for sm_90 on the host CPU first
 (kernels.tuning.precompile), then timed:
   decode (buckets with M * topk <= 64, kernels.moe.moe_decode): up tile, up BLOCK_K, up stages,
-      down tile, down stages, PDL;
+      down tile, down stages, up split-K, down split-K, PDL;
   aligned (every bucket): A GEMM1 split/fuse, B GEMM1 tiles (fp8: and A_PREQUANT), C GEMM2;
   then D: each bucket tries its neighbours' winners (one-dimension walks stop at local
   optima). The faster family wins the bucket.
@@ -56,8 +56,10 @@ def legal(cfg: dict, N: int, K: int, topk: int, dtype: str) -> bool:
         return False
     d = configs.down_config(cfg)
     rows1 = N if cfg["FUSE_GU"] else 2 * N
-    if cfg.get("DECODE"):
-        d = {**d, "BLOCK_M": 16}                 # the down kernel's own row tile
+    if cfg.get("DECODE"):                        # the down kernel's own row tile; its split
+        if d["SPLIT_K"] > topk * _k_tiles(N, d["BLOCK_K"]):   # shares the slot x chunk loop
+            return False
+        d = {**d, "BLOCK_M": 16, "SPLIT_K": 1}
     return (_ok_tile(cfg, rows1, K) and _ok_tile(d, K, N)
             and max(smem.gemm_estimates(cfg, dtype, topk=topk)) <= smem.SMEM_LIMIT)
 
@@ -141,6 +143,8 @@ PHASES: list[tuple[str, str, Callable[..., list[dict]]]] = [  # (name, family, c
     ("decode up stages", "decode", lambda c, s: _vary(c, "num_stages", (3, 4, 5, 6))),
     ("decode down tile", "decode", lambda c, s: decode_down_tiles(c)),
     ("decode down stages", "decode", lambda c, s: _vary(c, "num_stages", (3, 4, 5, 6), down=True)),
+    ("decode up split", "decode", lambda c, s: _vary(c, "SPLIT_K", (1, 2, 4, 8))),
+    ("decode down split", "decode", lambda c, s: _vary(c, "SPLIT_K", (1, 2, 4, 8, 16), down=True)),
     ("decode PDL", "decode", lambda c, s: [{**c, "PDL": not c.get("PDL", False)}]),
     ("aligned A gate split/fuse", "aligned", lambda c, s: aligned_a(c, s["K"])),
     ("aligned B gate tiles", "aligned", lambda c, s: aligned_b(c, s["dtype"])),
@@ -149,10 +153,12 @@ PHASES: list[tuple[str, str, Callable[..., list[dict]]]] = [  # (name, family, c
 
 
 def starts(b: int, E: int, N: int, K: int, topk: int, dtype: str, device: str) -> list[Config]:
-    """The bucket's starting configs: the default, plus the other family's start."""
+    """The bucket's starting configs: the default, the decode family's with and without
+    split-K, and the aligned family's."""
     out = [configs.default_config(b, E, N, K, topk, dtype, device)]
     if b * topk <= DECODE_TUNE_MAX_SLOTS:
         out.append(heuristics.decode_config(b, E, N, K, topk, dtype))
+        out.append(heuristics.decode_config(b, E, N, K, topk, dtype, split=True))
     out.append(configs.aligned_default(b, E, N, K, topk, dtype, device))
     return out
 
