@@ -273,7 +273,7 @@ def part_bench(shapes: dict, ms: tuple, dtypes: tuple, ceiling: float, n_sets: i
     from floor import floor_us
     from kernels_fp8 import expert_bytes
 
-    from kernels.moe import configs, routing
+    from kernels.moe import configs, selection
     from kernels.tuning import precompile
     from kernels.moe.config_schema import label
     from kernels.moe.fused_moe import num_programs
@@ -282,7 +282,7 @@ def part_bench(shapes: dict, ms: tuple, dtypes: tuple, ceiling: float, n_sets: i
     rows = []
     floors: dict[int, float] = {}
     if CUDA:  # compile every config this part will hit on the host CPU, in parallel
-        precompile.precompile([(*shape, dt, M, configs.get_config(M, *shape, dt))
+        precompile.precompile([(*shape, dt, M, selection.get_config(M, *shape, dt))
                                for shape in shapes.values() for dt in dtypes for M in ms], log=log)
     for name, shape in shapes.items():
         E, N, K, topk = shape
@@ -291,10 +291,10 @@ def part_bench(shapes: dict, ms: tuple, dtypes: tuple, ceiling: float, n_sets: i
             tuned = configs.load_table(E, N, K, dt, configs.device_name()) is not None
             for M in ms:
                 row = dict(part=tag, shape=name, dtype=dt, M=M, tuned=tuned)
-                cfg = configs.get_config(M, E, N, K, topk, dt)
+                cfg = selection.get_config(M, E, N, K, topk, dt)
                 row["cfg"] = label(cfg)
                 row["ctas"] = "%d/%d" % num_programs(M, E, N, K, topk, cfg)
-                row["route"] = routing.route(E, N, K, dt, M, topk=topk)  # what serving uses
+                row["route"] = selection.route(E, N, K, dt, M, topk=topk)  # what serving uses
                 try:
                     prob = _problem(shape, M, dt, n_sets, weights)
                     weights = prob["weights"]

@@ -44,11 +44,11 @@ def expert_bytes(N: int, K: int, fmt: str) -> int:
 
 def _block_variants(M: int, E: int, N: int, K: int, topk: int, fmt: str) -> dict[str, dict]:
     """Forced configs of every block-FP8 variant at M (decode ones while slots fit)."""
-    from kernels.moe import configs, heuristics
+    from kernels.moe import configs, heuristics, selection
 
     bk = quant_format.block_shape(fmt)[1]
     al = configs.aligned_default(M, E, N, K, topk, fmt)
-    out = {"served": configs.get_config(M, E, N, K, topk, fmt),
+    out = {"served": selection.get_config(M, E, N, K, topk, fmt),
            "aligned-prequant": al, "aligned-inloop": {**al, "A_PREQUANT": False},
            "aligned-split": {**al, "BLOCK_M": 16, "SWAP_AB": True, "BLOCK_N": 64, "SPLIT_K": 2,
                              "FUSE_GU": False, "DOWN": {**configs.down_config(al), "SPLIT_K": 2,

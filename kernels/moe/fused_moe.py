@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import triton
 
-from kernels.moe import configs, fp8_scales, smem
+from kernels.moe import configs, fp8_scales, selection, smem
 from kernels.moe.align import max_padded_len, moe_align
-from kernels.moe.config_schema import prequant
+from kernels.moe.config_schema import block_k_of, prequant
 from kernels.moe.fp8_scales import FP8, INTERPRET, Fp8Scales, block_stride, scale_strides
 from kernels.moe.launch import launch
 from kernels.moe.moe_decode_launch import fused_moe_decode
@@ -161,11 +161,11 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         topk_weights = topk_weights.float()
     topk_weights = topk_weights.contiguous()
 
-    cfg = config or configs.get_config(M, E, N, K, topk, format_of(w1.dtype, fp8),
-                                       act_bytes=hidden_states.element_size())
-    if use_fp8 and fp8.block_shape and configs.block_k_of(cfg) != {fp8.group_k}:
+    cfg = config or selection.get_config(M, E, N, K, topk, format_of(w1.dtype, fp8),
+                                         act_bytes=hidden_states.element_size())
+    if use_fp8 and fp8.block_shape and block_k_of(cfg) != {fp8.group_k}:
         raise ValueError(f"block FP8 {fp8.block_shape} needs BLOCK_K == {fp8.group_k} in both "
-                         f"GEMMs (a K step is one activation group), config has {configs.block_k_of(cfg)}")
+                         f"GEMMs (a K step is one activation group), config has {block_k_of(cfg)}")
     if cfg.get("DECODE"):
         return fused_moe_decode(hidden_states, w1, w2, topk_weights, topk_ids, fp8,
                                 apply_router_weight_on_input, out, cfg)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kernels.moe import configs, quant_format
+from kernels.moe import configs, quant_format, selection
 from kernels.moe.aot import compile_launches
 from kernels.moe.fused_moe import FP8, Fp8Scales, dtype_name, fused_moe
 from kernels.moe.launch import kernel_name, record_launches
@@ -73,7 +73,7 @@ def warm_moe_variants(E: int, N: int, K: int, topk: int, dtype: torch.dtype, max
         wname = quant_format.block_key(*block_shape)
     else:
         wname = quant_format.PER_TOKEN if per_token_act else "fp8" if fp8 else dtype_name(dtype)
-    buckets = configs.buckets_for(E, N, K, wname)
+    buckets = selection.buckets_for(E, N, K, wname)
     reach = sorted({configs.bucket_of(m, buckets) for m in
                     list(range(1, min(max_tokens, buckets[-1]) + 1)) + [max_tokens]})
     variants: set[tuple] = set()

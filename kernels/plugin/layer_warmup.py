@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from kernels.moe import configs, quant_format, routing
+from kernels.moe import quant_format, routing, selection
 from kernels.moe.fused_moe import dtype_name
 from kernels.moe.moe_variants import warm_moe_variants
 from kernels.plugin.plugin_host import PluginHost
@@ -135,17 +135,17 @@ class LayerWarmup:
         max_tokens = (p.facts and p.facts.max_num_batched_tokens) or DEFAULT_MAX_TOKENS
         max_seqs = (p.facts and p.facts.max_num_seqs) or DEFAULT_MAX_SEQS
         E, N, K, wname = shape.E, shape.N, shape.K, shape.route_dtype
-        plan = warmup_plan(routing.ranges(E, N, K, wname, topk=shape.topk), max_seqs, max_tokens, shape.topk,
+        plan = warmup_plan(selection.ranges(E, N, K, wname, topk=shape.topk), max_seqs, max_tokens, shape.topk,
                            policy=routing.policy(), cfg_key=_chooser(self.vllm_calls.get(shape), shape))
-        desc = routing.describe(E, N, K, wname, topk=shape.topk)
+        desc = selection.describe(E, N, K, wname, topk=shape.topk)
         n = 0
         if plan["ours"]:
             n = self.warm_variants(E, N, K, shape.topk, shape.dtype, max_tokens, fp8=shape.fp8,
                                    device=shape.device, static_act=shape.static_act,
                                    router_weight_on_input=shape.router_on_input, ids_dtypes=(shape.ids_dtype,),
                                    per_token_act=shape.per_token_act, block_shape=shape.block_shape)
-            swaps = {bool(configs.get_config(b, E, N, K, shape.topk, wname).get("SWAP_AB"))
-                     for b in configs.buckets_for(E, N, K, wname)}
+            swaps = {bool(selection.get_config(b, E, N, K, shape.topk, wname).get("SWAP_AB"))
+                     for b in selection.buckets_for(E, N, K, wname)}
             p.set_swap_ab("mixed" if len(swaps) > 1 else str(swaps.pop()).lower())
         nv = self.warm_vllm(shape, plan["vllm"]) if plan["vllm"] else 0
         p.report_routing(routing.shape_key(E, N, K, wname), desc)

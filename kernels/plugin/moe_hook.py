@@ -1,5 +1,5 @@
 """The plugin's MoE hook: vLLM's TritonExperts.apply -> our fused_moe where we support the call
-and the measured routing table (kernels/moe/routing.py) says ours is faster for (E, N, K, dtype, M).
+and the routing (kernels/moe/selection.py) says ours is faster for (E, N, K, dtype, M).
 
 Supported: gated SiLU, no expert_map / LoRA / bias / clamp; bf16/fp16/fp32, or FP8 W8A8 in
 the three formats of kernels.moe.quant_format: per-tensor or per-channel weight scales with a
@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from kernels.moe import routing
+from kernels.moe import routing, selection
 from kernels.moe.fused_moe import FP8, Fp8Scales, fused_moe
 from kernels.plugin.layer_warmup import LayerShape, LayerWarmup, VllmCallTemplate
 from kernels.plugin.plugin_host import PluginHost
@@ -152,7 +152,7 @@ class MoeHook:
         except Exception as exc:  # noqa: BLE001
             return self._fallback(orig, experts, call, f"error:{type(exc).__name__}")
         M = call.hidden_states.size(0)
-        if routing.route(shape.E, shape.N, shape.K, shape.route_dtype, M, topk=shape.topk) != routing.OURS:
+        if selection.route(shape.E, shape.N, shape.K, shape.route_dtype, M, topk=shape.topk) != routing.OURS:
             self.plugin.count_launch("routed_to_vllm")
             return call_apply(orig, experts, call)
         try:

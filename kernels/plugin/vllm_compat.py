@@ -1,4 +1,5 @@
-"""The only module of the plugin that touches vLLM internals (vLLM 0.26 on the GPU host, 0.32 here).
+"""Where the plugin touches vLLM internals (vLLM 0.26 on the GPU host, 0.32 here), and the pins of
+the kernel-side pieces kernels.moe.vllm_kernels loads.
 
 Every point below is checked by a pin in ``PINS``; tests/test_vllm_compat.py runs them on the CPU
 (0.32), bench/check_vllm_pins.py on the GPU host (0.26). Where the versions differ, the
@@ -10,7 +11,7 @@ difference is dispatched here on ``vllm_minor()``:
 | ``FusedMoEExpertsModular.apply`` return               | None            | None or UnfinalizedMoEOutput |
 | ``WorkerBase.__init__(vllm_config, local_rank, rank)`` | same            | same                        |
 | ``<Worker>.compile_or_warm_up_model(self)``           | same            | same                        |
-| ``try_get_optimal_moe_config(w1, w2, top_k, dtype, M)`` | same          | same                        |
+| ``try_get_optimal_moe_config(w1, w2, top_k, dtype, M, block_shape)`` | same | same          |
 | ``_resize_cache(flat, shape)`` views a workspace's front | same         | same                        |
 | ``moe_align_block_size(topk_ids, block_size, E)``      | same            | same                        |
 | ``fused_experts(x, w1, w2, tw, ids, quant_config=)``   | same            | same                        |
@@ -38,7 +39,7 @@ import torch
 import vllm
 from vllm.config import KernelConfig, ParallelConfig, SchedulerConfig
 
-from kernels.moe import quant_format
+from kernels.moe import vllm_kernels as vk
 
 EXPERTS = ("vllm.model_executor.layers.fused_moe.experts.triton_moe", "TritonExperts")
 MODULAR = ("vllm.model_executor.layers.fused_moe.modular_kernel", "FusedMoEExpertsModular")
@@ -164,20 +165,13 @@ def fp8_layout(experts: Any) -> tuple[list[int] | None, bool]:
     return experts.block_shape, bool(experts.per_act_token_quant)
 
 
-def _vllm_dtype(fmt: str) -> tuple[str | None, list[int] | None]:
-    """vLLM's (config dtype, block_shape) for a kernels.moe.quant_format key."""
-    bs = quant_format.block_shape(fmt)
-    return ("fp8_w8a8" if quant_format.is_fp8(fmt) else None), (list(bs) if bs else None)
-
-
 def vllm_config_chooser(w1_shape: tuple[int, ...], w2_shape: tuple[int, ...], topk: int,
                         fmt: str) -> Callable[[int], str]:
     """M -> vLLM's own fused-MoE config for this layer of format `fmt` (a quant_format key;
     try_get_optimal_moe_config), as a hashable string; cached. Raises when vLLM cannot choose
     (no GPU config machinery)."""
-    from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
-
-    dtype, block = _vllm_dtype(fmt)
+    try_get_optimal_moe_config = load(vk.CONFIG_LOOKUP)
+    dtype, block = vk.vllm_dtype(fmt)
 
     @functools.lru_cache(maxsize=None)
     def choose(M: int) -> str:
@@ -186,36 +180,6 @@ def vllm_config_chooser(w1_shape: tuple[int, ...], w2_shape: tuple[int, ...], to
 
     choose(1)
     return choose
-
-
-def moe_config(M: int, E: int, N: int, K: int, topk: int, dtype: str) -> dict[str, Any] | None:
-    """vLLM's fused_moe config for M tokens of (E, N per rank, K) and format `dtype` (a
-    quant_format key): its shipped table for this GPU where one exists, else its default;
-    None if it cannot choose."""
-    from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
-
-    vdt, block = _vllm_dtype(dtype)
-    try:
-        return dict(try_get_optimal_moe_config((E, 2 * N, K), (E, K, N), topk, vdt, M,
-                                               block_shape=block))
-    except Exception:  # noqa: BLE001 - no config machinery for this platform
-        return None
-
-
-def align_op() -> Callable:
-    """vLLM's moe_align_block_size(topk_ids, block_size, num_experts) -> (sorted_ids,
-    expert_ids, num_tokens_post_pad): the same outputs as kernels.moe.align, a CUDA kernel."""
-    from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
-
-    return moe_align_block_size
-
-
-def fused_experts() -> tuple[Callable, Callable]:
-    """(fused_experts, fp8_w8a8_moe_quant_config): vLLM's Triton MoE, the timing baseline."""
-    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
-    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts as fx
-
-    return fx, fp8_w8a8_moe_quant_config
 
 
 def _params(fn: Callable) -> tuple[str, ...]:
@@ -254,10 +218,8 @@ def pin_config_fields() -> str:
 
 
 def pin_config_chooser() -> str:
-    from vllm.model_executor.layers.fused_moe import fused_moe as fm
-
-    assert _params(fm.try_get_optimal_moe_config)[:6] == ("w1_shape", "w2_shape", "top_k", "dtype",
-                                                         "M", "block_shape")
+    assert _params(load(vk.CONFIG_LOOKUP))[:6] == ("w1_shape", "w2_shape", "top_k", "dtype", "M",
+                                                  "block_shape")
     assert "BLOCK_SIZE_M" in vllm_config_chooser((8, 64, 32), (8, 32, 32), 2, "bf16")(5)
     return "try_get_optimal_moe_config"
 
@@ -272,20 +234,21 @@ def pin_workspace_views() -> str:
 
 
 def pin_kernel_baselines() -> str:
-    assert _params(align_op())[:3] == ("topk_ids", "block_size", "num_experts")
-    fx, qcfg = fused_experts()
+    """The vLLM pieces kernels.moe.vllm_kernels loads (it returns None where one is missing)."""
+    assert _params(load(vk.ALIGN_OP))[:3] == ("topk_ids", "block_size", "num_experts")
+    fx, qcfg = load(vk.FUSED_EXPERTS), load(vk.FP8_QUANT_CONFIG)
     assert _params(fx)[:5] == ("hidden_states", "w1", "w2", "topk_weights", "topk_ids")
     assert "quant_config" in _params(fx)
     assert {"w1_scale", "w2_scale", "a1_scale", "a2_scale", "per_act_token_quant",
             "block_shape"} <= set(_params(qcfg))
-    assert "BLOCK_SIZE_N" in (moe_config(4, 8, 32, 64, 2, "bf16") or {"BLOCK_SIZE_N": 0})
+    assert "BLOCK_SIZE_N" in (vk.moe_config(4, 8, 32, 64, 2, "bf16") or {"BLOCK_SIZE_N": 0})
     return "moe_align_block_size, fused_experts, fp8_w8a8_moe_quant_config"
 
 
 def pin_fp8_layout() -> str:
     """What fp8_layout reads: the experts' properties over their quant_config, for a block and
     a per-token FP8 config built by vLLM's own constructor."""
-    _, qcfg = fused_experts()
+    qcfg = load(vk.FP8_QUANT_CONFIG)
     experts = load(MODULAR).__mro__[1]                 # FusedMoEExperts
     for name in ("block_shape", "per_act_token_quant", "w1_scale", "w2_scale", "a1_scale", "a2_scale"):
         assert isinstance(getattr(experts, name), property), name

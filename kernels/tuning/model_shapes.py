@@ -7,6 +7,7 @@ matches no family is an error that names the fields it looked for.
 from __future__ import annotations
 
 import json
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,18 @@ class MoEShape:
     @property
     def key(self) -> tuple[int, int, int, int]:
         return self.E, self.N, self.K, self.topk
+
+
+def model_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
+    """The arguments every command about a model's MoE shapes takes: --model, -tp, --quantization."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="local HF model directory (config.json)")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    ap.add_argument("--quantization", choices=["fp8", "compressed-tensors"], default=None,
+                    help="vLLM's --quantization: the method whose format to use (default: the "
+                         "checkpoint's quantization_config; 'fp8' with no such config: vLLM's "
+                         "online per-tensor FP8)")
+    return ap
 
 
 def _find(cfgs: list[dict[str, Any]], names: tuple[str, ...]) -> Any:

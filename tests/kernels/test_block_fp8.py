@@ -174,17 +174,17 @@ def test_block_needs_block_k_equal_to_the_group():
 def test_block_default_configs():
     """No config: the format's table/default (decode for few tokens per expert, aligned above)
     with BLOCK_K = the group, through both paths."""
-    from kernels.moe import configs, quant_format
+    from kernels.moe import configs, quant_format, selection
 
     key = quant_format.block_key(32, 32)
-    assert configs.get_config(1, 8, 32, 64, 2, key, device="cpu").get("DECODE")
-    assert not configs.get_config(64, 8, 32, 64, 2, key, device="cpu").get("DECODE")
+    assert selection.get_config(1, 8, 32, 64, 2, key, device="cpu").get("DECODE")
+    assert not selection.get_config(64, 8, 32, 64, 2, key, device="cpu").get("DECODE")
     for M in (1, 64):
-        cfg = configs.get_config(M, 8, 32, 64, 2, key, device="cpu")
+        cfg = selection.get_config(M, 8, 32, 64, 2, key, device="cpu")
         assert configs.block_k_of(cfg) == {32}
         _block_check(M, 8, 32, 64, 2, (32, 32), None)
     for M in configs.M_BUCKETS:     # DeepSeek-V3 TP8 shard: every bucket's config launchable
-        cfg = configs.get_config(M, 256, 256, 7168, 8, quant_format.block_key(128, 128), "cpu")
+        cfg = selection.get_config(M, 256, 256, 7168, 8, quant_format.block_key(128, 128), "cpu")
         assert configs.block_k_of(cfg) == {128}
 
 

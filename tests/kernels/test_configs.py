@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from kernels.moe import configs
+from kernels.moe import configs, selection
 
 
 @pytest.mark.parametrize("shape", [(8, 1792, 4096, 2), (128, 96, 2048, 8), (256, 256, 7168, 8),
@@ -26,26 +27,67 @@ def test_bucket_of():
     assert [configs.bucket_of(m) for m in (1, 3, 64, 65, 5000)] == [1, 4, 64, 128, 4096]
 
 
-def test_table_file_overrides_heuristic(tmp_path, monkeypatch):
-    entry = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=5,
-                 SWAP_AB=True, DOWN=dict(BLOCK_N=64))
-    name = configs.config_file_name(4, 48, 64, "fp16", "testdev")
-    (tmp_path / name).write_text(json.dumps({"1": entry, "64": {**entry, "SWAP_AB": False},
-                                             "triton_version": "x"}))
-    monkeypatch.setenv("MOE_SERVE_KERNEL_CONFIG_DIR", str(tmp_path))
-    configs.load_table.cache_clear()
-    configs.get_config.cache_clear()
-    try:
-        c1 = configs.get_config(1, 4, 48, 64, 2, "fp16", "testdev")
-        assert c1["num_stages"] == 5 and c1["SWAP_AB"]
-        assert configs.down_config(c1)["BLOCK_N"] == 64
-        assert configs.down_config(c1)["BLOCK_K"] == 64
-        assert not configs.get_config(9, 4, 48, 64, 2, "fp16", "testdev")["SWAP_AB"]
-        assert configs.get_config(999, 4, 48, 64, 2, "fp16", "testdev")["BLOCK_M"] == 16
-        assert configs.buckets_for(4, 48, 64, "fp16", "testdev") == (1, 64)
-    finally:
-        configs.load_table.cache_clear()
-        configs.get_config.cache_clear()
+ENTRY = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=5,
+             SWAP_AB=True, DOWN=dict(BLOCK_N=64))
+
+
+def _write_table(d: Path, triton_version: str | None, E: int = 4, **extra) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / configs.config_file_name(E, 48, 64, "fp16", "testdev")
+    data = {"1": ENTRY, "64": {**ENTRY, "SWAP_AB": False}, **extra}
+    if triton_version is not None:
+        data["triton_version"] = triton_version
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.fixture
+def config_dirs(tmp_path, monkeypatch):
+    """(env dir, tuner cache dir) in tmp_path, caches cleared before and after."""
+    monkeypatch.setenv("MOE_SERVE_KERNEL_CONFIG_DIR", str(tmp_path / "env"))
+    monkeypatch.setenv("MOE_SERVE_CACHE", str(tmp_path / "cache"))
+    selection.clear_caches()
+    yield tmp_path / "env", configs.cache_dir("testdev")
+    selection.clear_caches()
+
+
+def test_table_file_overrides_heuristic(config_dirs):
+    _write_table(config_dirs[0], configs.running_triton_version())
+    c1 = selection.get_config(1, 4, 48, 64, 2, "fp16", "testdev")
+    assert c1["num_stages"] == 5 and c1["SWAP_AB"]
+    assert configs.down_config(c1)["BLOCK_N"] == 64
+    assert configs.down_config(c1)["BLOCK_K"] == 64
+    assert not selection.get_config(9, 4, 48, 64, 2, "fp16", "testdev")["SWAP_AB"]
+    assert selection.get_config(999, 4, 48, 64, 2, "fp16", "testdev")["BLOCK_M"] == 16
+    assert selection.buckets_for(4, 48, 64, "fp16", "testdev") == (1, 64)
+    assert configs.find_table(4, 48, 64, "fp16", "testdev").source == configs.ENV_DIR
+
+
+def test_table_of_another_triton_is_refused_and_the_search_goes_on(config_dirs, caplog):
+    """A table recording another Triton version is refused with a warning naming `moe-serve
+    tune`; the next dir's table serves; with none left, the default rule does."""
+    env, cache = config_dirs
+    stale = _write_table(env, "0.0.1-other")
+    _write_table(cache, configs.running_triton_version())
+    with caplog.at_level("WARNING"):
+        found = configs.find_table(4, 48, 64, "fp16", "testdev")
+    assert found.source == configs.TUNER_CACHE and found.table is not None
+    assert len(found.refused) == 1 and str(stale) in found.refused[0] and "0.0.1-other" in found.refused[0]
+    assert "moe-serve tune" in caplog.text and str(stale) in caplog.text
+    (cache / stale.name).unlink()
+    selection.clear_caches()
+    alone = configs.find_table(4, 48, 64, "fp16", "testdev")
+    assert alone.table is None and alone.refused
+    choice = selection.config_choice(1, 4, 48, 64, 2, "fp16", "testdev")
+    assert choice.source == selection.DEFAULT_RULE and choice.refused == alone.refused
+    # the same file is taken when the configs will run under the Triton it records
+    assert configs.find_table(4, 48, 64, "fp16", "testdev", "0.0.1-other").source == configs.ENV_DIR
+
+
+def test_table_without_a_triton_version_is_taken(config_dirs):
+    _write_table(config_dirs[0], None)
+    found = configs.find_table(4, 48, 64, "fp16", "testdev")
+    assert found.table is not None and found.refused == ()
 
 
 def test_validate_rejects_bad():
@@ -92,9 +134,9 @@ def test_format_keys_name_tables_as_vllm_does():
     assert quant_format.is_fp8(quant_format.PER_TOKEN) and not quant_format.is_fp8("bf16")
     for M in (1, 4, 64, 4096):
         for E, N, K, topk in [(256, 256, 7168, 8), (128, 192, 4096, 8), (128, 768, 2048, 8)]:
-            cfg = configs.get_config(M, E, N, K, topk, key, device="cpu")
+            cfg = selection.get_config(M, E, N, K, topk, key, device="cpu")
             assert configs.validate(cfg) == cfg and configs.block_k_of(cfg) == {128}
-    assert configs.get_config(1, 256, 256, 7168, 8, "fp8", device="cpu")["BLOCK_K"] == 256
+    assert selection.get_config(1, 256, 256, 7168, 8, "fp8", device="cpu")["BLOCK_K"] == 256
 
 
 def test_format_of_checkpoints():

@@ -12,7 +12,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from kernels.moe import configs, routing
+from kernels.moe import configs, routing, selection
 from kernels.plugin import jit_monitor, vllm_compat
 from kernels.plugin.layer_warmup import LayerShape, VllmCallTemplate, _vllm_group, warmup_plan
 from kernels.plugin.plugin_metrics import PluginMetrics
@@ -74,7 +74,7 @@ def test_apply_routes_per_m(plugin, tmp_path, monkeypatch):
     (tmp_path / routing.file_name(dev)).write_text(json.dumps(table))
     monkeypatch.setenv("MOE_SERVE_KERNEL_CONFIG_DIR", str(tmp_path))
     monkeypatch.delenv(routing.ROUTING_ENV, raising=False)
-    routing.load.cache_clear()
+    selection.clear_caches()
     plugin.moe.require_cuda = False
     calls = []
 
@@ -93,7 +93,7 @@ def test_apply_routes_per_m(plugin, tmp_path, monkeypatch):
         plugin.moe.handle(orig, experts, three)
         assert torch.all(three.output == 7.0)
     finally:
-        routing.load.cache_clear()
+        selection.clear_caches()
     assert calls == [3]
     launches = {p: _value(plugin, "moe_serve_moe_kernel_launches_total", path=p) for p in
                 ("optimized", "routed_to_vllm", "fallback")}
