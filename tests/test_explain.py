@@ -80,23 +80,31 @@ def test_tables_of_another_triton_are_refused_and_defaults_shown(tmp_path, capsy
     assert "default rule" in out and configs.SHIPPED not in rows[64]
 
 
-def test_block_fp8_layers_fall_back_as_the_hook_does(tmp_path, capsys) -> None:
+def test_block_fp8_layers_are_selected_as_their_format(tmp_path, capsys) -> None:
+    """A block-FP8 checkpoint's layers are named by their format and follow selection's route
+    (the default rule: ours on the decode buckets), as the hook, which accepts a block call
+    with vLLM's scale layouts, serves them."""
     model = _model(tmp_path, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
-    assert explain.main(["--model", model, "--m", "1,8"]) == 0
-    rows = _rows(capsys.readouterr().out)
-    assert all(r.split()[1] == "vllm" and "unsupported by ours: fp8_block" in r for r in rows.values())
-    # the same reason the hook gives a block-quantized FP8 call
-    E, N, K, M, fp8 = 4, 16, 32, 2, torch.float8_e4m3fn
+    assert explain.main(["--model", model, "--m", "1,64"]) == 0
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    assert "fp8_w8a8,block_shape=[128,128]" in out and explain.SCHEME_FALLBACKS == {}
+    assert not any("unsupported by ours" in r for r in rows.values())
+    assert rows[1].split()[1] == "ours" and rows[64].split()[1] == "vllm"
+    E, N, K, M, fp8 = 4, 128, 256, 2, torch.float8_e4m3fn
     quant = SimpleNamespace(use_fp8_w8a8=True, quant_dtype=fp8, block_shape=[128, 128],
-                            gemm1_clamp_limit=None, gemm1_alpha=None, gemm1_beta=None)
+                            per_act_token_quant=False, gemm1_clamp_limit=None, gemm1_alpha=None,
+                            gemm1_beta=None)
     experts = SimpleNamespace(quant_config=quant, _lora_context=None, w1_bias=None, w2_bias=None,
-                              quantization_emulation=False)
+                              quantization_emulation=False, block_shape=[128, 128],
+                              per_act_token_quant=False, w1_scale=torch.ones(E, 2, 2),
+                              w2_scale=torch.ones(E, 2, 1), a2_scale=None)
     call = vllm_compat.ApplyCall(torch.zeros(M, K, dtype=torch.bfloat16), torch.zeros(M, K, dtype=fp8),
                                  torch.zeros(E, 2 * N, K, dtype=fp8), torch.zeros(E, K, N, dtype=fp8),
                                  torch.ones(M, 2), torch.zeros(M, 2, dtype=torch.int32),
-                                 SimpleNamespace(name="SILU"), -1, None, torch.ones(1), None,
+                                 SimpleNamespace(name="SILU"), -1, None, torch.ones(M, 2), None,
                                  torch.zeros(1), torch.zeros(1), None, False)
-    assert unsupported_reason(experts, call, require_cuda=False) == explain.SCHEME_FALLBACKS["fp8_block"]
+    assert unsupported_reason(experts, call, require_cuda=False) is None
 
 
 def test_bad_models_exit_2(tmp_path, capsys) -> None:
