@@ -141,10 +141,14 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if args[:1] == ["tune"]:                      # moe-serve tune ... (kernels.tune_cli)
-        from kernels.tune_cli import main as tune_main
+    if args[:1] == ["tune"]:                      # moe-serve tune ... (kernels.tuning.tune_cli)
+        from kernels.tuning.tune_cli import main as tune_main
 
         return tune_main(args[1:])
+    if args[:1] == ["explain"]:                   # moe-serve explain ... (kernels.tuning.explain)
+        from kernels.tuning.explain import main as explain_main
+
+        return explain_main(args[1:])
     try:
         settings = settings_from_args(argv)
     except SettingsError as exc:

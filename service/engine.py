@@ -64,7 +64,7 @@ def build_engine_args(settings: Settings, model_path: str) -> Any:
         from vllm.config import ProfilerConfig
 
         kwargs["profiler_config"] = ProfilerConfig(**kwargs["profiler_config"])
-    from kernels import backend_policy
+    from kernels.plugin import backend_policy
 
     backend_policy.apply(kwargs, settings.moe_kernels, model_path)  # an explicit moe_backend wins
     return AsyncEngineArgs(**kwargs)
@@ -188,7 +188,7 @@ class EngineHandle:
 def freeze_startup_heap() -> None:
     """Collect once, then move every object alive now (torch, vLLM, tokenizer: ~650k on the CPU
     engine) out of the collector's reach. Unfrozen, full collections during serving scanned them
-    all and paused the event loop 0.8-0.9 s (TTFT p99 at 32 streams: ~1 s; bench/RESULTS.md).
+    all and paused the event loop 0.8-0.9 s (TTFT p99 at 32 streams: ~1 s; bench/HISTORY.md).
     vLLM's engine core does the same for its own process (freeze_gc_heap)."""
     began = time.perf_counter()
     gc.collect()
@@ -213,7 +213,7 @@ def default_engine_env(embedded_model: bool = False) -> None:
         # EMBEDDED_STRUCTURED_OUTPUTS) instead of xgrammar structural tags (which allow any
         # whitespace, where a random-weight model stays). Read when vLLM's tool parsers are imported.
         os.environ.setdefault("VLLM_ENFORCE_STRICT_TOOL_CALLING", "0")
-    # vLLM 0.26 on the H200 hung at engine start without spawn (DESIGN.md).
+    # vLLM 0.26 on the H200 hung at engine start without spawn (seen 2026-11-29).
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")

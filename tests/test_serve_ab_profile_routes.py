@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from kernels.plugin_metrics import RUNTIME_DIR_ENV
+from kernels.plugin.plugin_metrics import RUNTIME_DIR_ENV
 from service.app import create_app
 from service.cli import settings_from_args
 from service.engine import build_engine_args

@@ -3,7 +3,7 @@ shapes (tuned + untuned, bf16 + fp8) and M up to 16384 must fit sm_90's shared m
 
 Prints one JSON line: {"configs": n distinct, "max_estimate": ..., "over_estimate": [...],
 "compiled": [{"est", "shared", ...}] } for the `argv[1]` configs closest to the limit plus
-`argv[2]` random others, compiled for sm_90 with kernels.aot (real Triton metadata.shared)."""
+`argv[2]` random others, compiled for sm_90 with kernels.moe.aot (real Triton metadata.shared)."""
 from __future__ import annotations
 
 import json
@@ -19,11 +19,14 @@ from shapes import TUNED, UNTUNED  # noqa: E402
 
 import torch  # noqa: E402
 
-from kernels import aot, configs, smem  # noqa: E402
-from kernels.align import moe_align_kernel  # noqa: E402
-from kernels.fused_moe import Fp8Scales, fused_moe  # noqa: E402
-from kernels.launch import record_launches  # noqa: E402
-from kernels.moe_gemm import topk_sum_kernel  # noqa: E402
+from kernels.moe import aot, configs, selection, smem  # noqa: E402
+from kernels.moe.align import moe_align_kernel  # noqa: E402
+from kernels.moe.fused_moe import Fp8Scales, fused_moe  # noqa: E402
+from kernels.moe.launch import record_launches  # noqa: E402
+from kernels.moe.moe_gemm import topk_sum_kernel  # noqa: E402
+
+# the Triton the shipped H200 tables were tuned with (they are refused under another)
+SHIPPED_TRITON = json.loads(next(configs.CONFIG_DIR.glob("E=*.json")).read_text())["triton_version"]
 
 MS = sorted({*range(1, 65), *configs.M_BUCKETS, 100, 300, 700, 1500, 3000, 6000, 8192, 12000,
              16384})
@@ -60,7 +63,7 @@ def main() -> None:
     for name, (E, N, K, topk) in {**TUNED, **UNTUNED}.items():
         for dt in ("bf16", "fp8"):
             for M in MS:
-                cfg = configs.get_config(M, E, N, K, topk, dt, "NVIDIA_H200")
+                cfg = selection.get_config(M, E, N, K, topk, dt, "NVIDIA_H200", triton_version=SHIPPED_TRITON)
                 est = max(smem.gemm_estimates(cfg, dt, topk=topk))
                 if est > smem.SMEM_LIMIT:
                     over.append([name, dt, M, est])
