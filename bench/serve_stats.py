@@ -36,7 +36,7 @@ WORKLOAD_KEYS = ("model", "config_sha256", "levels", "prompt_tokens", "output_to
 class Process:
     """One complete process: its meta.json and its cells by concurrency."""
 
-    dir: Path
+    dir: Any                        # a Path, or a directory inside a results archive
     meta: dict[str, Any]
     cells: dict[int, dict[str, Any]] = field(default_factory=dict)
 
@@ -76,7 +76,7 @@ def cell(records: list[dict[str, Any]], output_tokens: int, roofline_s: float | 
             "roofline_pct": None if roofline_s is None else 100 * roofline_s * 1e3 / itl}
 
 
-def load_process(d: Path) -> Process:
+def load_process(d: Any) -> Process:
     meta = json.loads((d / "meta.json").read_text())
     p = Process(d, meta)
     w = meta["workload"]
@@ -91,9 +91,16 @@ def load_process(d: Path) -> Process:
     return p
 
 
-def load(dirs: list[Path]) -> list[Process]:
-    """Every complete process under the given run directories (DIR/<variant>/r<round>/)."""
-    return [load_process(m.parent) for d in dirs for m in sorted(Path(d).glob(f"*/r*/{COMPLETE}"))]
+def process_dirs(run_dir: Any) -> list[Any]:
+    """DIR/<variant>/r<round>/ of every complete process: a Path, or a directory inside a closed
+    date's archive (bench/results_archive.ArchivePath, which globs one level at a time)."""
+    return [r for v in sorted(run_dir.iterdir()) if v.is_dir()
+            for r in sorted(v.glob("r*")) if (r / COMPLETE).is_file()]
+
+
+def load(dirs: list[Any]) -> list[Process]:
+    """Every complete process under the given run directories."""
+    return [load_process(p) for d in dirs for p in process_dirs(Path(d) if isinstance(d, str) else d)]
 
 
 def by_model(procs: list[Process]) -> dict[str, list[Process]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -240,6 +241,20 @@ def test_results_table_renders_ratios_roofline_and_machines(tmp_path: Path) -> N
     # roofline 4e9 B / 4e12 B/s = 1 ms against ITL 4.05 ms and 2.025 ms
     assert base.endswith("| 25 % |") and ours.endswith("| 49 % |")
     assert "| **2.025** | 2.000 [" in ours
+
+
+def test_results_table_reads_a_closed_dates_archive(tmp_path: Path) -> None:
+    from bench import results_archive
+
+    run = tmp_path / "2099-01-01" / "serve_ab"
+    for v in (BASELINE, OURS):
+        _write_process(run, v, 0, WORK, 4000)
+    plain = serve_render.results_table(run)
+    results_archive.close("2099-01-01", root=tmp_path)
+    shutil.rmtree(tmp_path / "2099-01-01")
+    archived = results_archive.raw("2099-01-01/serve_ab", root=tmp_path)
+    assert isinstance(archived, results_archive.ArchivePath)
+    assert serve_render.results_table(archived) == plain
 
 
 def test_report_refuses_to_pool_runs_of_different_workloads(tmp_path: Path) -> None:
