@@ -9,19 +9,22 @@ import signal
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from service import __version__
 from service import kernel_tables
 from service.engine import EngineHandle
 from service.errors import install_error_handlers
+from service.grammar_checker import tokenizer_info_json
 from service.memory_trim import trim_periodically
-from service.middleware import AUTHENTICATED, AccessLogMiddleware, AuthMiddleware, BodyLimitMiddleware
+from service.middleware import (AUTHENTICATED, AccessLogMiddleware, AuthMiddleware, BodyLimitMiddleware,
+                                RefusedRequestCounter)
 from service.openai_api import router as openai_router
+from service.openapi import install_openapi
 from service.settings import Settings
 from service.state import ServerState
-from service.warmup import warm_up_request_path
+from service.warmup import is_warmup, warm_up_request_path
 from service.worker_metrics import workers_summary
 
 logger = logging.getLogger(__name__)
@@ -52,9 +55,20 @@ async def _check_kernel_tables(state: ServerState, model_path: str) -> None:
     kernel_tables.export(statuses, state.registry)
 
 
+async def _configure_grammar_checker(state: ServerState) -> None:
+    """Give the structured-output checker the served vocabulary (the engine's tokenizer)."""
+    engine = state.engine
+    try:
+        info = await asyncio.to_thread(tokenizer_info_json, engine.tokenizer,
+                                       engine.engine.model_config.get_vocab_size())
+        await state.grammar_checker.configure(info, state.runtime_dir)
+    except Exception:  # noqa: BLE001 - serve anyway: structured-output requests get 503 until it runs
+        logger.exception("the structured-output checker did not start")
+
+
 async def _start_and_watch_engine(app: FastAPI, state: ServerState, model_path: str) -> None:
-    """Check the kernel tables, start the engine, warm the request path, then poll the engine;
-    if it dies, fail health and exit non-zero."""
+    """Check the kernel tables, start the engine and the structured-output checker, warm the
+    request path, then poll the engine; if it dies, fail health and exit non-zero."""
     try:
         await _check_kernel_tables(state, model_path)
     except Exception:  # noqa: BLE001 - a broken table check must not stop serving
@@ -64,6 +78,7 @@ async def _start_and_watch_engine(app: FastAPI, state: ServerState, model_path: 
     except Exception:  # noqa: BLE001 - logged by start(); health stays 503
         _request_exit(state, "engine failed to start")
         return
+    await _configure_grammar_checker(state)
     await warm_up_request_path(app, state)
     while not state.shutting_down:
         await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
@@ -78,6 +93,7 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        await state.grammar_checker.spawn()  # imports xgrammar while the engine loads
         watcher = asyncio.create_task(_start_and_watch_engine(app, state, model_path))
         trimmer = asyncio.create_task(trim_periodically(settings.malloc_trim_interval_s))
         try:
@@ -87,6 +103,7 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
             watcher.cancel()
             trimmer.cancel()
             await asyncio.gather(watcher, trimmer, return_exceptions=True)
+            await state.grammar_checker.close()
             state.engine.shutdown()
             state.cleanup()
 
@@ -97,8 +114,10 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
     app.state.server = state
     install_error_handlers(app)
     app.include_router(openai_router)
+    if docs:
+        install_openapi(app, prompt_embeds="--enable-prompt-embeds" in settings.frontend_args)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD
     async def health() -> Response:
         if state.engine.healthy and state.warmed and not state.shutting_down:
             return JSONResponse({"status": "ok", "unfinished_requests": state.engine.num_unfinished_requests(),
@@ -108,7 +127,7 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
             status = "shutting_down"
         return JSONResponse({"status": status}, status_code=503)
 
-    @app.get("/ping")
+    @app.api_route("/ping", methods=["GET", "HEAD"])
     async def ping() -> dict:
         """Liveness: the process answers (the engine may still be starting; readiness is /health)."""
         return {"status": "alive"}
@@ -128,12 +147,17 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
         return {"version": __version__, "vllm": vllm_version, "model": settings.model_name,
                 "moe_kernels": settings.moe_kernels, **workers_summary(state.runtime_dir)}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(_: Request) -> Response:
         return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    def count_refused(scope: dict, http_status: int | None) -> None:
+        metrics = state.warmup_metrics if is_warmup(Request(scope)) else state.metrics
+        metrics.refused(http_status)
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes, timeout_s=settings.body_timeout_s)
     app.add_middleware(AuthMiddleware, api_keys=settings.api_keys, metrics_key=settings.metrics_api_key)
+    app.add_middleware(RefusedRequestCounter, count=count_refused)
     if settings.access_log:
         app.add_middleware(AccessLogMiddleware, as_json=settings.access_log_json)
     return app
