@@ -117,7 +117,7 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
     if docs:
         install_openapi(app, prompt_embeds="--enable-prompt-embeds" in settings.frontend_args)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD
+    @app.get("/health")
     async def health() -> Response:
         if state.engine.healthy and state.warmed and not state.shutting_down:
             return JSONResponse({"status": "ok", "unfinished_requests": state.engine.num_unfinished_requests(),
@@ -127,10 +127,13 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
             status = "shutting_down"
         return JSONResponse({"status": status}, status_code=503)
 
-    @app.api_route("/ping", methods=["GET", "HEAD"])
+    @app.get("/ping")
     async def ping() -> dict:
         """Liveness: the process answers (the engine may still be starting; readiness is /health)."""
         return {"status": "alive"}
+
+    for path, probe in (("/health", health), ("/ping", ping)):  # load balancers probe with HEAD
+        app.add_api_route(path, probe, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/version")
     async def version(request: Request) -> dict:

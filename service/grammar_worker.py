@@ -6,7 +6,8 @@ in a file the API process wrote), then answers checks: for each check it forks a
 converts each grammar spec the way vLLM's xgrammar backend does, rejects rules that can never
 finish (service.grammar_productive), and compiles the grammar against the vocabulary, so the
 child's run time is what the engine would spend compiling. A child past its budget is killed:
-the compile stops, its memory goes with it, and the process stays free for the next check.
+the compile stops, its memory goes with it, and the process stays free for the next check. A
+child may allocate at most MAX_CHECK_MEMORY (more: the check fails, a 400).
 
 Protocol, one JSON object per line. In: first `{"tokenizer_info": PATH | null, "max_parallel": N}`,
 then `{"id": I, "specs": [[KIND, TEXT], ...], "budget_s": S}` or `{"cancel": I}`.
@@ -20,11 +21,13 @@ import ctypes
 import json
 import os
 import re
+import resource
 import selectors
 import signal
 import sys
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 from service.grammar_productive import UnknownSyntax, dead_rules
@@ -32,6 +35,7 @@ from service.grammar_productive import UnknownSyntax, dead_rules
 _XGRAMMAR_LOG_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s*\S+:\d+:\s*")  # "[07:20:53] /project/cpp/x.cc:49: "
 MAX_ERROR_CHARS = 300
 PR_SET_PDEATHSIG = 1  # prctl(2)
+MAX_CHECK_MEMORY = 2 << 30  # bytes one check may allocate
 
 
 def _grammar_is_likely_lark(text: str) -> bool:
@@ -102,6 +106,16 @@ def check_specs(xgr: Any, compiler: Any, specs: list[list[str]]) -> dict[str, An
     return {"ok": True}
 
 
+def _bound_memory(extra_bytes: int) -> None:
+    """Cap this process's data segment at what it uses now plus `extra_bytes`: a compile that
+    allocates more fails (a 400) instead of taking the machine's memory."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmData:"):
+            limit = int(line.split()[1]) * 1024 + extra_bytes
+            resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+            return
+
+
 def _die_with_parent() -> None:
     """Linux: SIGKILL this process when its parent dies (a killed checker leaves no compile behind)."""
     try:
@@ -153,6 +167,7 @@ class _Zygote:
         pid = os.fork()
         if pid == 0:  # the child: check, report, exit without running any of the parent's cleanup
             _die_with_parent()
+            _bound_memory(MAX_CHECK_MEMORY)
             os.close(read_fd)
             try:
                 result = check_specs(self.xgr, self.compiler, check["specs"])

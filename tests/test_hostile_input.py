@@ -4,7 +4,10 @@ field, registers nothing with the engine, and the server keeps serving."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
+import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -193,3 +196,41 @@ def test_seed_out_of_range_names_pydantics_error_type_as_vllm_serve_does(http: h
 def test_a_malformed_body_names_line_and_column_not_an_offset(http: httpx.Client) -> None:
     err = _error(_post_raw(http, CMPL, '{"model": "x",\n "prompt": '))
     assert err["param"] is None and "line 2, column 12" in err["message"]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(p) for p in (task / "children").read_text().split()]
+    return found
+
+
+def _checker_pid(server_pid: int) -> int:
+    return next(p for p in _children(server_pid)
+                if b"service.grammar_worker" in Path(f"/proc/{p}/cmdline").read_bytes())
+
+
+def _until(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_client_that_disconnects_cancels_its_compile(strict_server: ServerProcess,
+                                                       embedded_model_dir: str) -> None:
+    """On the strict server (300 s compile budget) a schema that takes minutes to convert is being
+    checked in a forked child; the client hangs up; the child is killed long before any budget."""
+    checker = _checker_pid(strict_server.proc.pid)
+    body = json.dumps({**_schema_chat({"type": "string", "pattern": "^[a-z]{1,60000}$"}),
+                       "model": Path(embedded_model_dir).name}).encode()
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Authorization: " + strict_server.headers["Authorization"].encode() +
+               b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    with socket.create_connection(("127.0.0.1", strict_server.port), timeout=30) as sock:
+        sock.sendall(request)
+        assert _until(lambda: _children(checker), 60), "the check never started"
+    assert _until(lambda: not _children(checker), 60), "the compile kept running after the client left"
+    assert _checker_pid(strict_server.proc.pid) == checker  # the checker itself lives on
