@@ -193,6 +193,17 @@ def test_seed_out_of_range_names_pydantics_error_type_as_vllm_serve_does(http: h
     assert err["param"] == "seed" and error_type in err["message"]
 
 
+@pytest.mark.parametrize("field,value,says", [
+    ("truncate_prompt_tokens", -3, "greater than or equal to -1 [type=greater_than_equal]"),  # pydantic's range
+    ("temperature", 9, "temperature must be in [0, 2], got 9.0."),  # vLLM's own checks, word for word
+    ("top_k", -5, "top_k must be 0 (disable), or at least 1, got -5."),
+    ("presence_penalty", 5, "presence_penalty must be in [-2, 2], got 5.0."),
+])
+def test_other_range_errors_keep_vllms_wording(http: httpx.Client, field: str, value: int, says: str) -> None:
+    err = _error(http.post(CMPL, json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2, field: value}))
+    assert says in err["message"] and err["param"] in (field, None), err
+
+
 def test_a_malformed_body_names_line_and_column_not_an_offset(http: httpx.Client) -> None:
     err = _error(_post_raw(http, CMPL, '{"model": "x",\n "prompt": '))
     assert err["param"] is None and "line 2, column 12" in err["message"]
