@@ -65,7 +65,7 @@ def _mix(srv: ServerProcess, round_no: int) -> Counter:
         (CHAT, _schema({"$ref": "#"})),
         (CHAT, _schema({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"})),
         (CHAT, _schema({"enum": [f"v{i}-{round_no}" for i in range(100_000)]})),
-        (CHAT, _schema({"type": "string", "pattern": f"^[a-z]{{1,{10_000 + round_no}}}$"})),  # over budget, new each round
+        (CHAT, _schema({"type": "string", "pattern": f"^[a-z]{{1,{30_000 + round_no}}}$"})),  # over budget, new
         (CMPL, b'{"prompt": "x", "logit_bias": {"1": NaN}}'), (CMPL, b'{"prompt": "x", "stream": "yes"}'),
         (CMPL, {"model": MODEL_NAME, "prompt": "fine", "max_tokens": 4}),
         (CHAT, _schema({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})),
