@@ -109,11 +109,14 @@ def check_specs(xgr: Any, compiler: Any, specs: list[list[str]]) -> dict[str, An
 def _bound_memory(extra_bytes: int) -> None:
     """Cap this process's data segment at what it uses now plus `extra_bytes`: a compile that
     allocates more fails (a 400) instead of taking the machine's memory."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmData:"):
-            limit = int(line.split()[1]) * 1024 + extra_bytes
-            resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
-            return
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmData:"):
+                limit = int(line.split()[1]) * 1024 + extra_bytes
+                resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+                return
+    except (OSError, ValueError):
+        pass  # no /proc, or a limit the system refuses: the time budget still holds
 
 
 def _die_with_parent() -> None:
@@ -181,7 +184,8 @@ class _Zygote:
         self.running[pid] = check
         self.sel.register(read_fd, selectors.EVENT_READ, pid)
 
-    def finish(self, pid: int, result: dict[str, Any], kill: bool = False) -> None:
+    def finish(self, pid: int, result: dict[str, Any] | None, kill: bool = False) -> None:
+        """Reap a child (killing it first if asked); answer its check unless `result` is None."""
         check = self.running.pop(pid)
         self.sel.unregister(check["fd"])
         os.close(check["fd"])
