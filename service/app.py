@@ -9,21 +9,24 @@ import signal
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from service import __version__
 from service import kernel_tables
 from service.engine import EngineHandle
 from service.errors import install_error_handlers
+from service.grammar_checker import tokenizer_info_json
 from service.memory_trim import trim_periodically
-from service.middleware import AUTHENTICATED, AccessLogMiddleware, AuthMiddleware, BodyLimitMiddleware
+from service.middleware import (AUTHENTICATED, AccessLogMiddleware, AuthMiddleware, BodyLimitMiddleware,
+                                RefusedRequestCounter)
 from service.openai_api import router as openai_router
 from service.profiling import profiler_configured
 from service.profiling import router as profiling_router
+from service.openapi import install_openapi
 from service.settings import Settings
 from service.state import ServerState
-from service.warmup import warm_up_request_path
+from service.warmup import is_warmup, warm_up_request_path
 from service.worker_metrics import workers_summary
 
 logger = logging.getLogger(__name__)
@@ -54,9 +57,20 @@ async def _check_kernel_tables(state: ServerState, model_path: str) -> None:
     kernel_tables.export(statuses, state.registry)
 
 
+async def _configure_grammar_checker(state: ServerState) -> None:
+    """Give the structured-output checker the served vocabulary (the engine's tokenizer)."""
+    engine = state.engine
+    try:
+        info = await asyncio.to_thread(tokenizer_info_json, engine.tokenizer,
+                                       engine.engine.model_config.get_vocab_size())
+        await state.grammar_checker.configure(info, state.runtime_dir)
+    except Exception:  # noqa: BLE001 - serve anyway: structured-output requests get 503 until it runs
+        logger.exception("the structured-output checker did not start")
+
+
 async def _start_and_watch_engine(app: FastAPI, state: ServerState, model_path: str) -> None:
-    """Check the kernel tables, start the engine, warm the request path, then poll the engine;
-    if it dies, fail health and exit non-zero."""
+    """Check the kernel tables, start the engine and the structured-output checker, warm the
+    request path, then poll the engine; if it dies, fail health and exit non-zero."""
     try:
         await _check_kernel_tables(state, model_path)
     except Exception:  # noqa: BLE001 - a broken table check must not stop serving
@@ -66,6 +80,7 @@ async def _start_and_watch_engine(app: FastAPI, state: ServerState, model_path: 
     except Exception:  # noqa: BLE001 - logged by start(); health stays 503
         _request_exit(state, "engine failed to start")
         return
+    await _configure_grammar_checker(state)
     await warm_up_request_path(app, state)
     while not state.shutting_down:
         await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
@@ -80,6 +95,7 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        await state.grammar_checker.spawn()  # imports xgrammar while the engine loads
         watcher = asyncio.create_task(_start_and_watch_engine(app, state, model_path))
         trimmer = asyncio.create_task(trim_periodically(settings.malloc_trim_interval_s))
         try:
@@ -89,6 +105,7 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
             watcher.cancel()
             trimmer.cancel()
             await asyncio.gather(watcher, trimmer, return_exceptions=True)
+            await state.grammar_checker.close()
             state.engine.shutdown()
             state.cleanup()
 
@@ -101,6 +118,8 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
     app.include_router(openai_router)
     if profiler_configured(settings):          # as vllm serve: only with a profiler configured
         app.include_router(profiling_router)
+    if docs:
+        install_openapi(app, prompt_embeds="--enable-prompt-embeds" in settings.frontend_args)
 
     @app.get("/health")
     async def health() -> Response:
@@ -117,6 +136,9 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
         """Liveness: the process answers (the engine may still be starting; readiness is /health)."""
         return {"status": "alive"}
 
+    for path, probe in (("/health", health), ("/ping", ping)):  # load balancers probe with HEAD
+        app.add_api_route(path, probe, methods=["HEAD"], include_in_schema=False)
+
     @app.get("/version")
     async def version(request: Request) -> dict:
         """The moe-serve version; to an authenticated caller (or with no key set) also vLLM's,
@@ -132,12 +154,17 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
         return {"version": __version__, "vllm": vllm_version, "model": settings.model_name,
                 "moe_kernels": settings.moe_kernels, **workers_summary(state.runtime_dir)}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(_: Request) -> Response:
         return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    def count_refused(scope: dict, http_status: int | None) -> None:
+        metrics = state.warmup_metrics if is_warmup(Request(scope)) else state.metrics
+        metrics.refused(http_status)
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes, timeout_s=settings.body_timeout_s)
     app.add_middleware(AuthMiddleware, api_keys=settings.api_keys, metrics_key=settings.metrics_api_key)
+    app.add_middleware(RefusedRequestCounter, count=count_refused)
     if settings.access_log:
         app.add_middleware(AccessLogMiddleware, as_json=settings.access_log_json)
     return app

@@ -85,6 +85,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most messages in one chat request (400 beyond)")
     p.add_argument("--default-max-tokens", type=int, default=int(e("default_max_tokens", 4096)),
                    help="output cap for requests that set no max_tokens; 0: up to the context length")
+    p.add_argument("--max-structured-output-bytes", type=int, default=int(e("max_structured_output_bytes", 65536)),
+                   help="largest JSON schema, regex, grammar, choice list or structural tag of one request, in "
+                   "bytes (400 beyond)")
+    p.add_argument("--max-structured-output-choices", type=int,
+                   default=int(e("max_structured_output_choices", 4096)),
+                   help="most enum values (summed over a schema) or choices in one constraint (400 beyond)")
+    p.add_argument("--structured-output-compile-budget", type=float,
+                   default=float(e("structured_output_compile_budget", 3.0)),
+                   help="seconds a constraint may take to compile for the model's vocabulary, measured "
+                   "before the engine sees it (400 beyond)")
+    p.add_argument("--structured-output-checkers", type=int, default=int(e("structured_output_checkers", 2)),
+                   help="constraints compiled for that check at once")
+    p.add_argument("--max-header-bytes", type=int, default=int(e("max_header_bytes", 65536)),
+                   help="request line and headers, in bytes (431 beyond)")
+    p.add_argument("--header-timeout", type=float, default=float(e("header_timeout", 30.0)),
+                   help="seconds a request's headers may take to arrive (408, connection closed)")
+    p.add_argument("--body-timeout", type=float, default=float(e("body_timeout", 60.0)),
+                   help="seconds a request's whole body may take to arrive (408)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    default=e("enable_auto_tool_choice", "0") in ("1", "true"),
                    help="as in vllm serve (default on for the embedded model)")
@@ -128,7 +146,13 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
         max_request_bytes=args.max_request_bytes, max_n=args.max_n,
         max_tokens_limit=opt_int(args.max_tokens_limit), max_stop_sequences=args.max_stop_sequences,
         max_batch_prompts=args.max_batch_prompts, max_messages=args.max_messages,
-        default_max_tokens=args.default_max_tokens or None, enable_auto_tool_choice=args.enable_auto_tool_choice,
+        default_max_tokens=args.default_max_tokens or None,
+        max_structured_output_bytes=args.max_structured_output_bytes,
+        max_structured_output_choices=args.max_structured_output_choices,
+        structured_output_compile_budget_s=args.structured_output_compile_budget,
+        structured_output_checkers=args.structured_output_checkers, max_header_bytes=args.max_header_bytes,
+        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         chat_template=args.chat_template, frontend_args=tuple(args.frontend_arg),
         drain_timeout_s=args.drain_timeout, malloc_trim_interval_s=args.malloc_trim_interval,
@@ -160,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     from service.app import create_app
     from service.embedded_model import ensure_embedded_model
     from service.engine import default_engine_env, kernel_plugin_installed
+    from service.http_protocol import guarded_protocol
     from service.shutdown import ABORT_FLUSH_S, DrainingServer
 
     default_engine_env(embedded_model=settings.model is None)
@@ -176,11 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     # uvicorn's default 5 s equals httpx's pool expiry: suspected cause of the 4 ReadErrors in 12,541
     # requests of the first 2026-11-29 soak; the re-run (also pinned, idle machine) had 0 in 22,321.
     # Proxy headers (X-Forwarded-For/-Proto) rewrite the client address: honoured only from the
-    # proxies --forwarded-allow-ips names (uvicorn would trust 127.0.0.1 by default).
+    # proxies --forwarded-allow-ips names (uvicorn would trust 127.0.0.1 by default). The HTTP
+    # protocol is uvicorn's httptools one with header size and time limits (service/http_protocol.py).
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=ABORT_FLUSH_S, timeout_keep_alive=KEEP_ALIVE_S,
                             access_log=False, proxy_headers=settings.forwarded_allow_ips is not None,
-                            forwarded_allow_ips=settings.forwarded_allow_ips)
+                            forwarded_allow_ips=settings.forwarded_allow_ips,
+                            http=guarded_protocol(settings.max_header_bytes, settings.header_timeout_s))
     DrainingServer(config, app.state.server).run()
     # The engine and its workers are shut down by now. Skip interpreter teardown of torch
     # and vLLM (15+ s on a loaded machine, with noisy __del__ errors): flush and leave.

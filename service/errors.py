@@ -90,16 +90,15 @@ async def _on_api_error(_: Request, exc: APIError) -> JSONResponse:
 
 
 async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    """400 naming each field (at most 5), pydantic's message and error type, as in `vllm serve`'s
+    message (e.g. "seed: Input should be less than or equal to 9223372036854775807
+    [type=less_than_equal]")."""
     errors = exc.errors()
     first = errors[0] if errors else {}
     loc = tuple(first.get("loc", ()))
     named = getattr((first.get("ctx") or {}).get("error"), "parameter", None)  # vLLM's validators name it
-    if first.get("type") == "json_invalid":
-        message = "request body is not valid JSON"
-    else:
-        message = "; ".join(
-            f"{_param_of(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg', 'invalid')}" for e in errors[:5]
-        )
+    message = "; ".join(f"{_param_of(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg', 'invalid')} "
+                        f"[type={e.get('type', 'invalid')}]" for e in errors[:5])
     return error_response(APIError(400, message, param=named or _param_of(loc), code="invalid_value"))
 
 

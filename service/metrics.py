@@ -32,12 +32,18 @@ STATUSES = ("ok", "client_error", "server_error", "aborted", "rejected")
 # vLLM finish reasons of one generated sequence (label `finish_reason`), pre-initialised too.
 FINISH_REASONS = ("stop", "length", "abort")
 TOKEN_RATE_WINDOW_S = 10.0
+COUNTED = "moe_serve.counted"  # ASGI scope key: a route's RequestObserver counts this request
+CLIENT_CLOSED = 499  # nginx's status for a request whose client went away first
 
 
-def status_for_http(status_code: int) -> str:
-    """The `status` label of a request that ended with HTTP error `status_code`."""
+def status_for_http(status_code: int | None) -> str:
+    """The `status` label of a request answered with `status_code` (None: nothing was sent)."""
+    if status_code is None or status_code == CLIENT_CLOSED:
+        return "aborted"
     if status_code == 429:
         return "rejected"
+    if status_code < 400:
+        return "ok"
     return "client_error" if status_code < 500 else "server_error"
 
 
@@ -152,9 +158,9 @@ class ServiceMetrics:
                                      registry=registry)
         self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens.", labels,
                                          registry=registry)
-        self.requests = Counter(f"{PREFIX}_requests", "Requests that reached the engine route, by outcome "
-                                "(ok, client_error, server_error, aborted, rejected=429).", ["model", "status"],
-                                registry=registry)
+        self.requests = Counter(f"{PREFIX}_requests", "Requests to the generation routes (POST /v1/...), "
+                                "refused ones included, by outcome (ok, client_error = 4xx, server_error = 5xx, "
+                                "aborted = client gone, rejected = 429).", ["model", "status"], registry=registry)
         self.finish_reasons = Counter(f"{PREFIX}_finish_reasons", "Generated sequences (choices) by vLLM "
                                       "finish reason.", ["model", "finish_reason"], registry=registry)
         self.in_flight = Gauge(f"{PREFIX}_requests_in_flight", "Admitted requests being served now.", labels,
@@ -178,6 +184,10 @@ class ServiceMetrics:
     def start(self, prompt_tokens: int = 0) -> "RequestObserver":
         """A request arrived (before admission)."""
         return RequestObserver(self, prompt_tokens)
+
+    def refused(self, http_status: int | None) -> None:
+        """A generation request that ended before a RequestObserver saw it (auth, body, validation)."""
+        self.requests.labels(self.model, status_for_http(http_status)).inc()
 
 
 class RequestObserver:

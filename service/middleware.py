@@ -1,15 +1,19 @@
-"""Pure-ASGI middleware: the API-key check on every route but health, a request-body size cap, the access log."""
+"""Pure-ASGI middleware: the API-key check on every route but health, the request body's size cap
+and read timeout, the count of refused generation requests, the access log."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 import time
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.errors import error_body
+from service.metrics import COUNTED
 
 
 async def _send_error(send: Send, status: int, message: str, code: str, headers: list | None = None) -> None:
@@ -74,11 +78,14 @@ class AuthMiddleware:
 
 
 class BodyLimitMiddleware:
-    """413 for request bodies over `max_bytes` (by Content-Length, or while streaming in)."""
+    """413 for request bodies over `max_bytes` (by Content-Length, or while streaming in); 408 for a
+    body not complete `timeout_s` after the request reached the app (e.g. shorter than its
+    Content-Length). Either way the app's own answer is dropped and the connection closed."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -90,25 +97,66 @@ class BodyLimitMiddleware:
                                   "request_too_large")
                 return
         seen = 0
-        too_large = False
+        body_done = False
+        refused: tuple[int, str, str] | None = None
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
 
         async def limited_receive() -> Message:
-            nonlocal seen, too_large
-            message = await receive()
+            nonlocal seen, body_done, refused
+            if body_done:  # later receives wait for a disconnect: no deadline
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                refused = (408, f"the request body did not arrive within {self.timeout_s:g} s", "timeout")
+                return {"type": "http.disconnect"}
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
                 if seen > self.max_bytes:
-                    too_large = True
+                    refused = (413, f"request body is larger than {self.max_bytes} bytes", "request_too_large")
                     return {"type": "http.disconnect"}
             return message
 
         async def guarded_send(message: Message) -> None:
-            if not too_large:  # the app's answer to a truncated body is replaced by the 413
+            if refused is None:  # the app's answer to a truncated body is replaced by the refusal
                 await send(message)
 
         await self.app(scope, limited_receive, guarded_send)
-        if too_large:
-            await _send_error(send, 413, f"request body is larger than {self.max_bytes} bytes", "request_too_large")
+        if refused is not None:
+            await _send_error(send, *refused, headers=[(b"connection", b"close")])
+
+
+class RefusedRequestCounter:
+    """Counts the POST /v1/... requests that ended before a route's observer counted them (scope
+    key COUNTED): refused by the API key, the body limits, JSON parsing or validation, an unknown
+    model or route. `count(scope, http_status)`: the status sent, None when none was (client gone)."""
+
+    def __init__(self, app: ASGIApp, count: Callable[[Scope, int | None], None]) -> None:
+        self.app = app
+        self.count = count
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        status: int | None = None
+
+        async def recording_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recording_send)
+        except Exception:
+            status = status or 500
+            raise
+        finally:
+            if not scope.get(COUNTED):
+                self.count(scope, status)
 
 
 class AccessLogMiddleware:

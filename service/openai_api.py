@@ -15,8 +15,9 @@ from service.errors import APIError, from_vllm_error
 from service.protocol import cap_output, check_common, check_messages, completion_slots, reject_unknown_fields
 from service.request_flow import api_error_from_exception, serve
 from service.state import ServerState
+from service.strict_route import StrictJSONRoute
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)  # bodies parsed and checked strictly first
 
 
 def _state(request: Request) -> ServerState:

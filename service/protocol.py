@@ -48,8 +48,11 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's range; vLLM clamps into it silently
+
+
 def check_common(req: Any, settings: Settings) -> None:
-    """Limits shared by completions and chat: n, stop strings, beam search, max_tokens."""
+    """Limits shared by completions and chat: n, stop strings, logit_bias values."""
     n = req.n or 1
     if n > settings.max_n:
         raise APIError(400, f"n must be <= {settings.max_n}, got {n}", param="n", code="invalid_value")
@@ -59,6 +62,11 @@ def check_common(req: Any, settings: Settings) -> None:
                        param="stop", code="invalid_value")
     if any(s == "" for s in stops):
         raise APIError(400, "stop sequences must be non-empty", param="stop", code="invalid_value")
+    low, high = LOGIT_BIAS_RANGE
+    for token, bias in (req.logit_bias or {}).items():
+        if not low <= bias <= high:  # also false for NaN
+            raise APIError(400, f"logit_bias values must be in [{low:g}, {high:g}], got {bias!r} for token "
+                           f"{token[:20]!r}", param="logit_bias", code="invalid_value")
 
 
 def cap_output(req: Any, fields: tuple[str, ...], settings: Settings) -> None:

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from service import vllm_compat as compat
 from service.engine_client import CURRENT, RequestContext
 from service.errors import APIError, from_vllm_error, sse_error_event
-from service.metrics import status_for_http
+from service.metrics import CLIENT_CLOSED, COUNTED, status_for_http
 from service.state import ServerState
 from service.streaming import DONE_EVENT, ClientGone, SSEResponse, next_before, until_disconnect
 from service.warmup import is_warmup
@@ -66,11 +66,12 @@ class _Outcome:
 async def serve(request: Request, state: ServerState, slots: int, call: Callable[[], Awaitable[Any]]) -> Response:
     """Admit `slots`, run `call()` (a vLLM handler coroutine) and answer."""
     observer = (state.warmup_metrics if is_warmup(request) else state.metrics).start(0)
+    request.scope[COUNTED] = True
     try:
         ticket = await until_disconnect(request, state.admission.acquire(slots))
     except ClientGone:
         observer.finish("aborted")
-        return Response(status_code=499)
+        return Response(status_code=CLIENT_CLOSED)
     except APIError as exc:
         observer.finish(_status(exc))
         raise
@@ -109,7 +110,7 @@ async def serve(request: Request, state: ServerState, slots: int, call: Callable
         body = result.model_dump()
     except ClientGone:
         close("aborted")
-        return Response(status_code=499)
+        return Response(status_code=CLIENT_CLOSED)
     except Exception as exc:
         err = ctx.error or api_error_from_exception(exc)
         close(_status(err))

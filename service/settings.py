@@ -56,6 +56,19 @@ class Settings:
     max_batch_prompts: int = 128  # prompts in one /v1/completions request
     max_messages: int = 1024  # messages in one chat request
     default_max_tokens: int | None = 4096  # output cap for requests that set none (None: the context)
+    # What one structured-output constraint (json schema, regex, grammar, choice list, structural
+    # tag, the tools of a `required`/named tool_choice) may cost, checked before the engine sees it
+    # (service/structured_limits.py): its size in bytes, its enum values + choices, and the time
+    # xgrammar takes to convert and compile it for this model's vocabulary, measured in a
+    # checker process that kills a compile past the budget (service/grammar_worker.py).
+    max_structured_output_bytes: int = 64 * 1024
+    max_structured_output_choices: int = 4096
+    structured_output_compile_budget_s: float = 3.0
+    structured_output_checkers: int = 2  # compiles measured at once
+    # HTTP connections (service/http_protocol.py, service/middleware.py).
+    max_header_bytes: int = 64 * 1024  # request line + headers; beyond: 431
+    header_timeout_s: float = 30.0  # a request's headers must arrive within this (slowloris: 408, closed)
+    body_timeout_s: float = 60.0  # a request's whole body must arrive within this (408)
     # vLLM's OpenAI layer (service/vllm_compat.py): `vllm serve` flags of the same names.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # with the embedded model: hermes (and auto tool choice)
@@ -101,7 +114,8 @@ class Settings:
         if self.moe_kernels not in ("optimized", "vllm"):
             raise SettingsError(f"--moe-kernels must be 'optimized' or 'vllm', got {self.moe_kernels!r}")
         for name in ("max_concurrent_requests", "max_queued_requests", "max_request_bytes", "max_n",
-                     "max_stop_sequences", "max_batch_prompts", "max_messages"):
+                     "max_stop_sequences", "max_batch_prompts", "max_messages", "max_structured_output_bytes",
+                     "max_structured_output_choices", "structured_output_checkers", "max_header_bytes"):
             if getattr(self, name) < 1 and name != "max_queued_requests":
                 raise SettingsError(f"--{name.replace('_', '-')} must be >= 1")
         if self.max_queued_requests < 0:
@@ -114,6 +128,9 @@ class Settings:
             raise SettingsError("--request-timeout must be > 0")
         if self.drain_timeout_s < 0:
             raise SettingsError("--drain-timeout must be >= 0")
+        for name in ("structured_output_compile_budget_s", "header_timeout_s", "body_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"--{name.removesuffix('_s').replace('_', '-')} must be > 0")
         if self.malloc_trim_interval_s < 0:
             raise SettingsError("--malloc-trim-interval must be >= 0 (0 disables)")
         return self

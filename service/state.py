@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from service.admission import Admission
 from service.engine import EngineHandle
+from service.grammar_checker import GrammarChecker
 from service.metrics import ServiceMetrics
 from service.settings import Settings
 from service.worker_metrics import WorkerMetricsCollector, prepare_runtime_dir
@@ -24,6 +25,7 @@ class ServerState:
     metrics: ServiceMetrics
     warmup_metrics: ServiceMetrics  # where the warm-up requests are counted (a registry nobody exports)
     admission: Admission
+    grammar_checker: GrammarChecker  # structured-output constraints' cost (service/structured_limits.py)
     created: int = field(default_factory=lambda: int(time.time()))
     shutting_down: bool = False
     warmed: bool = False  # the start-up warm-up requests are done (service/warmup.py); /health waits for it
@@ -46,6 +48,8 @@ class ServerState:
             warmup_metrics=ServiceMetrics(CollectorRegistry(), settings.model_name, queued=lambda: 0,
                                           reexport_default_registry=False),
             admission=admission,
+            grammar_checker=GrammarChecker(settings.structured_output_compile_budget_s,
+                                           settings.structured_output_checkers),
             runtime_dir=runtime_dir,
             owns_runtime_dir=owns_runtime_dir,
         )

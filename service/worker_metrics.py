@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.samples import Sample
 
@@ -47,6 +48,26 @@ def _families(files: list[str]) -> Iterator[Any]:
         yield fam
 
 
+JIT_PHASES = ("warmup", "serving")  # kernels.jit_monitor's phases
+
+
+def _with_zero_phases(families: list[Any]) -> list[Any]:
+    """The Triton JIT families with a 0 sample (empty kernel and rank labels) for each phase no
+    worker has counted yet, so a phase's series exists before its first compile (and on a CPU,
+    where nothing compiles): dashboards and alerts see 0, not an absent series."""
+    by_name = {fam.name: fam for fam in families}
+    for name, doc in pm.JIT_FAMILIES.values():
+        fam = by_name.get(name)
+        if fam is None:
+            fam = CounterMetricFamily(name, doc, labels=["kernel", "phase", "rank"])
+            families.append(fam)
+        seen = {s.labels.get("phase") for s in fam.samples}
+        for phase in JIT_PHASES:
+            if phase not in seen:
+                fam.samples.append(Sample(name + "_total", {"kernel": "", "phase": phase, "rank": ""}, 0.0))
+    return families
+
+
 class WorkerMetricsCollector:
     """Registered in the API registry: every worker's moe_serve_* series, read at scrape time."""
 
@@ -57,7 +78,7 @@ class WorkerMetricsCollector:
         return []  # known only at scrape time
 
     def collect(self) -> Iterator[Any]:
-        yield from _families([str(f) for f in self.runtime_dir.glob("*.db")])
+        yield from _with_zero_phases(list(_families([str(f) for f in self.runtime_dir.glob("*.db")])))
 
 
 def _by_pid(runtime_dir: Path) -> dict[str, list[str]]:
