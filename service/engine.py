@@ -18,6 +18,13 @@ from service.settings import Settings, visible_gpu_count
 from service.tokenizer_cache import BPE_CACHE_ENTRIES, bound_bpe_caches
 
 logger = logging.getLogger(__name__)
+# How long the engine core and its workers get to exit by themselves after SIGTERM before vLLM
+# force-kills them (vLLM's default: 5 s for each). Their teardown ends in interpreter finalization,
+# whose full garbage collections over the startup heap took 4-14 s per process on a 2-core machine
+# (vLLM issue #48620 reports 4-7 s on GPU hosts), so the defaults ended in a force kill. The
+# engine core waits for its workers first, so it gets the workers' grace plus its own.
+WORKER_EXIT_GRACE_S = 45
+ENGINE_EXIT_GRACE_S = 75.0
 
 
 class EngineNotReady(RuntimeError):
@@ -174,11 +181,13 @@ class EngineHandle:
             await self.engine.abort(list(self.active))
 
     def shutdown(self) -> None:
-        """Stop the engine core and its workers."""
+        """Stop the engine core and its workers; they get ENGINE_EXIT_GRACE_S to exit by themselves."""
         if self.engine is not None:
             logger.info("shutting down engine")
-            self.engine.shutdown()
+            began = time.perf_counter()
+            self.engine.shutdown(timeout=ENGINE_EXIT_GRACE_S)
             self.engine = None
+            logger.info("engine stopped in %.1f s", time.perf_counter() - began)
 
 
 def freeze_startup_heap() -> None:
@@ -211,6 +220,8 @@ def default_engine_env(embedded_model: bool = False) -> None:
         os.environ.setdefault("VLLM_ENFORCE_STRICT_TOOL_CALLING", "0")
     # vLLM 0.26 on the H200 hung at engine start without spawn (DESIGN.md).
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    # Read by the engine core when it stops its workers (see WORKER_EXIT_GRACE_S).
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(WORKER_EXIT_GRACE_S))
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
