@@ -113,6 +113,8 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
         """Liveness: the process answers (the engine may still be starting; readiness is /health)."""
         return {"status": "alive"}
 
+    app.add_api_route("/ping", ping, methods=["POST"], name="ping_post")  # POST too, as in vllm serve (SageMaker)
+
     @app.get("/version")
     async def version(request: Request) -> dict:
         """The moe-serve version; to an authenticated caller (or with no key set) also vLLM's,

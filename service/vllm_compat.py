@@ -4,7 +4,7 @@ moe-serve runs on vLLM 0.32 (CPU: dev, CI) and 0.26 (GPU host). The two put the 
 different modules and construct the serving objects with different keyword arguments. Instead of
 calling those constructors, `build_frontend` runs vLLM's own `init_app_state` (what `vllm serve`
 runs) on an args namespace made by vLLM's own `vllm serve` argument parser, so the completion,
-chat, tokenization and models handlers are built exactly as `vllm serve` builds them, on both
+chat, responses, tokenization and models handlers are built exactly as `vllm serve` builds them, on both
 versions. Each name imported here is pinned by tests/test_vllm_compat.py (on 0.32); the 0.26
 paths were checked by reading its source (/work/vllm026/vllm).
 
@@ -31,6 +31,7 @@ import vllm
 from vllm import exceptions as vllm_exceptions
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.openai.responses.protocol import ResponsesRequest, ResponsesResponse
 from vllm.entrypoints.serve.tokenize.protocol import (DetokenizeRequest, TokenizeChatRequest,
                                                       TokenizeCompletionRequest)
 from vllm.outputs import RequestOutput
@@ -38,9 +39,9 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.exceptions import EngineDeadError
 
 __all__ = ["CLIENT_ERRORS", "ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "EngineDeadError",
-           "ErrorResponse", "Frontend", "RequestOutput", "RequestOutputKind", "TokenizeChatRequest",
-           "TokenizeCompletionRequest", "VLLM_VERSION", "build_frontend", "error_response_for", "is_client_error",
-           "merge_final", "serve_args"]
+           "ErrorResponse", "Frontend", "RequestOutput", "RequestOutputKind", "ResponsesRequest", "ResponsesResponse",
+           "TokenizeChatRequest", "TokenizeCompletionRequest", "VLLM_VERSION", "build_frontend", "error_response_for",
+           "is_client_error", "merge_final", "serve_args"]
 
 
 def _version_tuple(text: str) -> tuple[int, int]:
@@ -81,6 +82,7 @@ class Frontend:
 
     completion: Any  # OpenAIServingCompletion
     chat: Any  # OpenAIServingChat
+    responses: Any  # OpenAIServingResponses (the Responses API)
     tokenization: Any  # ServingTokenization
     models: Any  # OpenAIServingModels
     args: Namespace
@@ -105,7 +107,8 @@ async def build_frontend(engine_client: Any, args: Namespace) -> Frontend:
     tasks = await engine_client.get_supported_tasks()
     await _app_state.init_app_state(engine_client, state, args, tasks)
     return Frontend(completion=state.openai_serving_completion, chat=state.openai_serving_chat,
-                    tokenization=state.serving_tokenization, models=state.openai_serving_models, args=args)
+                    responses=state.openai_serving_responses, tokenization=state.serving_tokenization,
+                    models=state.openai_serving_models, args=args)
 
 
 def is_client_error(exc: BaseException) -> bool:

@@ -57,6 +57,17 @@ def test_stream_over_the_timeout_ends_with_an_error_event(timed_server: ServerPr
     assert len(events) > 3  # it streamed tokens before the deadline
 
 
+def test_responses_stream_over_the_timeout_ends_with_an_error_event(timed_server: ServerProcess) -> None:
+    body = {"model": MODEL_NAME, "input": SECRET_PROMPT, "max_output_tokens": 4000, "stream": True}
+    with httpx.stream("POST", timed_server.base_url + "/v1/responses", json=body, headers=timed_server.headers,
+                      timeout=60) as resp:
+        assert resp.status_code == 200
+        lines = list(resp.iter_lines())
+    events = [line[6:] for line in lines if line.startswith("data: ")]
+    assert "event: response.created" in lines
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "timeout"
+
+
 def test_short_requests_are_unaffected(timed_server: ServerProcess) -> None:
     resp = httpx.post(timed_server.base_url + "/v1/completions", headers=timed_server.headers, timeout=60,
                       json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4})
