@@ -2,8 +2,10 @@
 
     python bench/bench_kernels.py --correctness --sass --compiles --out $OUT
     python bench/bench_kernels.py --bench --untuned --out $OUT   (ours, vLLM, floor)
-    (tuning: `moe-serve tune --model DIR`, kernels/tune_cli.py)
+    (tuning: `moe-serve tune --model DIR`, kernels/tuning/tune_cli.py)
     python bench/bench_kernels.py --quick-bench --out $OUT     (M in 1,4,16,64,256 only)
+    python bench/bench_kernels.py --decode-split --shapes ... --ms 1,2,4 --out $OUT
+        (the decode path's default config with and without split-K, vs vLLM)
     TRITON_INTERPRET=1 python bench/bench_kernels.py --smoke --out /tmp/smoke   (CPU)
 Each part is isolated (a failure prints its traceback and the others go on); results go to
 --out as results.json + results.md; a short table is printed last.
@@ -50,7 +52,7 @@ def copy_ceiling() -> dict[str, Any]:
     the graph-replayed memcpy; the ceiling is the best of them, all are reported."""
     if not CUDA:
         return {"copy_bytes_per_s": float("nan")}
-    from kernels.timing import time_graph
+    from kernels.tuning.timing import time_graph
 
     n = 1 << 28                                   # 256 Mi fp32 = 1 GiB per buffer
     a = torch.rand(n, device=DEV)
@@ -78,7 +80,7 @@ def copy_ceiling() -> dict[str, Any]:
 
 
 def _problem(shape, M, dtype, n_sets, weights=None):
-    from kernels.timing import make_problem
+    from kernels.tuning.timing import make_problem
 
     E, N, K, topk = shape
     return make_problem(E, N, K, topk, M, dtype, n_sets, DEV, seed=M, weights=weights)
@@ -88,7 +90,7 @@ def _problem(shape, M, dtype, n_sets, weights=None):
 def part_correctness(shapes: dict, ms: tuple, smoke: bool) -> list[dict]:
     """Every path (aligned: plain, swapped, split, x quantized once; decode: heuristic, swapped,
     narrow) in bf16 and fp8 W8A8 against the float64 reference, into NaN-poisoned outputs."""
-    from kernels import configs, smem
+    from kernels.moe import configs, smem
     from reference import quant_fp8
 
     rows = []
@@ -103,7 +105,8 @@ def part_correctness(shapes: dict, ms: tuple, smoke: bool) -> list[dict]:
             tw, ids = torch.softmax(torch.randn(M, E, device=DEV, generator=g), -1).topk(topk)
             ids = ids.to(torch.int32)
             base = configs.aligned_default(M, E, N, K, topk, "bf16")  # aligned variants
-            for swap in (False, True, "split", "prequant", "decode", "decode-swap", "decode-narrow"):
+            for swap in (False, True, "split", "prequant", "decode", "decode-swap", "decode-narrow",
+                         "decode-split"):
                 if str(swap).startswith("decode"):
                     if M * topk > 128:
                         continue
@@ -133,11 +136,15 @@ def part_correctness(shapes: dict, ms: tuple, smoke: bool) -> list[dict]:
 
 def _decode_variant(M: int, E: int, N: int, K: int, topk: int, kind: str) -> dict:
     """The decode heuristic's config, forced to swapped 64-row tiles ('decode-swap') or to
-    16-row mma.sync tiles with BLOCK_K 64 and no PDL ('decode-narrow')."""
-    from kernels import heuristics
-    from kernels.config_schema import validate
+    16-row mma.sync tiles with BLOCK_K 64 and no PDL ('decode-narrow'), or split-K in both
+    kernels ('decode-split': the heuristic's splits, at least 2 each)."""
+    from kernels.moe import heuristics
+    from kernels.moe.config_schema import validate
 
-    cfg = heuristics.decode_config(M, E, N, K, topk, "bf16")
+    cfg = heuristics.decode_config(M, E, N, K, topk, "bf16", split=kind == "decode-split")
+    if kind == "decode-split":
+        cfg = {**cfg, "SPLIT_K": max(2, cfg["SPLIT_K"]),
+               "DOWN": {**cfg["DOWN"], "SPLIT_K": max(2, cfg["DOWN"]["SPLIT_K"])}}
     if kind == "decode-swap":
         cfg = {**cfg, "SWAP_AB": True, "BLOCK_N": 64,
                "DOWN": {**cfg["DOWN"], "SWAP_AB": True, "BLOCK_N": 64}}
@@ -151,7 +158,7 @@ def _check_variants(name, M, swap, cfg, x, w1, w2, q, tw, ids, fdt, smoke, E,  #
                     static_only: bool = False) -> list[dict]:
     """bf16 (fp16 under the interpreter) and the four fp8 W8A8 variants of one config (only the
     two with static activation scales when static_only)."""
-    from kernels.fused_moe import Fp8Scales, fused_moe
+    from kernels.moe.fused_moe import Fp8Scales, fused_moe
     from reference import act_amax, moe_reference, rel_err
 
     rows = []
@@ -200,9 +207,9 @@ def _check_variants(name, M, swap, cfg, x, w1, w2, q, tw, ids, fdt, smoke, E,  #
 # ----------------------------------------------------------------------------------------
 def part_sass(out_dir: Path) -> list[dict]:
     """Compile swapped / unswapped small-M bf16 and fp8 variants for sm_90; grep the SASS."""
-    from kernels import aot
-    from kernels.fused_moe import Fp8Scales, fused_moe
-    from kernels.launch import record_launches
+    from kernels.moe import aot
+    from kernels.moe.fused_moe import Fp8Scales, fused_moe
+    from kernels.moe.launch import record_launches
 
     rows = []
     E, N, K, topk = TUNED["Mixtral-8x7B/TP8"]
@@ -257,10 +264,11 @@ def part_bench(shapes: dict, ms: tuple, dtypes: tuple, ceiling: float, n_sets: i
     the streaming floor of the same expert bytes, per (shape, dtype, M), in one run."""
     from floor import floor_us
 
-    from kernels import configs, precompile, routing
-    from kernels.config_schema import label
-    from kernels.fused_moe import num_programs
-    from kernels.timing import time_ours, time_vllm
+    from kernels.moe import configs, routing
+    from kernels.tuning import precompile
+    from kernels.moe.config_schema import label
+    from kernels.moe.fused_moe import num_programs
+    from kernels.tuning.timing import time_ours, time_vllm
 
     rows = []
     floors: dict[int, float] = {}
@@ -321,11 +329,60 @@ def part_bench(shapes: dict, ms: tuple, dtypes: tuple, ceiling: float, n_sets: i
     return rows
 
 
+def part_decode_split(shapes: dict, ms: tuple, dtypes: tuple, n_sets: int,
+                      replays: int) -> list[dict]:
+    """The decode path's default config without and with split-K (heuristics.decode_split) and
+    vLLM's fused_experts, per (shape, dtype, M) in one run: whether split-K should be the
+    default for untuned shapes."""
+    from kernels.moe import heuristics
+    from kernels.tuning import precompile
+    from kernels.moe.config_schema import label
+    from kernels.tuning.timing import time_ours, time_vllm
+
+    rows = []
+    cfgs = {(name, dt, M, sp): heuristics.decode_config(M, *shape, dt, split=sp)
+            for name, shape in shapes.items() for dt in dtypes for M in ms for sp in (False, True)
+            if M * shape[3] <= heuristics.DECODE_MAX_SLOTS}
+    if CUDA:
+        precompile.precompile([(*shapes[n], dt, M, c) for (n, dt, M, _), c in cfgs.items()], log=log)
+    for name, shape in shapes.items():
+        for dt in dtypes:
+            weights = None
+            for M in ms:
+                if (name, dt, M, False) not in cfgs:
+                    continue
+                row = dict(part="decode-split", shape=name, dtype=dt, M=M)
+                try:
+                    prob = _problem(shape, M, dt, n_sets, weights)
+                    weights = prob["weights"]
+                    for sp, tag in ((False, "plain"), (True, "split")):
+                        cfg = cfgs[(name, dt, M, sp)]
+                        row[f"{tag}_cfg"] = label(cfg)
+                        row[f"{tag}_us"] = time_ours(prob, cfg, replays)
+                    row["split_gain"] = row["plain_us"] / row["split_us"]
+                    if CUDA:
+                        row["vllm_us"] = time_vllm(prob, replays)
+                        row["split_vs_vllm"] = row["vllm_us"] / row["split_us"]
+                        row["plain_vs_vllm"] = row["vllm_us"] / row["plain_us"]
+                    del prob
+                except Exception as e:  # noqa: BLE001
+                    traceback.print_exc()
+                    row["error"] = f"{type(e).__name__}: {e}"[:200]
+                rows.append(row)
+                log("[decode-split] " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else
+                                                 f"{k}={v}" for k, v in row.items() if k != "part"))
+                RESULTS["decode-split"] = rows
+                if _OUT is not None:
+                    _save(_OUT)
+            del weights
+    return rows
+
+
 def part_compiles(shape: tuple, dtype: str, max_m: int) -> dict:
     """Compiles (jit_monitor) while M sweeps 1..max_m after warm-up, ours and vLLM's."""
-    from kernels import jit_monitor
-    from kernels.fused_moe import fused_moe
-    from kernels.moe_variants import warm_moe_variants
+    from kernels.plugin import jit_monitor
+    from kernels.moe.fused_moe import fused_moe
+    from kernels.moe.moe_variants import warm_moe_variants
 
     E, N, K, topk = shape
     jit_monitor.install()
@@ -345,7 +402,7 @@ def part_compiles(shape: tuple, dtype: str, max_m: int) -> dict:
     res["ours_serving_compiles"] = sum(v for (k, ph, kd), v in snap.items()
                                        if ph == "serving" and kd == "compile")
     res["ours_warmup_compiles"] = sum(v for (k, ph, kd), v in before.items() if kd == "compile")
-    from kernels import vllm_kernels
+    from kernels.moe import vllm_kernels
 
     vl = vllm_kernels.fused_experts() if CUDA else None
     if vl is not None:
@@ -467,7 +524,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     for part in ("correctness", "sass", "bench", "compiles", "untuned", "smoke",
-                 "quick-bench"):
+                 "quick-bench", "decode-split"):
         ap.add_argument(f"--{part}", action="store_true")
     ap.add_argument("--out", default="bench/out")
     ap.add_argument("--shapes", default=None, help="comma list of names from bench/shapes.py")
@@ -497,6 +554,7 @@ def main() -> int:
         _run("compiles", part_compiles, SMOKE["tiny-a"], "fp8", 12)
         _run("untuned", part_bench, {"tiny-b": SMOKE["tiny-b"]}, (2,), ("bf16",), float("nan"),
              2, 3, "untuned")
+        _run("decode-split", part_decode_split, {"tiny-b": SMOKE["tiny-b"]}, (1,), ("bf16",), 2, 3)
     else:
         if args.quick_bench:
             args.bench = True
@@ -516,6 +574,8 @@ def main() -> int:
         if args.untuned:
             _run("untuned", part_bench, UNTUNED, ms, dtypes, ceiling, args.sets,
                  args.replays, "untuned")
+        if args.decode_split:
+            _run("decode-split", part_decode_split, shapes, ms, dtypes, args.sets, args.replays)
     _save(out)
     _summary()
     log(f"total {time.perf_counter() - t0:.0f}s; results in {out}/results.md")

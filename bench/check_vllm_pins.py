@@ -1,4 +1,4 @@
-"""Run kernels/vllm_compat.py's pins on this host's vLLM (the GPU host's 0.26; the CPU tests run
+"""Run kernels/plugin/vllm_compat.py's pins on this host's vLLM (the GPU host's 0.26; the CPU tests run
 them on 0.32) and print one JSON line per pin, then a summary; exit 1 if any pin fails.
 
     python bench/check_vllm_pins.py            # needs only `import vllm` to work (no GPU set-up)
@@ -11,7 +11,7 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels import vllm_compat  # noqa: E402
+from kernels.plugin import vllm_compat  # noqa: E402
 
 
 def main() -> int:

@@ -1,17 +1,17 @@
 """Fixed-batch decode A/B over many processes: the spread that matters is between processes.
 
     python bench/decode_ab.py --model mixtral-8x7b-tp8-rank --quantization fp8-static \
-        --variants stock,vllm-triton,moe-serve --processes 6 --out /root/dab --budget-s 540
-    python bench/decode_ab.py ... --out /root/dab       # same command again: resumes, skips runs done
-    python bench/decode_stats.py /root/dab               # ratios vs the first variant, 95 % CIs
+        --variants stock,vllm-triton,moe-serve --processes 6 --out runs/dab
+    python bench/decode_ab.py ... --out runs/dab       # same command again: resumes, skips runs done
+    python bench/decode_stats.py runs/dab               # ratios vs the first variant, 95 % CIs
 
 Round r runs every variant once, one `bench/decode_probe.py` process each, in the order
 rotated by r (so every variant takes every position equally often). Each process writes
-run-r<r>-<variant>.json and its log; a finished run is never repeated, so a budget-bound call
-can stop between processes and the next call continues. Before it starts a process it checks
-that the budget holds the longer of this variant's last two processes on this host (the run
-files record host and end time; a variant's first process on a machine compiles and is slow), or
-`--expect-run-s` for a variant not yet run here. The MoE backend vLLM picked is read from each
+run-r<r>-<variant>.json and its log; a finished run is never repeated, so an interrupted A/B
+continues where it stopped when the same command runs again. With `--budget-s` it starts no
+process the budget cannot hold: the longer of this variant's last two processes on this host
+(the run files record host and end time; a variant's first process on a machine compiles and
+is slow), or `--expect-run-s` for a variant not yet run here. The MoE backend vLLM picked is read from each
 process's log (its "Using ... MoE backend" line) into the run file. With `--profile`, the next
 process of each variant that has no profiled run in --out also profiles after its timed runs
 (decode_probe.py --profile).
@@ -96,7 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true",
                    help="profile one process per variant (after its timed runs), if none is yet")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--budget-s", type=float, default=540.0, help="start no process after this")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="seconds: start no process that would end after this (default: run all)")
     p.add_argument("--probe-timeout-s", type=float, default=300.0)
     p.add_argument("--expect-run-s", type=float, default=60.0,
                    help="seconds a variant's process is assumed to take until one has run on "
@@ -121,9 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{len(plan) - len(todo)} of {len(plan)} runs done; model {model}")
     expect = expected_walls(a.out)
     for i, (r, v) in enumerate(todo):
-        left = a.budget_s - (time.monotonic() - started)
+        left = None if a.budget_s is None else a.budget_s - (time.monotonic() - started)
         need = expect.get(v, a.expect_run_s)
-        if left < need:
+        if left is not None and left < need:
             log(f"budget: {left:.0f} s left < {need:.0f} s per run; stopping "
                 f"with {len(todo) - i} runs to go (run the same command to resume)")
             return 3

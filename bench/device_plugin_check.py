@@ -1,8 +1,8 @@
 """Device check of the vLLM plugin: our kernels active in every worker, and Triton compiles
 while serving, for --moe-kernels optimized vs vllm, on a dummy-weight MoE model.
 
-    python bench/device_plugin_check.py --out $OUT                       # H200, vLLM 0.26, <= --deadline 510 s
-    python bench/device_plugin_check.py --model qwen3-30b-a3b --layers 2 --out $OUT
+    python bench/device_plugin_check.py --out runs/plugin-check           # GPU with vLLM
+    python bench/device_plugin_check.py --model qwen3-30b-a3b --layers 2 --out runs/plugin-check-qwen3
     python bench/device_plugin_check.py --cpu-smoke --out /tmp/plugin-check   # CPU, embedded model
 
 Per mode: starts `python -m service` (own session, log in --out), waits for /health (bounded),
@@ -181,7 +181,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--ready-timeout", type=float, default=240)
     p.add_argument("--sweep-timeout", type=float, default=90)
-    p.add_argument("--deadline", type=float, default=510, help="seconds for the whole run (all modes)")
+    p.add_argument("--deadline", type=float, default=1200, help="seconds for the whole run (all modes)")
     p.add_argument("--server-arg", action="append", default=[], help="extra server flag, repeatable")
     p.add_argument("--cpu-smoke", action="store_true", help="embedded model on the CPU engine, tiny sweep")
     a = p.parse_args(argv)

@@ -1,14 +1,14 @@
 """End-to-end A/B on one GPU: stock vLLM MoE vs moe-serve's kernels, same load.
 
-    python bench/e2e_ab.py --out /root/e2e                              # Mixtral-8x7B, one TP=8 rank, bf16: 525 s on one H200
-    python bench/e2e_ab.py --out /root/e2e2 --variants optimized,vllm   # the other order (pool runs: bench/e2e_pool.py)
-    python bench/e2e_ab.py --out /root/e2e --server-arg=--quantization --server-arg=fp8
+    python bench/e2e_ab.py --out runs/e2e                               # Mixtral-8x7B, one TP=8 rank, bf16: 525 s on one H200
+    python bench/e2e_ab.py --out runs/e2e2 --variants optimized,vllm    # the other order (pool runs: bench/e2e_pool.py)
+    python bench/e2e_ab.py --out runs/e2e-fp8 --server-arg=--quantization --server-arg=fp8
     python bench/e2e_ab.py --model embedded --out /tmp/ab --max-users 2 --step-seconds 2 --max-tokens 8   (CPU smoke)
 
 For each variant (default: vllm, then optimized) it starts `python -m service` on a
 dummy-weight model (bench/models/<name>/config.json + the Mixtral tokenizer written from
 mistral_common), drives it with the `step` and `spike-sizes` scenarios through the asyncio
-engine of `loadtest` (Locust is not on the GPU host), stops it, and finally prints the A/B
+engine of `loadtest`, stops it, and finally prints the A/B
 tables (B/A). Each variant starts on cold caches of its own (Triton, TorchInductor, vLLM's
 compile cache: fresh temp dirs, removed afterwards; `--no-cold-cache` shares the user's), and
 `spike-sizes` runs first: its TTFT is the cold-cache JIT effect, and it warms the server for
@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-arg", action="append", default=[], help="extra `python -m service` argument")
     p.add_argument("--tables-only", action="store_true",
                    help="no runs: write the A/B tables from the variant dirs already under --out "
-                        "(for an A/B split over several calls, one --variants value per call)")
+                        "(for an A/B split over several invocations, one --variants value each)")
     return p.parse_args(argv)
 
 

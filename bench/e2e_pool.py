@@ -1,6 +1,6 @@
 """Pool several `bench/e2e_ab.py` runs into one optimized/vllm table (ratios per run + geomean).
 
-    python bench/e2e_pool.py bench/results/2026-11-29/e2e_ab_run1_* bench/results/2026-11-29/e2e_ab_run2_*
+    python bench/e2e_pool.py runs/e2e runs/e2e2        # --out dirs of bench/e2e_ab.py runs
 
 One run's step ratios carry the order, the warm-up and the machine's noise; pooling runs made
 in both orders (A/B and B/A) shows which effects survive. Per stage: output tok/s, ITL p50 and

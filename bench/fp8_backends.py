@@ -2,12 +2,12 @@
 stock default for static per-tensor FP8 checkpoints on Hopper), vLLM's Triton `fused_experts`
 (`moe_backend=triton`) and ours (as served: our kernel where routing says so), per shard and M.
 
-    python bench/fp8_backends.py --out /root/fp8b            # H200: the tuned shapes, M=1..256
-    python bench/fp8_backends.py --shapes Mixtral-8x7B/TP2,Qwen3-30B-A3B/TP1 --out /root/fp8b
-    python bench/fp8_backends.py --shapes Mixtral-8x7B/TP8 --flush-l2 --out /root/fp8b  # + L2-cold
+    python bench/fp8_backends.py --out runs/fp8b            # H200: the tuned shapes, M=1..256
+    python bench/fp8_backends.py --shapes Mixtral-8x7B/TP2,Qwen3-30B-A3B/TP1 --out runs/fp8b
+    python bench/fp8_backends.py --shapes Mixtral-8x7B/TP8 --flush-l2 --out runs/fp8b  # + L2-cold
     TRITON_INTERPRET=1 python bench/fp8_backends.py --smoke --out /tmp/fp8b   # CPU: ours only
 
-Every backend gets the same problem (kernels.timing.make_problem: per-expert weight scales,
+Every backend gets the same problem (kernels.tuning.timing.make_problem: per-expert weight scales,
 static activation scales) and is timed the same way (CUDA-graph replay over rotating input
 sets, median). FlashInfer is called the way vLLM's FlashInferExperts calls it: fp8 input from a
 static quant of x, w13 in [w3; w1] order, quant_scales [w13_scale*a1, 1/a2, w2_scale*a2, a1];
@@ -16,7 +16,7 @@ tactics first (as vLLM's warm-up does). Before timing, each backend's output at 
 checked against the float64 reference (fp8 rounding of x and the SiLU output included):
 ||out - ref|| / ||ref|| goes into the row, NaN-poisoned outputs. Rows go to --out/fp8_backends.json
 as they finish. A backend that is not importable is reported as absent, never as a number.
-With --flush-l2 each backend is also timed with L2 flushed before every call (kernels.timing:
+With --flush-l2 each backend is also timed with L2 flushed before every call (kernels.tuning.timing:
 `<backend>_l2cold_us`, `served_l2cold_us`): the replayed calls share one set of weights, while in
 serving each MoE layer reads its own, so at small M the warm-L2 time can flatter a backend.
 """
@@ -38,9 +38,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "kernels"), str(ROOT / "bench")]
 from reference import moe_reference, rel_err  # noqa: E402
 from shapes import SMOKE, TUNED, UNTUNED  # noqa: E402
 
-from kernels import routing  # noqa: E402
-from kernels.fused_moe import fused_moe  # noqa: E402
-from kernels.timing import make_problem, time_graph  # noqa: E402
+from kernels.moe import routing  # noqa: E402
+from kernels.moe.fused_moe import fused_moe  # noqa: E402
+from kernels.tuning.timing import make_problem, time_graph  # noqa: E402
 
 MS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 REF_TOKENS = 4            # float64 reference on the first tokens only (DeepSeek: 256 experts)
@@ -95,7 +95,7 @@ def backends(prob: dict[str, Any], fi: tuple | None,
         fused_moe(x, w1, w2, tw, ids, fp8=q, out=out)
     calls["ours"] = ours
 
-    from kernels import vllm_kernels
+    from kernels.moe import vllm_kernels
     fx = vllm_kernels.fused_experts() if torch.cuda.is_available() else None
     if fx is not None:
         fused_experts, qcfg = fx

@@ -1,4 +1,4 @@
-"""Markdown for RESULTS.md, computed from raw result files (bench/results_tables.py's registry
+"""Markdown for HISTORY.md's blocks, computed from raw result files (bench/results_tables.py's registry
 calls these). Each function takes the raw files' paths and returns the block's lines."""
 from __future__ import annotations
 

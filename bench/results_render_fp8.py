@@ -1,4 +1,4 @@
-"""RESULTS.md renderers for the FP8-backend proof: the three-way kernel table, the decode A/B
+"""HISTORY.md renderers for the FP8-backend proof: the three-way kernel table, the decode A/B
 intervals and process times, the MoE share of a decode step and the tuner's two-phase times."""
 from __future__ import annotations
 

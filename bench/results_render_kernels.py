@@ -1,4 +1,4 @@
-"""Markdown for RESULTS.md's 2026-12-01 kernel sections (decode path, floor, tuner), computed
+"""Markdown for HISTORY.md's 2026-12-01 kernel sections (decode path, floor, tuner), computed
 from the raw files (bench/results_tables.py's registry calls these)."""
 from __future__ import annotations
 
@@ -121,9 +121,9 @@ def tune_times(*logs: Path) -> list[str]:
 
 
 def prequant_grid(shape: str, dtype: str, rows_path: Path, bench_path: Path) -> list[str]:
-    """bench/investigations/fp8_large_n.py rows per M: the shipped config, the best config
-    without and with A_PREQUANT (x quantized once before GEMM1), against vLLM's kernel and the
-    floor measured by bench_kernels.py for the same cell in an earlier run."""
+    """Rows of a config grid timed per M (each {M, start, config, cfg, us}): the shipped config,
+    the best config without and with A_PREQUANT (x quantized once before GEMM1), against vLLM's
+    kernel and the floor measured by bench_kernels.py for the same cell in an earlier run."""
     grid = json.loads(rows_path.read_text())
     ref = {r["M"]: r for r in _rows(bench_path) if r["shape"] == shape and r["dtype"] == dtype}
     out = ["| M | configs timed | shipped µs | best without A_PREQUANT µs | best with A_PREQUANT µs | "

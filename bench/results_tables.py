@@ -1,17 +1,18 @@
-"""RESULTS.md's tables, recomputed from the committed raw files under bench/results/.
+"""The generated blocks of RESULTS.md, HISTORY.md and the README's headline, recomputed from the
+raw files under bench/results/ (plain files, or a closed date's archive: bench/results_archive.py).
 
-Each generated block of RESULTS.md sits between two marker lines::
+Each generated block sits between two marker lines::
 
     <!-- results_tables: NAME -->
     ...generated, do not edit...
     <!-- /results_tables -->
 
-and REGISTRY maps NAME to its raw files and the function (bench/results_render.py) that renders
-them. A new section: commit its raw files under bench/results/<date>/, add a render function
-and one REGISTRY entry, and put the two marker lines where the table goes.
+and REGISTRY maps NAME to its raw files and the function that renders them (results_render*.py).
+A new section: put its raw files under bench/results/<date>/, add a render function and one
+REGISTRY entry, and put the two marker lines where the table goes.
 
-    python bench/results_tables.py            # rewrite every block of RESULTS.md from the raw files
-    python bench/results_tables.py --check    # exit 1 with a diff when RESULTS.md differs (CI)
+    python bench/results_tables.py            # rewrite every block of the documents from the raw files
+    python bench/results_tables.py --check    # exit 1 with a diff when a document differs (CI)
 """
 from __future__ import annotations
 
@@ -22,33 +23,44 @@ import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Union
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 import results_render as rr  # noqa: E402
 import results_render_fp8 as rf  # noqa: E402
 import results_render_kernels as rk  # noqa: E402
+import results_render_now as rn  # noqa: E402
+from results_archive import raw  # noqa: E402
 
-RESULTS_MD = BENCH / "RESULTS.md"
-RAW = BENCH / "results"
+DOCS = (BENCH / "RESULTS.md", BENCH / "HISTORY.md", BENCH.parent / "README.md")
 BLOCK = re.compile(r"(<!-- results_tables: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /results_tables -->)", re.S)
+Raw = Union[str, tuple["Raw", ...]]
+
+
+def _resolve(r: Raw):
+    """A raw path relative to bench/results/ (or a nested tuple of them) -> readable path(s)."""
+    return raw(r) if isinstance(r, str) else tuple(_resolve(x) for x in r)
+
+
+def _flat(r: Raw) -> list[str]:
+    return [r] if isinstance(r, str) else [p for x in r for p in _flat(x)]
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One generated block: render(*args, *raw paths) -> markdown lines (args first)."""
+    """One generated block: render(*args, *raw paths) -> markdown lines (args first). A raw item
+    may be a tuple of paths; the renderer then gets a tuple."""
 
-    raw: tuple[str, ...]                 # paths relative to bench/results/
+    raw: tuple[Raw, ...]                 # paths relative to bench/results/
     render: Callable[..., list[str]]
     args: tuple = ()
 
     def lines(self) -> list[str]:
-        paths = [RAW / p for p in self.raw]
-        missing = [str(p) for p in paths if not p.exists()]
+        missing = [p for p in _flat(self.raw) if not raw(p).exists()]
         if missing:
-            raise FileNotFoundError(f"raw files missing: {missing}")
-        return self.render(*self.args, *paths)
+            raise FileNotFoundError(f"raw files missing under {BENCH / 'results'}: {missing}")
+        return self.render(*self.args, *_resolve(self.raw))
 
 
 D = "2026-11-29/"
@@ -64,7 +76,16 @@ S5 = K1 + "fp8_spread_session/decode_ab_fp8_spread"
 S6 = "2026-12-02/fp8_spread_session6/"
 S6AB = S6 + "decode_ab_fp8_spread"
 S6BF = "2026-12-02/bf16_spread_session6/decode_ab_bf16_spread"
+NOW_FP8 = (S5, S6AB)                       # the newest runs behind the current answer
+NOW_BF16 = (S4 + "decode_ab_bf16",)
+NOW_KERNELS = (*B2, T3 + "validation.json")   # later files replace earlier ones per shape
+NOW_TUNE = (K1 + "kernels_session_b/tune_bf16.log", K1 + "kernels_session_b/tune_fp8.log", T3 + "tune.log")
 REGISTRY: dict[str, Entry] = {
+    "readme-headline": Entry((NOW_FP8, NOW_BF16, *NOW_KERNELS), rn.headline),
+    "now-decode-ab": Entry((NOW_FP8, NOW_FP8, NOW_BF16), rn.decode_ab_summary,
+                           ((("moe-serve", "stock"), ("moe-serve", "vllm-triton"), ("moe-serve", "stock")),)),
+    "now-kernels": Entry(NOW_KERNELS, rn.kernel_shapes),
+    "now-tune-times": Entry(NOW_TUNE, rn.tune_times_now),
     "decode-ab-fp8-spread-5": Entry((S5, S6AB), rf.decode_ab, ("stock",)),
     "decode-ab-fp8-spread-5-vs-triton": Entry((S5, S6AB), rf.decode_ab, ("vllm-triton",)),
     "fp8-backends-l2cold": Entry((S6 + "fp8b_l2cold.json",), rf.fp8_backends_l2),
@@ -133,42 +154,50 @@ REGISTRY: dict[str, Entry] = {
 }
 
 
-def render(text: str) -> str:
-    """text with every registered block regenerated; raises on an unknown or unused name."""
-    seen: set[str] = set()
+def _names(texts: dict[Path, str]) -> set[str]:
+    """The block names the documents hold; raises on a name REGISTRY does not know or on a
+    REGISTRY entry no document holds (before any rendering)."""
+    names = {m["name"] for text in texts.values() for m in BLOCK.finditer(text)}
+    unknown = names - set(REGISTRY)
+    if unknown:
+        raise KeyError(f"blocks {sorted(unknown)} are not in REGISTRY")
+    unused = set(REGISTRY) - names
+    if unused:
+        raise KeyError(f"REGISTRY entries without a block in {', '.join(p.name for p in texts)}: {sorted(unused)}")
+    return names
+
+
+def render(texts: dict[Path, str]) -> dict[Path, str]:
+    """Every document with every block regenerated from its raw files."""
+    _names(texts)
 
     def block(m: re.Match) -> str:
-        name = m["name"]
-        if name not in REGISTRY:
-            raise KeyError(f"RESULTS.md block {name!r} is not in REGISTRY")
-        seen.add(name)
-        return m.group(1) + "\n".join(REGISTRY[name].lines()) + "\n" + m.group(4)
+        return m.group(1) + "\n".join(REGISTRY[m["name"]].lines()) + "\n" + m.group(4)
 
-    out = BLOCK.sub(block, text)
-    unused = set(REGISTRY) - seen
-    if unused:
-        raise KeyError(f"REGISTRY entries without a block in RESULTS.md: {sorted(unused)}")
-    return out
+    return {path: BLOCK.sub(block, text) for path, text in texts.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--check", action="store_true", help="compare only; exit 1 when RESULTS.md differs")
-    p.add_argument("--results", type=Path, default=RESULTS_MD)
+    p.add_argument("--check", action="store_true", help="compare only; exit 1 when a document differs")
+    p.add_argument("docs", nargs="*", type=Path, default=list(DOCS),
+                   help="the documents holding every block (default: RESULTS.md, HISTORY.md, README.md)")
     a = p.parse_args(argv)
-    old = a.results.read_text()
+    old = {d: d.read_text() for d in a.docs}
     new = render(old)
+    changed = [d for d in a.docs if new[d] != old[d]]
     if a.check:
-        if new != old:
-            sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
-                                                       str(a.results), "regenerated from bench/results/"))
-            print(f"\n{a.results} differs from its raw files: run python bench/results_tables.py", file=sys.stderr)
+        for d in changed:
+            sys.stdout.writelines(difflib.unified_diff(old[d].splitlines(True), new[d].splitlines(True),
+                                                       str(d), "regenerated from bench/results/"))
+            print(f"\n{d} differs from its raw files: run python bench/results_tables.py", file=sys.stderr)
+        if changed:
             return 1
-        print(f"{a.results}: {len(REGISTRY)} blocks match their raw files")
+        print(f"{', '.join(d.name for d in a.docs)}: {len(REGISTRY)} blocks match their raw files")
         return 0
-    if new != old:
-        a.results.write_text(new)
-    print(f"{a.results}: {len(REGISTRY)} blocks written")
+    for d in changed:
+        d.write_text(new[d])
+    print(f"{', '.join(d.name for d in a.docs)}: {len(REGISTRY)} blocks written")
     return 0
 
 

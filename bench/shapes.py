@@ -1,7 +1,7 @@
 """MoE shard shapes (E experts, N per-rank intermediate, K hidden, top-k) for the benchmarks."""
 from __future__ import annotations
 
-TUNED = {  # shapes with a shipped H200 table (kernels/configs): TP=8 shards, TP=2, one GPU
+TUNED = {  # shapes with a shipped H200 table (kernels/moe/configs): TP=8 shards, TP=2, one GPU
     "Mixtral-8x7B/TP8": (8, 1792, 4096, 2),
     "Qwen3-30B-A3B/TP8": (128, 96, 2048, 8),
     "DeepSeek-V3/TP8": (256, 256, 7168, 8),

@@ -141,8 +141,8 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if args[:1] == ["tune"]:                      # moe-serve tune ... (kernels.tune_cli)
-        from kernels.tune_cli import main as tune_main
+    if args[:1] == ["tune"]:                      # moe-serve tune ... (kernels.tuning.tune_cli)
+        from kernels.tuning.tune_cli import main as tune_main
 
         return tune_main(args[1:])
     try:

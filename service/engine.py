@@ -67,7 +67,7 @@ def build_engine_args(settings: Settings, model_path: str) -> Any:
         from vllm.config import StructuredOutputsConfig
 
         kwargs["structured_outputs_config"] = StructuredOutputsConfig(**kwargs["structured_outputs_config"])
-    from kernels import backend_policy
+    from kernels.plugin import backend_policy
 
     backend_policy.apply(kwargs, settings.moe_kernels, model_path)  # an explicit moe_backend wins
     return AsyncEngineArgs(**kwargs)
@@ -193,7 +193,7 @@ class EngineHandle:
 def freeze_startup_heap() -> None:
     """Collect once, then move every object alive now (torch, vLLM, tokenizer: ~650k on the CPU
     engine) out of the collector's reach. Unfrozen, full collections during serving scanned them
-    all and paused the event loop 0.8-0.9 s (TTFT p99 at 32 streams: ~1 s; bench/RESULTS.md).
+    all and paused the event loop 0.8-0.9 s (TTFT p99 at 32 streams: ~1 s; bench/HISTORY.md).
     vLLM's engine core does the same for its own process (freeze_gc_heap)."""
     began = time.perf_counter()
     gc.collect()

@@ -1,7 +1,7 @@
 """The served model's MoE shapes against the tuned kernel tables for this GPU.
 
-At start the server reads the model's config.json (kernels.model_shapes), looks up a tuned
-table for each per-rank shape (kernels.configs: env dir, `moe-serve tune`'s cache, shipped
+At start the server reads the model's config.json (kernels.tuning.model_shapes), looks up a tuned
+table for each per-rank shape (kernels.moe.configs: env dir, `moe-serve tune`'s cache, shipped
 tables), logs one warning per untuned shape naming the command that tunes it, and exports
 `moe_serve_moe_shape_info{shape, tuned, routing}` and `moe_serve_moe_untuned_shapes`.
 `--tune-on-start` runs that command (bounded) before the engine starts. The GPU's name comes
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from kernels import configs, routing
-from kernels.model_shapes import ModelConfigError, MoEShape, moe_shapes, read_config
+from kernels.moe import configs, routing
+from kernels.tuning.model_shapes import ModelConfigError, MoEShape, moe_shapes, read_config
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def gpu_name() -> str:
 class ShapeStatus:
     shape: MoEShape
     tuned: bool
-    routing: str                     # kernels.routing.describe(): '1-4:ours,5+:vllm'
+    routing: str                     # kernels.moe.routing.describe(): '1-4:ours,5+:vllm'
 
     @property
     def key(self) -> str:

@@ -1,4 +1,4 @@
-"""The API process's view of the vLLM workers' plugin metrics (kernels/plugin_metrics.py).
+"""The API process's view of the vLLM workers' plugin metrics (kernels/plugin/plugin_metrics.py).
 
 Workers write prometheus-client multiprocess files into the runtime dir; here they are read
 with prometheus-client's MultiProcessCollector: summed per series for ``/metrics``
@@ -19,7 +19,7 @@ from typing import Any
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.samples import Sample
 
-from kernels import plugin_metrics as pm
+from kernels.plugin import plugin_metrics as pm
 
 
 def prepare_runtime_dir() -> tuple[Path, bool]:

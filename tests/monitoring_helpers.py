@@ -21,7 +21,7 @@ MONITORING = REPO / "monitoring"
 DASHBOARD = MONITORING / "grafana" / "dashboards" / "moe-serve.json"
 ALERTS = MONITORING / "alerts.yml"
 PROMETHEUS_YML = MONITORING / "prometheus.yml"
-# Families the vLLM workers' plugin reports (kernels/plugin_metrics.py), not service/metrics.py.
+# Families the vLLM workers' plugin reports (kernels/plugin/plugin_metrics.py), not service/metrics.py.
 PLUGIN_FAMILIES = ("moe_serve_triton_jit_compiles_total", "moe_serve_moe_kernel_info",
                    "moe_serve_plugin_warmup_failures_total")
 SampleKey = tuple[str, frozenset]

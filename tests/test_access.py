@@ -15,7 +15,7 @@ import httpx
 import pytest
 from starlette.routing import Route
 
-from kernels.plugin_metrics import RUNTIME_DIR_ENV
+from kernels.plugin.plugin_metrics import RUNTIME_DIR_ENV
 from loadtest.server_proc import MODEL_NAME, ServerProcess
 from service import __version__
 from service.app import create_app

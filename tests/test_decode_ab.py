@@ -92,6 +92,26 @@ def test_decode_ab_starts_no_process_the_budget_cannot_hold(tmp_path, capsys):
     assert not (tmp_path / "run-r0-moe-serve.log").exists()
 
 
+def test_decode_ab_without_a_budget_runs_every_process(tmp_path, monkeypatch):
+    import socket
+
+    # a slow first process on this host (600 s): with no --budget-s nothing may stop the A/B
+    (tmp_path / "run-r0-stock.json").write_text(json.dumps(
+        {**_run("stock", 0, {1: 100.0}), "host": socket.gethostname(), "ended": 1.0, "wall_s": 600.0}))
+    model = tmp_path / "model"
+    model.mkdir()
+    calls = []
+
+    def fake_run_one(model, variant, rnd, a, profile=False):
+        calls.append((rnd, variant))
+        (a.out / f"run-r{rnd}-{variant}.json").write_text(json.dumps(_run(variant, rnd, {1: 100.0})))
+        return 1.0
+
+    monkeypatch.setattr(decode_ab, "run_one", fake_run_one)
+    assert decode_ab.main(["--model", str(model), "--processes", "2", "--out", str(tmp_path)]) == 0
+    assert calls == [(0, "moe-serve"), (1, "moe-serve"), (1, "stock")]
+
+
 def test_dummy_model_dir_writes_a_static_fp8_checkpoint_config(tmp_path):
     d = dummy_model_dir("mixtral-8x7b-tp8-rank", tmp_path, quantization="fp8-static")
     cfg = json.loads((d / "config.json").read_text())

@@ -18,8 +18,9 @@ KNOWN_LONG: set[str] = set()
 def _modules() -> dict[str, Path]:
     out = {}
     for pkg in PACKAGES:
-        for f in sorted((REPO / pkg).glob("*.py")):
-            out[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
+        for f in sorted((REPO / pkg).rglob("*.py")):
+            parts = f.relative_to(REPO).with_suffix("").parts
+            out[".".join(parts[:-1] if f.stem == "__init__" else parts)] = f
     return out
 
 
@@ -34,7 +35,7 @@ def _graph() -> dict[str, set[str]]:
                 found |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module:
                 found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-        graph[name] = {m for m in found if m in mods and m != name and m not in PACKAGES}
+        graph[name] = {m for m in found if m in mods and m != name and mods[m].stem != "__init__"}
     return graph
 
 

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels import vllm_compat
-from kernels.moe_hook import unsupported_reason
+from kernels.plugin import vllm_compat
+from kernels.plugin.moe_hook import unsupported_reason
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ def _run(code: str, **env: str) -> dict:
 def test_register_per_mode(mode: str, wrapped: bool) -> None:
     out = _run("""
         import json, inspect
-        from kernels import vllm_plugin as vp
+        from kernels.plugin import vllm_plugin as vp
         vp.register(); vp.register()  # idempotent
         from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
         from vllm.v1.worker.worker_base import WorkerBase
@@ -131,8 +131,8 @@ def test_our_path_maps_arguments_correctly() -> None:
         import json, torch
         from types import SimpleNamespace
         from tests.kernels.reference import moe_reference, rel_err, routing
-        from kernels.moe_hook import MoeHook, fp8_scales
-        from kernels.vllm_compat import ApplyCall
+        from kernels.plugin.moe_hook import MoeHook, fp8_scales
+        from kernels.plugin.vllm_compat import ApplyCall
         E, N, K, M, TOPK = 4, 16, 32, 7, 2
         g = torch.Generator().manual_seed(0)
         res = {}

@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kernels import configs, routing, tune
+from kernels.moe import configs, routing
+from kernels.tuning import tune
 from loadtest.server_proc import start_server
 from service.embedded_model import ensure_embedded_model
 from tests.conftest import API_KEY
@@ -59,7 +60,7 @@ def test_tune_writes_tables_the_loader_reads_then_skips_and_resumes(model: Path,
     assert ent["rule"].startswith("default rule") and ent["ranges"] == routing.default_ranges(E, N, K, 2)
     assert "tuned in" in r.stdout and "[tune] [" in r.stderr          # summary and progress
     # the loader (and so the server's workers) picks the tuned table up from that dir
-    code = ("from kernels import configs; import json, sys; "
+    code = ("from kernels.moe import configs; import json, sys; "
             f"t = configs.load_table({E}, {N}, {K}, 'bf16', 'cpu'); "
             "print(json.dumps(sorted(t)))")
     env = {**os.environ, "MOE_SERVE_KERNEL_CONFIG_DIR": str(out)}
@@ -112,7 +113,8 @@ def test_untuned_shape_on_a_gpu_names_the_tune_command(caplog) -> None:
 
 
 def test_tuning_on_a_gpu_without_vllm_warns_that_the_search_is_unseeded(monkeypatch) -> None:
-    from kernels import tune_cli, vllm_kernels
+    from kernels.tuning import tune_cli
+    from kernels.moe import vllm_kernels
 
     monkeypatch.setattr(vllm_kernels, "fused_experts", lambda: None)
     assert "vLLM is not importable" in tune_cli.seed_warning("cuda")

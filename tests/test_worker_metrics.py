@@ -1,5 +1,5 @@
 """Worker -> API process through prometheus-client multiprocess files: workers (subprocesses)
-write kernels/plugin_metrics.PluginMetrics, the API side (service/worker_metrics.py) reads them
+write kernels.plugin.plugin_metrics.PluginMetrics, the API side (service/worker_metrics.py) reads them
 for /metrics and /version."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 WORKER = """
 import json, os, sys
 from prometheus_client import Counter
-from kernels.plugin_metrics import PluginMetrics, enable_multiprocess
+from kernels.plugin.plugin_metrics import PluginMetrics, enable_multiprocess
 rank, events = sys.argv[1], json.loads(sys.argv[2])
 enable_multiprocess(sys.argv[3])
 m = PluginMetrics(rank, "optimized")

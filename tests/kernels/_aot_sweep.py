@@ -10,9 +10,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from kernels import aot, jit_monitor  # noqa: E402
-from kernels.fused_moe import Fp8Scales, fused_moe  # noqa: E402
-from kernels.launch import record_launches  # noqa: E402
+from kernels.moe import aot  # noqa: E402
+from kernels.plugin import jit_monitor  # noqa: E402
+from kernels.moe.fused_moe import Fp8Scales, fused_moe  # noqa: E402
+from kernels.moe.launch import record_launches  # noqa: E402
 
 
 def run(M: int, fp8: bool) -> None:

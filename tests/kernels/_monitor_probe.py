@@ -12,7 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels import aot, jit_monitor  # noqa: E402
+from kernels.moe import aot  # noqa: E402
+from kernels.plugin import jit_monitor  # noqa: E402
 
 
 def _copy_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):

@@ -3,7 +3,7 @@ shapes (tuned + untuned, bf16 + fp8) and M up to 16384 must fit sm_90's shared m
 
 Prints one JSON line: {"configs": n distinct, "max_estimate": ..., "over_estimate": [...],
 "compiled": [{"est", "shared", ...}] } for the `argv[1]` configs closest to the limit plus
-`argv[2]` random others, compiled for sm_90 with kernels.aot (real Triton metadata.shared)."""
+`argv[2]` random others, compiled for sm_90 with kernels.moe.aot (real Triton metadata.shared)."""
 from __future__ import annotations
 
 import json
@@ -19,11 +19,11 @@ from shapes import TUNED, UNTUNED  # noqa: E402
 
 import torch  # noqa: E402
 
-from kernels import aot, configs, smem  # noqa: E402
-from kernels.align import moe_align_kernel  # noqa: E402
-from kernels.fused_moe import Fp8Scales, fused_moe  # noqa: E402
-from kernels.launch import record_launches  # noqa: E402
-from kernels.moe_gemm import topk_sum_kernel  # noqa: E402
+from kernels.moe import aot, configs, smem  # noqa: E402
+from kernels.moe.align import moe_align_kernel  # noqa: E402
+from kernels.moe.fused_moe import Fp8Scales, fused_moe  # noqa: E402
+from kernels.moe.launch import record_launches  # noqa: E402
+from kernels.moe.moe_gemm import topk_sum_kernel  # noqa: E402
 
 MS = sorted({*range(1, 65), *configs.M_BUCKETS, 100, 300, 700, 1500, 3000, 6000, 8192, 12000,
              16384})

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from kernels import configs
+from kernels.moe import configs
 
 
 @pytest.mark.parametrize("shape", [(8, 1792, 4096, 2), (128, 96, 2048, 8), (256, 256, 7168, 8),
@@ -55,8 +55,8 @@ def test_validate_rejects_bad():
 
 
 def test_a_prequant_is_kept_only_when_set_and_only_on_the_aligned_path():
-    from kernels.config_schema import label
-    from kernels.tune import aligned_b
+    from kernels.moe.config_schema import label
+    from kernels.tuning.tune import aligned_b
 
     base = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=16, num_warps=4, num_stages=4,
                 SWAP_AB=False)
@@ -69,3 +69,22 @@ def test_a_prequant_is_kept_only_when_set_and_only_on_the_aligned_path():
     # the tuner's GEMM1 walk offers the flip for fp8 only
     assert any(c.get("A_PREQUANT") for c in aligned_b(configs.validate(base), "fp8"))
     assert not any(c.get("A_PREQUANT") for c in aligned_b(configs.validate(base), "bf16"))
+
+
+def test_decode_split_fills_the_sms():
+    """Split-K (when asked for) brings a decode kernel's programs up to ~one per SM, keeps each
+    split's share of the loop, and never splits a kernel that already fills the GPU."""
+    from kernels.moe.heuristics import decode_config, decode_split
+
+    assert decode_split(32, 24, 2) == 8            # 32 programs -> 256 ~ two per SM
+    assert decode_split(64, 112, 2) == 4           # 64 -> 256
+    assert decode_split(32, 12, 2) == 4            # 8 splits would leave < 2 of 12 iterations each
+    assert decode_split(100, 64, 2) == 1           # already fills half the SMs
+    assert decode_split(1, 1024, 2) == 16          # capped at MAX_SPLIT_K
+    plain = decode_config(1, 128, 768, 2048, 8, "bf16")
+    split = decode_config(1, 128, 768, 2048, 8, "bf16", split=True)
+    assert plain["SPLIT_K"] == plain["DOWN"]["SPLIT_K"] == 1
+    assert split["SPLIT_K"] == 1 and split["DOWN"]["SPLIT_K"] == 8   # bf16: only down splits
+    assert decode_config(1, 256, 256, 7168, 8, "fp8", split=True)["SPLIT_K"] == 4  # 64 programs
+    assert {k: v for k, v in split.items() if k not in ("SPLIT_K", "DOWN")} == \
+        {k: v for k, v in plain.items() if k not in ("SPLIT_K", "DOWN")}

@@ -1,23 +1,24 @@
-"""The two-launch decode path (kernels.moe_decode) against the float64 reference, under
+"""The two-launch decode path (kernels.moe.moe_decode) against the float64 reference, under
 TRITON_INTERPRET=1: every variant, into NaN-poisoned outputs, on fresh random inputs."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import heuristics
-from kernels.fused_moe import Fp8Scales, fused_moe
+from kernels.moe import heuristics
+from kernels.moe.fused_moe import Fp8Scales, fused_moe
 from reference import act_amax, moe_reference, quant_fp8, rel_err, routing
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
 
 
 def _cfg(M: int, topk: int, bn: int, bk: int, swap: bool, down_bn: int, down_bk: int,
-         down_swap: bool) -> dict:
+         down_swap: bool, split: int = 1, down_split: int = 1) -> dict:
     return {"DECODE": True, "PDL": True, "BLOCK_M": heuristics.decode_block_m(M, topk),
             "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": 4, "num_stages": 2,
-            "SWAP_AB": swap, "DOWN": {"BLOCK_N": down_bn, "BLOCK_K": down_bk, "GROUP_M": 1,
-                                      "num_warps": 4, "num_stages": 2, "SWAP_AB": down_swap}}
+            "SWAP_AB": swap, "SPLIT_K": split,
+            "DOWN": {"BLOCK_N": down_bn, "BLOCK_K": down_bk, "GROUP_M": 1, "num_warps": 4,
+                     "num_stages": 2, "SWAP_AB": down_swap, "SPLIT_K": down_split}}
 
 
 def _problem(M: int, E: int, N: int, K: int, topk: int, ids_dtype=torch.int32):
@@ -72,6 +73,51 @@ def test_decode_fp8(case, per_channel, static):
     assert rel_err(out, moe_reference(x, q1, q2, tw, ids, s1, s2)) < 0.12
 
 
+SPLITS = [(2, 1), (1, 2), (4, 8), (8, 4)]  # (up, down): more splits than tiles leaves some empty
+
+
+def _split_ws_zero() -> bool:
+    from kernels.moe import fused_moe as fm
+    return all(not (f.any() or c.any()) for f, c in fm._SPLIT_WS.values())
+
+
+@pytest.mark.parametrize("splits", SPLITS)
+@pytest.mark.parametrize("case", [0, 2, 3, 4])
+def test_decode_split_k(case, splits):
+    """Split-K in either kernel: partials added with atomics, the tile's last program runs the
+    epilogue; the workspace is zero again afterwards and a second call gives the same sums."""
+    M, E, N, K, topk, up, down = CASES[case]
+    x, w1, w2, tw, ids = _problem(M, E, N, K, topk)
+    cfg = _cfg(M, topk, *up, *down, *splits)
+    ref = moe_reference(x, w1, w2, tw, ids)
+    for _ in range(2):
+        out = torch.full((M, K), float("nan"))
+        fused_moe(x, w1, w2, tw, ids, out=out, config=cfg)
+        assert rel_err(out, ref) < TOL[torch.float32]
+        assert _split_ws_zero()
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_decode_split_k_fp8(static):
+    """fp8 W8A8 with both kernels split: scales are applied to the reduced sums (up) or per
+    slot row before the partial is added (down)."""
+    M, E, N, K, topk, up, down = CASES[3]
+    x, w1, w2, tw, ids = _problem(M, E, N, K, topk)
+    q1, s1 = quant_fp8(w1, True)
+    q2, s2 = quant_fp8(w2, False)
+    a1 = a2 = None
+    if static:
+        a1 = (x.abs().max() / 448.0).reshape(())
+        a2 = (act_amax(x, q1.float() * s1.reshape(E, -1, 1), ids) / 448.0).float().reshape(())
+    out = torch.full((M, K), float("nan"))
+    fused_moe(x, q1, q2, tw, ids, fp8=Fp8Scales(s1, s2, a1, a2), out=out,
+              config=_cfg(M, topk, *up, *down, 2, 4))
+    qref = moe_reference(x, q1, q2, tw, ids, s1, s2, a1_scale=a1,
+                         quant_acts="static" if static else "dynamic", a2_scale=a2)
+    assert rel_err(out, qref) < 2e-2
+    assert _split_ws_zero()
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_decode_router_weight_on_input(fp8):
     M, E, N, K = 5, 4, 32, 32
@@ -110,7 +156,7 @@ def test_decode_block_m_must_hold_all_slots():
 
 def test_default_path_choice():
     """Untuned shapes: decode while M * topk <= min(32, E), else the aligned path."""
-    from kernels import configs
+    from kernels.moe import configs
 
     assert configs.default_config(1, 8, 1792, 4096, 2, "bf16").get("DECODE")
     assert configs.default_config(4, 8, 1792, 4096, 2, "bf16").get("DECODE")

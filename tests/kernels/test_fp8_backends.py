@@ -36,7 +36,7 @@ def test_shapes_selects_and_unknown_names_are_an_error(tmp_path, capsys):
 
 
 def test_flush_l2_is_refused_without_a_gpu(tmp_path, capsys):
-    from kernels.timing import time_graph
+    from kernels.tuning.timing import time_graph
 
     with pytest.raises(SystemExit) as e:
         fp8_backends.main(["--smoke", "--flush-l2", "--out", str(tmp_path)])

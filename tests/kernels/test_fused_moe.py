@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fused_moe import Fp8Scales, fused_moe
+from kernels.moe.fused_moe import Fp8Scales, fused_moe
 from reference import act_amax, moe_reference, quant_fp8, rel_err, routing
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
@@ -189,8 +189,8 @@ def test_split_k_router_weight_on_input(fp8):
 def test_aligned_heuristic_splits_at_small_m():
     """The aligned path's own heuristic fills >= ~1 wave (split-K / un-fused gate+up) at
     small M and never splits at large M."""
-    from kernels import heuristics
-    from kernels.fused_moe import num_programs
+    from kernels.moe import heuristics
+    from kernels.moe.fused_moe import num_programs
 
     for E, N, K, topk in [(8, 1792, 4096, 2), (256, 256, 7168, 8), (128, 96, 2048, 8)]:
         for dt in ("bf16", "fp8"):
@@ -215,7 +215,7 @@ def test_a_prequant_quantizes_x_once_with_the_same_rounding(case):
     """A_PREQUANT (static a1 scale): one quant launch before GEMM1, then fp8 A (A_MODE 1); the
     result is the in-loop quant's (same fp8 values) and matches the float64 reference. With a
     dynamic scale it changes nothing (per-token scales are computed inside the GEMM)."""
-    from kernels.launch import kernel_name, record_launches
+    from kernels.moe.launch import kernel_name, record_launches
 
     M, E, N, K, topk, cfg = case
     x, w1, w2, tw, ids = _problem(M, E, N, K, topk, seed=M + 5 * E)

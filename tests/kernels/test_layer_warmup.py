@@ -12,10 +12,11 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from kernels import configs, jit_monitor, routing, vllm_compat
-from kernels.layer_warmup import LayerShape, VllmCallTemplate, _vllm_group, warmup_plan
-from kernels.plugin_metrics import PluginMetrics
-from kernels.vllm_plugin import MoePlugin
+from kernels.moe import configs, routing
+from kernels.plugin import jit_monitor, vllm_compat
+from kernels.plugin.layer_warmup import LayerShape, VllmCallTemplate, _vllm_group, warmup_plan
+from kernels.plugin.plugin_metrics import PluginMetrics
+from kernels.plugin.vllm_plugin import MoePlugin
 from tests.kernels.reference import moe_reference, rel_err
 
 E, N, K, TOPK = 4, 16, 32, 2

@@ -1,4 +1,4 @@
-"""Routing table (kernels/routing.py, kernels/make_routing.py); the plugin's use of it is in
+"""Routing table (kernels/moe/routing.py, kernels/tuning/make_routing.py); the plugin's use of it is in
 tests/test_layer_warmup.py."""
 from __future__ import annotations
 
@@ -8,12 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from kernels import configs, make_routing, routing
-from kernels.config_schema import label
+from kernels.moe import configs, routing
+from kernels.tuning import make_routing
+from kernels.moe.config_schema import label
 
 ROOT = Path(__file__).resolve().parents[2]
-SHIPPED = ROOT / "kernels/configs" / routing.file_name("NVIDIA_H200")
-RESULTS = [ROOT / src for src in json.loads(SHIPPED.read_text())["sources"]]  # its raw files
+SHIPPED = ROOT / "kernels/moe/configs" / routing.file_name("NVIDIA_H200")
+sys.path.insert(0, str(ROOT / "bench"))
+from results_archive import raw  # noqa: E402  (a closed date's raw files are in its archive)
+
+RESULTS = [raw(src.removeprefix("bench/results/")) for src in json.loads(SHIPPED.read_text())["sources"]]
 
 
 def test_ranges_are_conservative():

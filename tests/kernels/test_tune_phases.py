@@ -1,9 +1,10 @@
-"""kernels.tune.tune_shape's search logic with a stand-in cost (no GPU): phase D gives a bucket
+"""kernels.tuning.tune.tune_shape's search logic with a stand-in cost (no GPU): phase D gives a bucket
 its neighbour's winner when one-dimension walks cannot reach it; the decode family wins the
 buckets where it is cheaper; a resumed search skips the phases it already finished."""
 from __future__ import annotations
 
-from kernels import configs, heuristics, precompile, tune
+from kernels.moe import configs, heuristics
+from kernels.tuning import precompile, tune
 
 E, N, K, TOPK = 8, 1792, 4096, 2
 

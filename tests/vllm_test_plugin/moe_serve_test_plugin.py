@@ -2,10 +2,10 @@
 
 Never installed: tests/plugin_env.py puts this directory on the server's PYTHONPATH, and vLLM
 finds the entry point in the dist-info beside this file. It first registers moe-serve's own
-plugin (kernels.vllm_plugin), then changes that plugin object as these env switches say:
+plugin (kernels.plugin.vllm_plugin), then changes that plugin object as these env switches say:
 
 MOE_SERVE_TEST_PROBE_KERNEL=1
-    Each worker compiles a tiny probe kernel for sm_90 (kernels.aot's fake driver) at worker
+    Each worker compiles a tiny probe kernel for sm_90 (kernels.moe.aot's fake driver) at worker
     init (phase warmup) and right after the plugin turns to serving: real Triton JIT events of
     both phases on a host whose MoE path never compiles Triton.
 MOE_SERVE_TEST_CPU_MOE=1 (optimized mode)
@@ -33,10 +33,11 @@ from typing import Any, Callable
 import torch
 import triton.language as tl
 
-from kernels import aot, vllm_compat, vllm_plugin
-from kernels.fused_moe import Fp8Scales, fused_moe
-from kernels.launch import record_launches
-from kernels.moe_variants import warm_moe_variants
+from kernels.moe import aot
+from kernels.plugin import vllm_compat, vllm_plugin
+from kernels.moe.fused_moe import Fp8Scales, fused_moe
+from kernels.moe.launch import record_launches
+from kernels.moe.moe_variants import warm_moe_variants
 
 CPU_EXPERTS = ("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts")
 CPU_WORKER = ("vllm.v1.worker.cpu_worker", "CPUWorker")

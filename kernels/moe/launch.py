@@ -1,0 +1,42 @@
+"""Kernel launch indirection: launch normally, or record launches (no execution) so the
+exact same arguments can be compiled ahead of time (kernels.moe.aot) or counted (warmup)."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import triton
+
+JIT_OPTIONS: dict[str, dict[str, Any]] = {}  # kernel name -> triton.jit keyword options
+_recorder: list[tuple[Any, tuple, tuple, dict]] | None = None
+
+
+def jit(**options: Any) -> Callable:
+    """triton.jit(**options), remembering the options so aot can rebuild a real JITFunction."""
+    def deco(fn: Callable) -> Any:
+        JIT_OPTIONS[fn.__name__] = options
+        return triton.jit(**options)(fn)
+    return deco
+
+
+def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:
+    if _recorder is not None:
+        _recorder.append((kernel, grid, args, kwargs))
+        return
+    kernel[grid](*args, **kwargs)
+
+
+@contextlib.contextmanager
+def record_launches() -> Iterator[list[tuple[Any, tuple, tuple, dict]]]:
+    """Inside the block launches are recorded as (kernel, grid, args, kwargs), not run."""
+    global _recorder
+    prev, _recorder = _recorder, []
+    try:
+        yield _recorder
+    finally:
+        _recorder = prev
+
+
+def kernel_name(kernel: Any) -> str:
+    fn = getattr(kernel, "fn", kernel)
+    return getattr(fn, "__name__", str(fn))

@@ -1,0 +1,143 @@
+"""The plugin's MoE hook: vLLM's TritonExperts.apply -> our fused_moe where we support the call
+and the measured routing table (kernels/moe/routing.py) says ours is faster for (E, N, K, dtype, M).
+
+Supported: gated SiLU, no expert_map / LoRA / bias / clamp; bf16/fp16/fp32, or FP8 W8A8 with
+per-tensor or per-channel weight scales and a per-tensor activation scale. Everything else, and
+supported calls routed to vLLM, run vLLM's original (counted 'fallback' + reason, or
+'routed_to_vllm'). Every layer shape seen is queued for warm-up (kernels/plugin/layer_warmup.py).
+Why this point: it owns the whole expert computation (both GEMMs, activation, routed-weight
+reduction into ``output``: TritonExperts' finalize is a no-op) for every model and for both the
+unquantized and FP8 paths, while prepare/finalize, routing and CUDA graphs stay vLLM's.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from kernels.moe import routing
+from kernels.moe.fused_moe import FP8, Fp8Scales, fused_moe
+from kernels.plugin.layer_warmup import LayerShape, LayerWarmup, VllmCallTemplate
+from kernels.plugin.plugin_host import PluginHost
+from kernels.plugin.vllm_compat import OUTPUT_WRITTEN, ApplyCall, call_apply
+
+
+def unsupported_reason(experts: Any, call: ApplyCall, require_cuda: bool = True) -> str | None:
+    """None when our kernel can compute this call, else a short reason (for the metrics)."""
+    q = getattr(experts, "quant_config", None)
+    x, w1, w2, out = call.hidden_states, call.w1, call.w2, call.output
+    act = getattr(call.activation, "name", str(call.activation))
+    if act.upper() != "SILU":
+        return f"activation:{act}"
+    if call.expert_map is not None:
+        return "expert_map"
+    if getattr(experts, "_lora_context", None) is not None:
+        return "lora"
+    if getattr(experts, "w1_bias", None) is not None or getattr(experts, "w2_bias", None) is not None:
+        return "bias"
+    if getattr(experts, "quantization_emulation", False):
+        return "emulation"
+    if any(getattr(q, a, None) is not None for a in ("gemm1_clamp_limit", "gemm1_alpha", "gemm1_beta")):
+        return "swiglu_params"
+    if require_cuda and not x.is_cuda:
+        return "device"
+    if x.dim() != 2 or not x.is_contiguous() or w1.dim() != 3 or w2.dim() != 3:
+        return "layout"
+    E = w1.size(0)
+    if call.global_num_experts not in (-1, E):
+        return "global_num_experts"
+    if w1.size(1) != 2 * w2.size(2) or w1.size(2) != x.size(1):
+        return "not_gated"
+    if q is not None and getattr(q, "use_fp8_w8a8", False):
+        return _fp8_reason(experts, call)
+    if q is not None and getattr(q, "quant_dtype", None) is not None:
+        return f"quant:{q.quant_dtype}"
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"dtype:{x.dtype}"
+    if not (x.dtype == w1.dtype == w2.dtype == out.dtype):
+        return "mixed_dtypes"
+    return None
+
+
+def _fp8_reason(experts: Any, call: ApplyCall) -> str | None:
+    x, w1, w2 = call.hidden_states, call.w1, call.w2
+    if getattr(experts.quant_config, "block_shape", None):
+        return "fp8_block"
+    if w1.dtype != FP8 or w2.dtype != FP8 or call.output.dtype != torch.bfloat16:
+        return "fp8_dtypes"
+    if x.dtype == FP8 and (call.a1q_scale is None or call.a1q_scale.numel() != 1):
+        return "fp8_act_scale_per_token"
+    a2 = getattr(experts, "a2_scale", None)
+    if a2 is not None and a2.numel() != 1:
+        return "fp8_a2_scale_layout"
+    E, n = w1.size(0), w2.size(2)
+    for attr, rows in (("w1_scale", 2 * n), ("w2_scale", w2.size(1))):
+        s = getattr(experts, attr, None)
+        if s is None or s.numel() not in (E, E * rows):
+            return "fp8_w_scale_layout"
+    return None
+
+
+def fp8_scales(experts: Any, call: ApplyCall) -> Fp8Scales | None:
+    """Our Fp8Scales for an FP8 W8A8 call (None for 16/32-bit weights)."""
+    if call.w1.dtype != FP8:
+        return None
+    a1 = call.a1q_scale if call.hidden_states.dtype == FP8 else getattr(experts, "a1_scale", None)
+    f32 = lambda t: None if t is None else t.float()  # noqa: E731 - no copy when already fp32
+    return Fp8Scales(f32(experts.w1_scale), f32(experts.w2_scale), f32(a1), f32(call.a2_scale))
+
+
+def layer_shape(call: ApplyCall, scales: Fp8Scales | None) -> LayerShape:
+    E, two_n, K = call.w1.shape
+    fp8 = None if scales is None else "per_tensor" if scales.w1_scale.numel() == E else "per_channel"
+    return LayerShape(E=E, N=two_n // 2, K=K, topk=call.topk_ids.size(1), dtype=call.hidden_states.dtype,
+                      fp8=fp8, static_act=scales is not None and scales.a1_scale is not None,
+                      router_on_input=call.apply_router_weight_on_input,
+                      ids_dtype=call.topk_ids.dtype, device=str(call.hidden_states.device))
+
+
+class MoeHook:
+    """handle() is what the wrapped TritonExperts.apply does, for one plugin (its reporting) and
+    its layer warm-up. require_cuda: our kernels run on CUDA tensors only."""
+
+    require_cuda = True
+
+    def __init__(self, plugin: PluginHost, layers: LayerWarmup) -> None:
+        self.plugin = plugin
+        self.layers = layers
+        self._shapes: dict[int, LayerShape] = {}  # id(experts) -> its layer's shape (fixed per layer)
+
+    def handle(self, orig: Callable, experts: Any, call: ApplyCall) -> Any:
+        why = unsupported_reason(experts, call, self.require_cuda)
+        if why is not None:
+            return self._fallback(orig, experts, call, why)
+        try:
+            scales = fp8_scales(experts, call)
+            shape = self._shapes.get(id(experts))
+            if shape is None:
+                shape = layer_shape(call, scales)
+                self.layers.see(shape, lambda: VllmCallTemplate.of(orig, experts, call))
+                self._shapes[id(experts)] = shape
+        except Exception as exc:  # noqa: BLE001
+            return self._fallback(orig, experts, call, f"error:{type(exc).__name__}")
+        M = call.hidden_states.size(0)
+        if routing.route(shape.E, shape.N, shape.K, shape.route_dtype, M, topk=shape.topk) != routing.OURS:
+            self.plugin.count_launch("routed_to_vllm")
+            return call_apply(orig, experts, call)
+        try:
+            self.run_ours(experts, call, scales)
+        except Exception as exc:  # noqa: BLE001 - serve with vLLM's kernel, say so loudly once
+            key = f"error:{type(exc).__name__}"
+            self.plugin.log_once(key, "moe-serve kernel failed, falling back to vLLM's: %r", exc)
+            return self._fallback(orig, experts, call, key)
+        self.plugin.count_launch("optimized")
+        return OUTPUT_WRITTEN
+
+    def run_ours(self, experts: Any, call: ApplyCall, scales: Fp8Scales | None) -> None:
+        """Our fused MoE into vLLM's `output` buffer (the final [M, K] sum)."""
+        fused_moe(call.hidden_states, call.w1, call.w2, call.topk_weights, call.topk_ids, fp8=scales,
+                  apply_router_weight_on_input=call.apply_router_weight_on_input, out=call.output)
+
+    def _fallback(self, orig: Callable, experts: Any, call: ApplyCall, why: str) -> Any:
+        self.plugin.count_fallback(why)
+        return call_apply(orig, experts, call)

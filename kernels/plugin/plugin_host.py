@@ -1,0 +1,33 @@
+"""What the plugin's parts (kernels/plugin/moe_hook.py, kernels/plugin/layer_warmup.py) need from the plugin
+object (kernels.plugin.vllm_plugin.MoePlugin), as a Protocol: the parts import nothing above them."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+from kernels.plugin.vllm_compat import WorkerFacts
+
+
+class PluginHost(Protocol):
+    """The plugin seen from its parts: phase, worker facts, logging and reporting."""
+
+    phase: str                  # 'warmup' until the plugin serves, then 'serving'
+    logger: logging.Logger
+    facts: WorkerFacts | None   # None outside a worker (API process, engine core)
+
+    @property
+    def rank(self) -> int | None: ...
+
+    def count_launch(self, path: str) -> None: ...
+
+    def count_fallback(self, reason: str) -> None: ...
+
+    def log_once(self, kind: str, message: str, *args: Any) -> None: ...
+
+    def warmup_failed(self, what: str, exc: BaseException, once: str | None = None) -> None: ...
+
+    def set_swap_ab(self, value: str) -> None: ...
+
+    def report_routing(self, shape: str, desc: str) -> None: ...
+
+    def report_warmup(self, seconds: float, shapes: int) -> None: ...

@@ -1,0 +1,265 @@
+"""The only module of the plugin that touches vLLM internals (vLLM 0.26 on the GPU host, 0.32 here).
+
+Every point below is checked by a pin in ``PINS``; tests/test_vllm_compat.py runs them on the CPU
+(0.32), bench/check_vllm_pins.py on the GPU host (0.26). Where the versions differ, the
+difference is dispatched here on ``vllm_minor()``:
+
+| point (vLLM module)                                   | 0.26            | 0.32                        |
+|-------------------------------------------------------|-----------------|-----------------------------|
+| ``TritonExperts.apply`` (fused_moe/experts/triton_moe) | APPLY_PARAMS    | APPLY_PARAMS                |
+| ``FusedMoEExpertsModular.apply`` return               | None            | None or UnfinalizedMoEOutput |
+| ``WorkerBase.__init__(vllm_config, local_rank, rank)`` | same            | same                        |
+| ``<Worker>.compile_or_warm_up_model(self)``           | same            | same                        |
+| ``try_get_optimal_moe_config(w1, w2, top_k, dtype, M)`` | same          | same                        |
+| ``_resize_cache(flat, shape)`` views a workspace's front | same         | same                        |
+| ``moe_align_block_size(topk_ids, block_size, E)``      | same            | same                        |
+| ``fused_experts(x, w1, w2, tw, ids, quant_config=)``   | same            | same                        |
+| ``fp8_w8a8_moe_quant_config(w1_scale=, w2_scale=, a1_scale=, a2_scale=)`` | same | same |
+| VllmConfig fields read by ``worker_facts``            | same            | same                        |
+
+The return of apply: our kernel writes the final [M, K] sum into ``output`` and returns
+``OUTPUT_WRITTEN`` (None), which both versions read as "output is final" (0.32 also accepts an
+UnfinalizedMoEOutput, which TritonExperts never returns). vLLM's own results pass through
+unchanged. ``FusedMoE`` (0.26) is ``FusedMoEFactory`` in 0.32; the plugin never names that
+layer (it hooks the experts class below it), so nothing dispatches on it.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import vllm
+from vllm.config import KernelConfig, ParallelConfig, SchedulerConfig
+
+EXPERTS = ("vllm.model_executor.layers.fused_moe.experts.triton_moe", "TritonExperts")
+MODULAR = ("vllm.model_executor.layers.fused_moe.modular_kernel", "FusedMoEExpertsModular")
+WORKER_BASE = ("vllm.v1.worker.worker_base", "WorkerBase")
+GPU_WORKER = ("vllm.v1.worker.gpu_worker", "Worker")
+WARMUP_METHOD = "compile_or_warm_up_model"
+APPLY_PARAMS = ("self", "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids",
+                "activation", "global_num_experts", "expert_map", "a1q_scale", "a2_scale",
+                "workspace13", "workspace2", "expert_tokens_meta", "apply_router_weight_on_input")
+SUPPORTED = ((0, 26), (0, 32))
+OUTPUT_WRITTEN = None
+APPLY_RETURNS = {(0, 26): "None", (0, 32): "UnfinalizedMoEOutput | None"}
+MARK = "__moe_serve__"
+
+
+def vllm_minor() -> tuple[int, int]:
+    """(major, minor) of the running vLLM, e.g. (0, 32)."""
+    major, minor = vllm.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def load(where: tuple[str, str]) -> Any:
+    """The object `name` of module `mod` for where = (mod, name)."""
+    return getattr(importlib.import_module(where[0]), where[1])
+
+
+def wrap_method(cls: type, name: str, make: Callable[[Callable], Callable]) -> bool:
+    """Replace cls.name by make(original) once (marked; the original stays as __wrapped__).
+    False when it was already wrapped or cls has no such method."""
+    orig = getattr(cls, name, None)
+    if orig is None or getattr(orig, MARK, False):
+        return False
+    wrapper = functools.wraps(orig)(make(orig))
+    setattr(wrapper, MARK, True)
+    setattr(cls, name, wrapper)
+    return True
+
+
+@dataclass(slots=True)
+class ApplyCall:
+    """The arguments of one FusedMoEExpertsModular.apply call (APPLY_PARAMS without self)."""
+
+    output: Any
+    hidden_states: Any
+    w1: Any
+    w2: Any
+    topk_weights: Any
+    topk_ids: Any
+    activation: Any
+    global_num_experts: int
+    expert_map: Any
+    a1q_scale: Any
+    a2_scale: Any
+    workspace13: Any
+    workspace2: Any
+    expert_tokens_meta: Any
+    apply_router_weight_on_input: bool
+
+    def kwargs(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in APPLY_PARAMS[1:]}
+
+
+Handler = Callable[[Callable, Any, ApplyCall], Any]
+
+
+def apply_wrapper(handler: Handler) -> Callable[[Callable], Callable]:
+    """make() for wrap_method on an experts class: the wrapper takes apply's parameters (keyword
+    or positional) and returns handler(original, experts, call)."""
+    def make(orig: Callable) -> Callable:
+        def apply(self: Any, output: Any, hidden_states: Any, w1: Any, w2: Any, topk_weights: Any,
+                  topk_ids: Any, activation: Any, global_num_experts: int, expert_map: Any,
+                  a1q_scale: Any, a2_scale: Any, workspace13: Any, workspace2: Any,
+                  expert_tokens_meta: Any, apply_router_weight_on_input: bool) -> Any:
+            return handler(orig, self, ApplyCall(
+                output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
+                expert_tokens_meta, apply_router_weight_on_input))
+        return apply
+    return make
+
+
+def call_apply(orig: Callable, experts: Any, call: ApplyCall) -> Any:
+    """vLLM's original apply with every argument by keyword; its result unchanged."""
+    return orig(experts, **call.kwargs())
+
+
+@dataclass(frozen=True)
+class WorkerFacts:
+    """What the plugin reads from a vLLM worker and its VllmConfig."""
+
+    rank: int | None
+    local_rank: int | None
+    worker_class: str
+    max_num_batched_tokens: int | None  # largest M a MoE layer sees (prefill chunk)
+    max_num_seqs: int | None            # largest decode batch
+    backend: str                        # kernel_config.moe_backend ('auto' when unset)
+    dtype: str                          # quantization name, else the activation dtype (bf16, ...)
+    activation_dtype: str
+    tp_size: int | None
+
+
+def worker_facts(worker: Any) -> WorkerFacts:
+    cfg = getattr(worker, "vllm_config", None)
+    model = getattr(cfg, "model_config", None)
+    sched = getattr(cfg, "scheduler_config", None)
+    quant = getattr(model, "quantization", None)
+    dt = str(getattr(model, "dtype", "unknown")).replace("torch.", "")
+    dt = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dt, dt)
+    cls = type(worker)
+    return WorkerFacts(
+        rank=getattr(worker, "rank", None), local_rank=getattr(worker, "local_rank", None),
+        worker_class=f"{cls.__module__}.{cls.__qualname__}",
+        max_num_batched_tokens=getattr(sched, "max_num_batched_tokens", None),
+        max_num_seqs=getattr(sched, "max_num_seqs", None),
+        backend=str(getattr(getattr(cfg, "kernel_config", None), "moe_backend", None) or "auto"),
+        dtype=str(quant) if quant else dt, activation_dtype=dt,
+        tp_size=getattr(getattr(cfg, "parallel_config", None), "tensor_parallel_size", None))
+
+
+def vllm_config_chooser(w1_shape: tuple[int, ...], w2_shape: tuple[int, ...], topk: int,
+                        fp8: bool) -> Callable[[int], str]:
+    """M -> vLLM's own fused-MoE config for this layer (try_get_optimal_moe_config), as a
+    hashable string; cached. Raises when vLLM cannot choose (no GPU config machinery)."""
+    from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
+
+    dtype = "fp8_w8a8" if fp8 else None
+
+    @functools.lru_cache(maxsize=None)
+    def choose(M: int) -> str:
+        return repr(sorted(try_get_optimal_moe_config(w1_shape, w2_shape, topk, dtype, M).items()))
+
+    choose(1)
+    return choose
+
+
+def moe_config(M: int, E: int, N: int, K: int, topk: int, dtype: str) -> dict[str, Any] | None:
+    """vLLM's fused_moe config for M tokens of (E, N per rank, K), bf16 or fp8 W8A8: its
+    shipped table for this GPU where one exists, else its default; None if it cannot choose."""
+    from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
+
+    try:
+        return dict(try_get_optimal_moe_config((E, 2 * N, K), (E, K, N), topk,
+                                               "fp8_w8a8" if dtype == "fp8" else None, M))
+    except Exception:  # noqa: BLE001 - no config machinery for this platform
+        return None
+
+
+def align_op() -> Callable:
+    """vLLM's moe_align_block_size(topk_ids, block_size, num_experts) -> (sorted_ids,
+    expert_ids, num_tokens_post_pad): the same outputs as kernels.moe.align, a CUDA kernel."""
+    from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
+
+    return moe_align_block_size
+
+
+def fused_experts() -> tuple[Callable, Callable]:
+    """(fused_experts, fp8_w8a8_moe_quant_config): vLLM's Triton MoE, the timing baseline."""
+    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts as fx
+
+    return fx, fp8_w8a8_moe_quant_config
+
+
+def _params(fn: Callable) -> tuple[str, ...]:
+    return tuple(inspect.signature(inspect.unwrap(fn)).parameters)
+
+
+def pin_version() -> str:
+    assert vllm_minor() in SUPPORTED, f"vLLM {vllm.__version__}: pins are checked for {SUPPORTED}"
+    return vllm.__version__
+
+
+def pin_apply() -> str:
+    assert _params(load(EXPERTS).apply) == APPLY_PARAMS
+    assert _params(load(MODULAR).apply) == APPLY_PARAMS
+    ret = inspect.signature(inspect.unwrap(load(MODULAR).apply)).return_annotation
+    assert re.sub(r"[\w.]+\.(\w+)", r"\1", str(ret)) == APPLY_RETURNS[vllm_minor()], ret
+    impl = load(EXPERTS).finalize_weight_and_reduce_impl
+    assert impl.__qualname__.startswith("TritonExperts"), impl  # NoOP: output is the final sum
+    return "TritonExperts.apply parameters and return"
+
+
+def pin_worker() -> str:
+    base = load(WORKER_BASE)
+    assert {"vllm_config", "local_rank", "rank"} <= set(_params(base.__init__))
+    assert callable(getattr(base, WARMUP_METHOD))
+    assert _params(getattr(load(GPU_WORKER), WARMUP_METHOD)) == ("self",)
+    return "WorkerBase.__init__, Worker.compile_or_warm_up_model"
+
+
+def pin_config_fields() -> str:
+    names = {f: set(getattr(c, "__dataclass_fields__", {})) for f, c in
+             (("kernel", KernelConfig), ("parallel", ParallelConfig), ("scheduler", SchedulerConfig))}
+    assert "moe_backend" in names["kernel"] and "tensor_parallel_size" in names["parallel"]
+    assert {"max_num_batched_tokens", "max_num_seqs"} <= names["scheduler"]
+    return "KernelConfig.moe_backend, ParallelConfig/SchedulerConfig fields"
+
+
+def pin_config_chooser() -> str:
+    from vllm.model_executor.layers.fused_moe import fused_moe as fm
+
+    assert _params(fm.try_get_optimal_moe_config)[:5] == ("w1_shape", "w2_shape", "top_k", "dtype", "M")
+    assert "BLOCK_SIZE_M" in vllm_config_chooser((8, 64, 32), (8, 32, 32), 2, False)(5)
+    return "try_get_optimal_moe_config"
+
+
+def pin_workspace_views() -> str:
+    from vllm.model_executor.layers.fused_moe.utils import _resize_cache
+
+    flat = torch.arange(100.0)
+    view = _resize_cache(flat, (3, 4))
+    assert view.shape == (3, 4) and view.data_ptr() == flat.data_ptr()
+    return "_resize_cache views a flat workspace from its start"
+
+
+def pin_kernel_baselines() -> str:
+    assert _params(align_op())[:3] == ("topk_ids", "block_size", "num_experts")
+    fx, qcfg = fused_experts()
+    assert _params(fx)[:5] == ("hidden_states", "w1", "w2", "topk_weights", "topk_ids")
+    assert "quant_config" in _params(fx)
+    assert {"w1_scale", "w2_scale", "a1_scale", "a2_scale"} <= set(_params(qcfg))
+    assert "BLOCK_SIZE_N" in (moe_config(4, 8, 32, 64, 2, "bf16") or {"BLOCK_SIZE_N": 0})
+    return "moe_align_block_size, fused_experts, fp8_w8a8_moe_quant_config"
+
+
+PINS: tuple[Callable[[], str], ...] = (pin_version, pin_apply, pin_worker, pin_config_fields,
+                                       pin_config_chooser, pin_workspace_views,
+                                       pin_kernel_baselines)

@@ -1,0 +1,213 @@
+"""moe-serve's vLLM general plugin: one MoePlugin per vLLM process, with a lifecycle.
+
+vLLM loads the entry point ``vllm.general_plugins: moe_serve_kernels -> register`` in the API
+process, the engine core and every worker (docs/architecture.md). The plugin then:
+
+1. install (every process): the Triton JIT monitor, a hook on WorkerBase.__init__, and with
+   ``MOE_SERVE_MOE_KERNELS=optimized`` the MoE hook on TritonExperts.apply (kernels/plugin/moe_hook.py).
+2. worker init (workers only): reads rank and scheduler limits (vllm_compat.worker_facts),
+   switches this process's metrics to prometheus multiprocess files in the runtime dir
+   (kernels/plugin/plugin_metrics.py) and wraps the worker's compile_or_warm_up_model.
+3. kernel warm-up, before and after vLLM's own warm-up / CUDA-graph capture: every MoE layer
+   shape seen gets its kernel variants compiled (kernels/plugin/layer_warmup.py). A failure is logged
+   and counted (moe_serve_plugin_warmup_failures_total); it never stops the worker.
+4. serve: the JIT phase turns to 'serving' in a ``finally``, whatever warm-up did, so a
+   compile while serving is always counted as one (and logged with its cause).
+5. report: all along, through PluginMetrics (read by the API process for /metrics, /version).
+
+On vLLM-CPU the MoE runs in vLLM's CPU experts: the hooks are installed and reported, but
+TritonExperts is never called. Env: MOE_SERVE_MOE_KERNELS (optimized|vllm),
+MOE_SERVE_MOE_ROUTING (kernels/moe/routing.py), MOE_SERVE_VLLM_WARMUP_MAX_CALLS
+(kernels/plugin/layer_warmup.py), MOE_SERVE_RUNTIME_DIR (set by the API process).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any, Callable
+
+from kernels.plugin import jit_monitor
+from kernels.plugin import vllm_compat as vc
+from kernels.plugin.layer_warmup import LayerWarmup
+from kernels.plugin.moe_hook import MoeHook
+from kernels.plugin.plugin_metrics import RUNTIME_DIR_ENV, PluginMetrics, enable_multiprocess
+
+MODE_ENV = "MOE_SERVE_MOE_KERNELS"
+MODES = ("optimized", "vllm")
+
+
+def mode_from_env() -> str:
+    """'optimized' (default) or 'vllm', from MOE_SERVE_MOE_KERNELS."""
+    value = os.environ.get(MODE_ENV, "optimized").strip().lower() or "optimized"
+    if value not in MODES:
+        MoePlugin.logger.warning("%s=%r is not one of %s; using 'optimized'", MODE_ENV, value, MODES)
+        return "optimized"
+    return value
+
+
+class MoePlugin:
+    """The plugin's state in one process: hooks, phase, layer shapes, metrics (workers only)."""
+
+    logger = logging.getLogger("vllm.moe_serve_plugin")  # under "vllm": vLLM's handlers in workers
+
+    def __init__(self, mode: str, runtime_dir: str | None) -> None:
+        self.mode = mode
+        self.runtime_dir = runtime_dir
+        self.hooks: list[str] = []
+        self.phase = "warmup"
+        self.facts: vc.WorkerFacts | None = None
+        self.metrics: PluginMetrics | None = None
+        self.layers = LayerWarmup(self)
+        self.moe = MoeHook(self, self.layers)
+        self.swap_ab = "n/a"
+        self._last_spec: dict[str, dict[str, Any]] = {}
+        self._logged: set[str] = set()
+
+    @property
+    def rank(self) -> int | None:
+        return self.facts.rank if self.facts else None
+
+    # -- 1. install -------------------------------------------------------------------------
+    def install(self) -> None:
+        """Install every hook this mode needs; a hook that fails is logged, never raised."""
+        steps: list[tuple[str, Callable[[], None]]] = [("jit_monitor", self._install_jit_monitor),
+                                                       ("worker", self._install_worker_hook)]
+        if self.mode == "optimized":
+            steps.append(("moe", self._install_moe_hook))
+        for name, step in steps:
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 - a broken hook must not stop vLLM
+                self.logger.error("moe-serve plugin: %s hook not installed: %r", name, exc)
+        self.logger.info("moe-serve plugin loaded (pid %d, mode %s, hooks %s)", os.getpid(), self.mode,
+                         self.hooks)
+
+    def _install_jit_monitor(self) -> None:
+        jit_monitor.install()
+        jit_monitor.add_listener(self._on_jit_event)
+        self.hooks.append("triton.knobs.runtime.jit_post_compile_hook")
+
+    def _install_worker_hook(self) -> None:
+        def make(orig: Callable) -> Callable:
+            def __init__(worker: Any, *args: Any, **kwargs: Any) -> None:
+                orig(worker, *args, **kwargs)
+                try:
+                    self.on_worker_init(worker)
+                except Exception as exc:  # noqa: BLE001
+                    self.logger.error("moe-serve plugin: worker set-up failed: %r", exc)
+            return __init__
+
+        if vc.wrap_method(vc.load(vc.WORKER_BASE), "__init__", make):
+            self.hooks.append("WorkerBase.__init__")
+
+    def _install_moe_hook(self) -> None:
+        if vc.wrap_method(vc.load(vc.EXPERTS), "apply", vc.apply_wrapper(self.moe.handle)):
+            self.hooks.append("TritonExperts.apply")
+
+    # -- 2. worker init ---------------------------------------------------------------------
+    def on_worker_init(self, worker: Any) -> None:
+        self.facts = vc.worker_facts(worker)
+        if self.runtime_dir and os.path.isdir(self.runtime_dir):
+            enable_multiprocess(self.runtime_dir)
+            self.metrics = PluginMetrics(self.facts.rank, self.mode)
+            for (kernel, phase, kind), n in jit_monitor.snapshot().items():
+                self.metrics.jit(kernel, phase, kind, n)  # compiles before this point
+        self._report_state()
+        if vc.wrap_method(type(worker), vc.WARMUP_METHOD, self._around_vllm_warmup):
+            self.hooks.append(f"{type(worker).__qualname__}.{vc.WARMUP_METHOD}")
+
+    def _around_vllm_warmup(self, orig: Callable) -> Callable:
+        def compile_or_warm_up_model(worker: Any, *args: Any, **kwargs: Any) -> Any:
+            self.warm_up_kernels("before vLLM's warm-up")
+            try:
+                return orig(worker, *args, **kwargs)
+            finally:
+                try:
+                    self.warm_up_kernels("after vLLM's warm-up")  # shapes first seen in it
+                finally:
+                    self.serve()
+        return compile_or_warm_up_model
+
+    # -- 3. kernel warm-up ------------------------------------------------------------------
+    def warm_up_kernels(self, when: str) -> None:
+        """Warm every MoE layer shape seen so far (optimized mode); never raises."""
+        if self.mode != "optimized":
+            return
+        try:
+            self.layers.warm_pending()
+        except Exception as exc:  # noqa: BLE001 - serve anyway; the failure is counted
+            self.warmup_failed(f"kernel warm-up {when}", exc)
+
+    def warmup_failed(self, what: str, exc: BaseException, once: str | None = None) -> None:
+        """Count a warm-up step that raised; log it (only the first of kind `once` if given)."""
+        if self.metrics is not None:
+            self.metrics.warmup_failed()
+        if once is None or once not in self._logged:
+            self._logged.add(once or what)
+            self.logger.error("moe-serve plugin: %s failed (rank %s): %r", what, self.rank, exc, exc_info=exc)
+
+    # -- 4. serve ---------------------------------------------------------------------------
+    def serve(self) -> None:
+        """From now on compiles count as serving-phase."""
+        self.phase = "serving"
+        jit_monitor.set_phase("serving")
+        self._report_state()
+        self.logger.info("moe-serve plugin: rank %s ready, Triton JIT phase -> serving", self.rank)
+
+    # -- 5. report --------------------------------------------------------------------------
+    def _report_state(self) -> None:
+        if self.metrics is None or self.facts is None:
+            return
+        self.metrics.worker_state(self.phase, "TritonExperts.apply" in self.hooks,
+                                  "triton.knobs.runtime.jit_post_compile_hook" in self.hooks)
+        self.metrics.kernel_info(self.facts.backend, self.swap_ab, self.facts.dtype, self.facts.tp_size)
+
+    def set_swap_ab(self, value: str) -> None:
+        self.swap_ab = value if self.swap_ab in ("n/a", value) else "mixed"
+        self._report_state()
+
+    def report_routing(self, shape: str, desc: str) -> None:
+        if self.metrics is not None:
+            self.metrics.routing(shape, desc)
+
+    def report_warmup(self, seconds: float, shapes: int) -> None:
+        if self.metrics is not None:
+            self.metrics.warmup_done(seconds, shapes)
+
+    def count_launch(self, path: str) -> None:
+        if self.metrics is not None:
+            self.metrics.launch(path)
+
+    def count_fallback(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.fallback(reason)
+
+    def log_once(self, kind: str, message: str, *args: Any) -> None:
+        if kind not in self._logged:
+            self._logged.add(kind)
+            self.logger.error(message, *args)
+
+    def _on_jit_event(self, kernel: str, phase: str, kind: str, info: dict[str, Any]) -> None:
+        spec = info.get("spec") or {}
+        cause = jit_monitor.spec_diff(self._last_spec.get(kernel), spec)
+        self._last_spec[kernel] = spec
+        if self.metrics is not None:
+            self.metrics.jit(kernel, phase, kind)
+        if phase == "serving":
+            self.logger.warning("Triton JIT %s during serving (rank %s, pid %d): kernel=%s cause: %s",
+                                kind, self.rank, os.getpid(), kernel, cause)
+
+
+PLUGIN: MoePlugin | None = None
+_lock = threading.Lock()
+
+
+def register() -> None:
+    """vLLM general-plugin entry point: this process's MoePlugin, installed once. Never raises."""
+    global PLUGIN
+    with _lock:
+        if PLUGIN is not None:
+            return
+        PLUGIN = MoePlugin(mode_from_env(), os.environ.get(RUNTIME_DIR_ENV))
+    PLUGIN.install()

@@ -1,0 +1,220 @@
+"""`moe-serve tune`: tune our fused-MoE kernels for a model's MoE shapes on this GPU.
+
+    moe-serve tune --model DIR [--tensor-parallel-size N] [--quantization fp8]
+                   [--budget-minutes M] [--out DIR] [--no-vllm] [--force]
+
+Reads DIR/config.json (no weights), derives the shapes one rank runs, searches configs for
+every M bucket (kernels.tuning.tune) within the budget, then times ours against vLLM's
+fused_experts at M = 1..4096 and writes the configs and the routing table (ours only where
+measured >= 1.02x) into the cache the server reads first ($MOE_SERVE_CACHE/kernels/<device>/
+triton-<version>, or --out). Interrupted runs resume after their last finished phase; a
+shape already tuned is skipped unless --force. Exit codes: 0 done, 2 no GPU / bad model.
+On a CPU with TRITON_INTERPRET=1 the whole pipeline runs (for tests), timed by wall clock.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kernels.moe import configs, routing, vllm_kernels
+from kernels.tuning import make_routing, precompile, tune
+from kernels.moe.config_schema import label
+from kernels.tuning.model_shapes import ModelConfigError, MoEShape, moe_shapes, read_config
+from kernels.tuning.timing import make_problem, time_ours, time_vllm
+
+ROUTE_MS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024,
+            2048, 4096)
+ROUTE_SHARE = 0.25          # of the budget kept for timing vLLM and writing the routing
+
+
+class Progress:
+    """One status line per step on stderr, with elapsed time and the budget-bound ETA."""
+
+    def __init__(self, total_s: float) -> None:
+        self.t0, self.total_s = time.perf_counter(), total_s
+        self.tty = sys.stderr.isatty()
+
+    def show(self, what: str, frac: float) -> None:
+        el = time.perf_counter() - self.t0
+        eta = max(0.0, min(self.total_s - el, el / frac - el if frac > 0 else self.total_s))
+        bar = "#" * int(20 * frac) + "." * (20 - int(20 * frac))
+        line = f"[tune] [{bar}] {100 * frac:5.1f}% {el:6.0f}s elapsed, ETA {eta:5.0f}s  {what}"
+        print(("\r" + line[:150]) if self.tty else line, end="" if self.tty else "\n",
+              file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        if self.tty:
+            print(file=sys.stderr)
+
+
+def _partial_path(out: Path, shape: MoEShape, device: str) -> Path:
+    return out / ".partial" / configs.config_file_name(*shape.key[:3], shape.dtype, device)
+
+
+def _route_shape(shape: MoEShape, device_kind: str, replays: int, deadline: float,
+                 use_vllm: bool, max_m: int) -> dict[str, Any]:
+    """Ours (with the new table) vs vLLM at ROUTE_MS <= max_m; the shape's routing entry."""
+    E, N, K, topk = shape.key
+    entry = {"name": shape.name, "topk": topk}
+    default = {**entry, "measured": {}, "ranges": routing.default_ranges(E, N, K, topk),
+               "rule": "default rule (vLLM not timed)"}
+    if not use_vllm:
+        return default
+    measured: dict[str, Any] = {}
+    weights = None
+    for M in (m for m in ROUTE_MS if m <= max_m):
+        if time.perf_counter() > deadline:
+            break
+        prob = make_problem(E, N, K, topk, M, shape.dtype, 8, device_kind, seed=M, weights=weights)
+        weights = prob["weights"]
+        cfg = configs.get_config(M, E, N, K, topk, shape.dtype)
+        ours = time_ours(prob, None, replays)
+        theirs = time_vllm(prob, replays)
+        measured[str(M)] = {"ours_us": ours, "vllm_us": theirs,
+                            "speedup": None if theirs is None else round(theirs / ours, 4),
+                            "cfg": label(cfg)}
+    if not measured:                             # budget spent before the first M
+        return default
+    ranges = make_routing.build_ranges({int(m): v["speedup"] for m, v in measured.items()})
+    return {**entry, "measured": measured, "ranges": ranges, "rule": "measured"}
+
+
+def _write_routing(out: Path, device: str, entries: dict[str, Any]) -> Path:
+    path = out / routing.file_name(device)
+    table = json.loads(path.read_text()) if path.is_file() else {
+        "device": device, "threshold": make_routing.THRESHOLD, "sources": ["moe-serve tune"],
+        "rule": "moe-serve tune: ours iff measured speedup >= threshold", "shapes": {}}
+    table["shapes"].update(entries)
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    return path
+
+
+def _summary(shape: MoEShape, ent: dict[str, Any], seconds: float) -> str:
+    sp = {int(m): v["speedup"] for m, v in ent["measured"].items()}
+    at = ", ".join(f"M={m} {sp[m]:.2f}x" if sp.get(m) else f"M={m} n/a" for m in (1, 8, 64))
+    ours = ",".join(f"{r['m_min']}-{r['m_max'] or ''}" for r in ent["ranges"]
+                    if r["backend"] == routing.OURS) or "none"
+    return (f"[tune] {shape.name} E={shape.E} N={shape.N} K={shape.K} topk={shape.topk} "
+            f"{shape.dtype}: tuned in {seconds:.0f}s; vs vLLM {at}; ours for M in {ours}")
+
+
+def seed_warning(device_kind: str) -> str | None:
+    """A warning when tuning on a GPU without vLLM importable: the aligned search then starts
+    from our heuristic instead of vLLM's config for the shape (configs.aligned_default), which
+    is what the server would run untuned, so the tables can lose to no table at all."""
+    if device_kind != "cuda" or vllm_kernels.fused_experts() is not None:
+        return None
+    return ("moe-serve tune: vLLM is not importable here, so the search cannot start from "
+            "vLLM's config for each shape, which the server uses when a shape has no table, "
+            "so its tables can be slower than none (seen on an H200: bench/HISTORY.md, "
+            "2026-12-01). Tune where vLLM is installed.")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="moe-serve tune", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="local HF model directory (config.json)")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    ap.add_argument("--quantization", choices=["fp8"], default=None,
+                    help="tune fp8 W8A8 (default: the checkpoint's quantization_config)")
+    ap.add_argument("--budget-minutes", type=float, default=10.0)
+    ap.add_argument("--out", default=None, help="default: the server's tuned-config cache")
+    ap.add_argument("--buckets", default=",".join(map(str, configs.M_BUCKETS)))
+    ap.add_argument("--no-vllm", action="store_true", help="do not time vLLM (default routing)")
+    ap.add_argument("--force", action="store_true", help="re-tune shapes already tuned")
+    ap.add_argument("--replays", type=int, default=20)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    if not torch.cuda.is_available() and not interp:
+        print("moe-serve tune: no CUDA GPU visible; tuning needs the GPU that will serve "
+              "(set TRITON_INTERPRET=1 to run the pipeline on CPU for testing)", file=sys.stderr)
+        return 2
+    try:
+        cfg = read_config(args.model)
+        shapes = moe_shapes(cfg, args.tensor_parallel_size, args.quantization,
+                            name=Path(args.model).name)
+    except (ModelConfigError, OSError, json.JSONDecodeError) as e:
+        print(f"moe-serve tune: {e}", file=sys.stderr)
+        return 2
+    if not shapes:
+        print(f"moe-serve tune: {args.model} has no MoE layers (no expert count / top-k in "
+              f"config.json)", file=sys.stderr)
+        return 2
+    device = configs.device_name()
+    device_kind = "cuda" if torch.cuda.is_available() else "cpu"
+    out = Path(args.out) if args.out else configs.cache_dir(device)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.out:               # the routing step must read the tables just written
+        os.environ["MOE_SERVE_KERNEL_CONFIG_DIR"] = str(out)
+    buckets = tuple(int(b) for b in args.buckets.split(","))
+    budget = args.budget_minutes * 60
+    use_vllm = not args.no_vllm and device_kind == "cuda"
+    warning = seed_warning(device_kind)
+    if warning:
+        print(warning, file=sys.stderr)
+    search_s = budget * (1 - ROUTE_SHARE if use_vllm else 1) / len(shapes)
+    prog = Progress(budget)
+    entries: dict[str, Any] = {}
+    t_start = time.perf_counter()
+    try:
+        for i, shape in enumerate(shapes):
+            E, N, K, topk = shape.key
+            table_path = out / configs.config_file_name(E, N, K, shape.dtype, device)
+            t0 = time.perf_counter()
+            if table_path.is_file() and not args.force:
+                print(f"[tune] {shape.name} {shape.dtype}: already tuned ({table_path}); "
+                      f"--force to re-tune", file=sys.stderr)
+            else:
+                part = _partial_path(out, shape, device)
+                state = json.loads(part.read_text()) if part.is_file() and not args.force else {}
+                if state:
+                    print(f"[tune] resuming {shape.name} after {state['done'][-1]}", file=sys.stderr)
+
+                def checkpoint(st: dict[str, Any], part: Path = part, i: int = i) -> None:
+                    part.parent.mkdir(parents=True, exist_ok=True)
+                    part.write_text(json.dumps(st))
+                    n = len(tune.PHASES) + 2
+                    prog.show(f"{shape.name} {shape.dtype}: {st['done'][-1]}",
+                              (i + len(st["done"]) / n) / len(shapes) * (1 - ROUTE_SHARE))
+
+                table = tune.tune_shape(E, N, K, topk, shape.dtype, buckets, search_s,
+                                        device_kind, log=lambda s: None, state=state,
+                                        on_phase=checkpoint)
+                tune.write_table(table, E, N, K, shape.dtype, out, device,
+                                 {"model": shape.name, "search_s": round(time.perf_counter() - t0)})
+                part.unlink(missing_ok=True)
+            configs.load_table.cache_clear()
+            configs.get_config.cache_clear()
+            deadline = t_start + budget
+            ent = _route_shape(shape, device_kind, args.replays, deadline, use_vllm, max(buckets))
+            entries[routing.shape_key(E, N, K, shape.dtype)] = ent
+            prog.show(f"{shape.name} {shape.dtype}: routed", (i + 1) / len(shapes))
+            prog.done()
+            print(_summary(shape, ent, time.perf_counter() - t0), flush=True)
+    except KeyboardInterrupt:
+        prog.done()
+        print("[tune] interrupted: finished phases are saved; run the same command to resume",
+              file=sys.stderr)
+        return 130
+    finally:
+        precompile.shutdown_pool()
+    path = _write_routing(out, device, entries)
+    routing.load.cache_clear()
+    print(f"[tune] wrote {len(shapes)} table(s) and {path} in {time.perf_counter() - t_start:.0f}s",
+          flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
