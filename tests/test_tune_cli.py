@@ -103,7 +103,7 @@ def test_untuned_shape_is_warned_and_counted(server, http) -> None:
 
 
 def test_untuned_shape_on_a_gpu_names_the_tune_command(caplog) -> None:
-    from kernels.model_shapes import MoEShape
+    from kernels.tuning.model_shapes import MoEShape
     from service import kernel_tables
 
     status = kernel_tables.ShapeStatus(MoEShape("m/TP8", 8, 1792, 4096, 2, "bf16", 32), False, "1-4:ours,5+:vllm")
