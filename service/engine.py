@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 # engine core waits for its workers first, so it gets the workers' grace plus its own.
 WORKER_EXIT_GRACE_S = 45
 ENGINE_EXIT_GRACE_S = 75.0
+JIT_PHASE_RPC_TIMEOUT_S = 30.0
 
 
 class EngineNotReady(RuntimeError):
@@ -174,6 +175,16 @@ class EngineHandle:
         if isinstance(exc, EngineDeadError) or getattr(self.engine, "errored", False):
             self.dead = True
         return self.dead
+
+    async def set_worker_jit_phase(self, phase: str) -> None:
+        """Tell every worker's plugin that Triton compiles from now on count as `phase` ('warmup'
+        while the request warm-up runs, then 'serving'); a failure is logged, never raised."""
+        from kernels.plugin.vllm_plugin import JIT_PHASE_RPC
+
+        try:
+            await self.engine.collective_rpc(JIT_PHASE_RPC, timeout=JIT_PHASE_RPC_TIMEOUT_S, args=(phase,))
+        except Exception as exc:  # noqa: BLE001 - the phase labels metrics only
+            logger.warning("could not set the workers' Triton JIT phase to %s: %r", phase, exc)
 
     async def abort_all(self) -> None:
         """Abort every running request; their streams end with finish_reason 'abort'."""
