@@ -127,7 +127,8 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
             vllm_version = vllm.__version__
         except ImportError:
             vllm_version = None
-        return {"version": __version__, "vllm": vllm_version, "model": settings.model_name,
+        return {"version": __version__, "vllm": vllm_version, "vllm_pins": state.engine.vllm_pins,
+                "model": settings.model_name,
                 "moe_kernels": settings.moe_kernels, **workers_summary(state.runtime_dir)}
 
     @app.get("/metrics")

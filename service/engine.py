@@ -113,6 +113,7 @@ class EngineHandle:
         self.dead = False
         self.active: set[str] = set()  # engine request ids being generated now
         self.frontend: Any = None  # service.vllm_compat.Frontend: vLLM's OpenAI handlers
+        self.vllm_pins: dict[str, Any] | None = None  # check_vllm_pins(), once start() has run it
 
     async def start(self) -> None:
         """Build the engine (blocking work runs in a thread); set `ready` or `start_error`."""
@@ -128,6 +129,7 @@ class EngineHandle:
                                                 frontend_flags(self.settings))  # bad parser names fail here
             args = build_engine_args(self.settings, self.model_path)
             logger.info("starting vLLM engine: model=%s tp=%s", self.model_path, args.tensor_parallel_size)
+            pins = asyncio.get_running_loop().run_in_executor(None, check_vllm_pins)  # beside the engine start
             # Built in a thread so /health answers 503 meanwhile; AsyncLLM starts its output
             # handler lazily on the first request when built outside the event loop.
             building = asyncio.get_running_loop().run_in_executor(None, AsyncLLM.from_engine_args, args)
@@ -142,6 +144,7 @@ class EngineHandle:
             logger.info("BPE cache bounded to %d entries in %d tokenizer object(s)", BPE_CACHE_ENTRIES, bounded)
             self.max_model_len = int(self.engine.model_config.max_model_len)
             self.frontend = await vllm_compat.build_frontend(ObservedEngineClient(self), serve_args)
+            self.vllm_pins = await pins
         except BaseException as exc:  # noqa: BLE001 - reported via /health and the exit code
             self.start_error = exc
             logger.exception("engine failed to start")
@@ -199,6 +202,26 @@ class EngineHandle:
             self.engine.shutdown(timeout=ENGINE_EXIT_GRACE_S)
             self.engine = None
             logger.info("engine stopped in %.1f s", time.perf_counter() - began)
+
+
+def check_vllm_pins() -> dict[str, Any]:
+    """service.vllm_compat.pins_report(), logged: the vLLM version and whether moe-serve's pins on
+    its internals hold (a warning naming the failed pins when not)."""
+    from service import vllm_compat
+
+    try:
+        report = vllm_compat.pins_report()
+    except Exception as exc:  # noqa: BLE001 - a broken check must not stop serving
+        report = {"version": vllm_compat.vllm.__version__, "checked_versions": [], "pins_hold": False,
+                  "failed": {"pins_report": repr(exc)[:300]}}
+    checked = ", ".join(report["checked_versions"]) or "?"
+    if report["pins_hold"]:
+        logger.info("vLLM %s: moe-serve's pins on its internals hold (checked for vLLM %s)", report["version"], checked)
+    else:
+        logger.warning("vLLM %s: moe-serve's pins on its internals do not hold (checked for vLLM %s); our MoE "
+                       "kernels may not hook in: %s", report["version"], checked,
+                       "; ".join(f"{name}: {error}" for name, error in report["failed"].items()))
+    return report
 
 
 def freeze_startup_heap() -> None:

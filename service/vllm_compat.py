@@ -22,12 +22,23 @@ Versions between 0.26 and 0.32 are untested; the split below follows the module 
 
 from __future__ import annotations
 
+import logging
 import traceback
 from argparse import Namespace
 from dataclasses import dataclass
 from typing import Any
 
-import vllm
+ENGINE_MISSING = ("moe-serve needs an inference engine, installed with one of its extras: "
+                  "pip install 'moe-serve[cpu]' (vLLM CPU 0.32.0, torch 2.13.0 CPU) or "
+                  "pip install 'moe-serve[gpu]' (vLLM 0.26 or 0.32 for NVIDIA GPUs); from a checkout, "
+                  "bash service/setup.sh sets up the CPU engine")
+
+try:
+    import vllm
+except ModuleNotFoundError as exc:
+    if exc.name != "vllm":
+        raise
+    raise ModuleNotFoundError(ENGINE_MISSING, name="vllm") from exc
 from vllm import exceptions as vllm_exceptions
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
@@ -41,7 +52,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 __all__ = ["CLIENT_ERRORS", "ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "EngineDeadError",
            "ErrorResponse", "Frontend", "RequestOutput", "RequestOutputKind", "ResponsesRequest", "ResponsesResponse",
            "TokenizeChatRequest", "TokenizeCompletionRequest", "VLLM_VERSION", "build_frontend", "error_response_for",
-           "is_client_error", "merge_final", "serve_args"]
+           "is_client_error", "merge_final", "pins_report", "serve_args"]
 
 
 def _version_tuple(text: str) -> tuple[int, int]:
@@ -124,6 +135,28 @@ def is_client_error(exc: BaseException) -> bool:
 def error_response_for(exc: BaseException) -> Any:
     """vLLM's own ErrorResponse (status in `.error.code`) for an exception from its serving layer."""
     return _create_error_response(exc)
+
+
+def pins_report() -> dict[str, Any]:
+    """vLLM's version and whether moe-serve's pins on its internals hold for it (the plugin's
+    kernels.plugin.vllm_compat.PINS, as bench/check_vllm_pins.py runs them):
+    {"version", "checked_versions", "pins_hold", "failed": {pin: error}}."""
+    from kernels.plugin import vllm_compat as plugin_compat
+
+    failed: dict[str, str] = {}
+    quiet = logging.getLogger("vllm.model_executor.layers.fused_moe")  # "Using default MoE config" from a pin
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        for pin in plugin_compat.PINS:
+            try:
+                pin()
+            except Exception as exc:  # noqa: BLE001 - every failing pin is reported
+                failed[pin.__name__] = repr(exc)[:300]
+    finally:
+        quiet.setLevel(level)
+    return {"version": vllm.__version__, "checked_versions": [".".join(map(str, v)) for v in plugin_compat.SUPPORTED],
+            "pins_hold": not failed, "failed": failed}
 
 
 def merge_final(first: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
