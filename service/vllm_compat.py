@@ -137,6 +137,13 @@ def error_response_for(exc: BaseException) -> Any:
     return _create_error_response(exc)
 
 
+class _DropDefaultMoEConfigWarning(logging.Filter):
+    """vLLM's "Using default MoE config" warning for the pins' made-up shape: not about the model."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Using default MoE config")
+
+
 def pins_report() -> dict[str, Any]:
     """vLLM's version and whether moe-serve's pins on its internals hold for it (the plugin's
     kernels.plugin.vllm_compat.PINS, as bench/check_vllm_pins.py runs them):
@@ -144,9 +151,9 @@ def pins_report() -> dict[str, Any]:
     from kernels.plugin import vllm_compat as plugin_compat
 
     failed: dict[str, str] = {}
-    quiet = logging.getLogger("vllm.model_executor.layers.fused_moe")  # "Using default MoE config" from a pin
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
+    noisy = logging.getLogger("vllm.model_executor.layers.fused_moe.fused_moe")  # a pin's config lookup
+    quiet = _DropDefaultMoEConfigWarning()
+    noisy.addFilter(quiet)  # a filter, not a level: vLLM's logging set-up may reset levels meanwhile
     try:
         for pin in plugin_compat.PINS:
             try:
@@ -154,7 +161,7 @@ def pins_report() -> dict[str, Any]:
             except Exception as exc:  # noqa: BLE001 - every failing pin is reported
                 failed[pin.__name__] = repr(exc)[:300]
     finally:
-        quiet.setLevel(level)
+        noisy.removeFilter(quiet)
     return {"version": vllm.__version__, "checked_versions": [".".join(map(str, v)) for v in plugin_compat.SUPPORTED],
             "pins_hold": not failed, "failed": failed}
 
