@@ -252,7 +252,7 @@ def default_engine_env(embedded_model: bool = False) -> None:
         # EMBEDDED_STRUCTURED_OUTPUTS) instead of xgrammar structural tags (which allow any
         # whitespace, where a random-weight model stays). Read when vLLM's tool parsers are imported.
         os.environ.setdefault("VLLM_ENFORCE_STRICT_TOOL_CALLING", "0")
-    # vLLM 0.26 on the H200 hung at engine start without spawn (DESIGN.md).
+    # vLLM 0.26 on the H200 hung at engine start without spawn (seen 2026-11-29).
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     # Read by the engine core when it stops its workers (see WORKER_EXIT_GRACE_S).
     os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(WORKER_EXIT_GRACE_S))

@@ -95,7 +95,7 @@ def test_untuned_shape_is_warned_and_counted(server, http) -> None:
     """The session server (embedded model, CPU): the warning says tuning needs a GPU, and names no
     command (`moe-serve tune` exits 2 without one)."""
     text = http.get("/metrics").text
-    assert "moe_serve_moe_untuned_shapes 1.0" in text
+    assert "moe_serve_moe_untuned_shapes 1.0" in text and "moe_serve_moe_refused_kernel_tables 0.0" in text
     assert 'tuned="false"' in text and 'moe_serve_moe_shape_info{' in text
     log = server.log()
     assert "has no tuned kernel table: tuning needs an NVIDIA GPU" in log
