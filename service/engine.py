@@ -216,7 +216,8 @@ def check_vllm_pins() -> dict[str, Any]:
                   "failed": {"pins_report": repr(exc)[:300]}}
     checked = ", ".join(report["checked_versions"]) or "?"
     if report["pins_hold"]:
-        logger.info("vLLM %s: moe-serve's pins on its internals hold (checked for vLLM %s)", report["version"], checked)
+        logger.info("vLLM %s: moe-serve's pins on its internals hold (checked for vLLM %s)",
+                    report["version"], checked)
     else:
         logger.warning("vLLM %s: moe-serve's pins on its internals do not hold (checked for vLLM %s); our MoE "
                        "kernels may not hook in: %s", report["version"], checked,

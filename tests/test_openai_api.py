@@ -56,7 +56,8 @@ def test_max_completion_tokens_is_honoured(client: openai.OpenAI, model: str) ->
     assert out.choices[0].finish_reason == "length"
 
 
-WORD_TOKENS = [19767, 7782, 7253, 6945, 5344, 2134]  # "▁apple", "▁river", "▁stone", "▁cloud", "▁green", "▁house"
+# the embedded model's ids of "▁apple", "▁river", "▁stone", "▁cloud", "▁green", "▁house"
+WORD_TOKENS = [19767, 7782, 7253, 6945, 5344, 2134]
 
 
 def test_stop_string_ends_generation_before_it(client: openai.OpenAI, model: str) -> None:

@@ -109,7 +109,8 @@ def test_untuned_shape_on_a_gpu_names_the_tune_command(caplog) -> None:
     status = kernel_tables.ShapeStatus(MoEShape("m/TP8", 8, 1792, 4096, 2, "bf16", 32), False, "1-4:ours,5+:vllm")
     kernel_tables.warn_untuned([status], "/models/mixtral", 8, None, "NVIDIA_H200")
     assert "for NVIDIA_H200" in caplog.text
-    assert "Tune it on this GPU (minutes): moe-serve tune --model /models/mixtral --tensor-parallel-size 8" in caplog.text
+    command = "moe-serve tune --model /models/mixtral --tensor-parallel-size 8"
+    assert f"Tune it on this GPU (minutes): {command}" in caplog.text
 
 
 def test_tuning_on_a_gpu_without_vllm_warns_that_the_search_is_unseeded(monkeypatch) -> None:
