@@ -7,7 +7,7 @@
 FROM python:3.11-slim AS cpu
 ENV PYTHONUNBUFFERED=1 MOE_SERVE_HOST=0.0.0.0 MOE_SERVE_PORT=8000 MOE_SERVE_CACHE=/var/cache/moe-serve
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY service ./service
 COPY kernels ./kernels
 COPY loadtest ./loadtest
@@ -24,7 +24,7 @@ FROM vllm/vllm-openai:v0.26.0 AS gpu
 ENV PYTHONUNBUFFERED=1 MOE_SERVE_HOST=0.0.0.0 MOE_SERVE_PORT=8000 MOE_SERVE_CACHE=/var/cache/moe-serve \
     VLLM_WORKER_MULTIPROC_METHOD=spawn NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY service ./service
 COPY kernels ./kernels
 COPY loadtest ./loadtest

@@ -138,6 +138,7 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
 
     for path, probe in (("/health", health), ("/ping", ping)):  # load balancers probe with HEAD
         app.add_api_route(path, probe, methods=["HEAD"], include_in_schema=False)
+    app.add_api_route("/ping", ping, methods=["POST"], name="ping_post")  # POST too, as in vllm serve (SageMaker)
 
     @app.get("/version")
     async def version(request: Request) -> dict:
@@ -151,7 +152,8 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
             vllm_version = vllm.__version__
         except ImportError:
             vllm_version = None
-        return {"version": __version__, "vllm": vllm_version, "model": settings.model_name,
+        return {"version": __version__, "vllm": vllm_version, "vllm_pins": state.engine.vllm_pins,
+                "model": settings.model_name,
                 "moe_kernels": settings.moe_kernels, **workers_summary(state.runtime_dir)}
 
     @app.get("/metrics", response_class=PlainTextResponse)

@@ -18,6 +18,14 @@ from service.settings import Settings, visible_gpu_count
 from service.tokenizer_cache import BPE_CACHE_ENTRIES, bound_bpe_caches
 
 logger = logging.getLogger(__name__)
+# How long the engine core and its workers get to exit by themselves after SIGTERM before vLLM
+# force-kills them (vLLM's default: 5 s for each). Their teardown ends in interpreter finalization,
+# whose full garbage collections over the startup heap took 4-14 s per process on a 2-core machine
+# (vLLM issue #48620 reports 4-7 s on GPU hosts), so the defaults ended in a force kill. The
+# engine core waits for its workers first, so it gets the workers' grace plus its own.
+WORKER_EXIT_GRACE_S = 45
+ENGINE_EXIT_GRACE_S = 75.0
+JIT_PHASE_RPC_TIMEOUT_S = 30.0
 
 
 class EngineNotReady(RuntimeError):
@@ -109,6 +117,7 @@ class EngineHandle:
         self.dead = False
         self.active: set[str] = set()  # engine request ids being generated now
         self.frontend: Any = None  # service.vllm_compat.Frontend: vLLM's OpenAI handlers
+        self.vllm_pins: dict[str, Any] | None = None  # check_vllm_pins(), once start() has run it
 
     async def start(self) -> None:
         """Build the engine (blocking work runs in a thread); set `ready` or `start_error`."""
@@ -124,6 +133,7 @@ class EngineHandle:
                                                 frontend_flags(self.settings))  # bad parser names fail here
             args = build_engine_args(self.settings, self.model_path)
             logger.info("starting vLLM engine: model=%s tp=%s", self.model_path, args.tensor_parallel_size)
+            pins = asyncio.get_running_loop().run_in_executor(None, check_vllm_pins)  # beside the engine start
             # Built in a thread so /health answers 503 meanwhile; AsyncLLM starts its output
             # handler lazily on the first request when built outside the event loop.
             building = asyncio.get_running_loop().run_in_executor(None, AsyncLLM.from_engine_args, args)
@@ -138,6 +148,7 @@ class EngineHandle:
             logger.info("BPE cache bounded to %d entries in %d tokenizer object(s)", BPE_CACHE_ENTRIES, bounded)
             self.max_model_len = int(self.engine.model_config.max_model_len)
             self.frontend = await vllm_compat.build_frontend(ObservedEngineClient(self), serve_args)
+            self.vllm_pins = await pins
         except BaseException as exc:  # noqa: BLE001 - reported via /health and the exit code
             self.start_error = exc
             logger.exception("engine failed to start")
@@ -172,17 +183,50 @@ class EngineHandle:
             self.dead = True
         return self.dead
 
+    async def set_worker_jit_phase(self, phase: str) -> None:
+        """Tell every worker's plugin that Triton compiles from now on count as `phase` ('warmup'
+        while the request warm-up runs, then 'serving'); a failure is logged, never raised."""
+        from kernels.plugin.vllm_plugin import JIT_PHASE_RPC
+
+        try:
+            await self.engine.collective_rpc(JIT_PHASE_RPC, timeout=JIT_PHASE_RPC_TIMEOUT_S, args=(phase,))
+        except Exception as exc:  # noqa: BLE001 - the phase labels metrics only
+            logger.warning("could not set the workers' Triton JIT phase to %s: %r", phase, exc)
+
     async def abort_all(self) -> None:
         """Abort every running request; their streams end with finish_reason 'abort'."""
         if self.engine is not None and self.active:
             await self.engine.abort(list(self.active))
 
     def shutdown(self) -> None:
-        """Stop the engine core and its workers."""
+        """Stop the engine core and its workers; they get ENGINE_EXIT_GRACE_S to exit by themselves."""
         if self.engine is not None:
             logger.info("shutting down engine")
-            self.engine.shutdown()
+            began = time.perf_counter()
+            self.engine.shutdown(timeout=ENGINE_EXIT_GRACE_S)
             self.engine = None
+            logger.info("engine stopped in %.1f s", time.perf_counter() - began)
+
+
+def check_vllm_pins() -> dict[str, Any]:
+    """service.vllm_compat.pins_report(), logged: the vLLM version and whether moe-serve's pins on
+    its internals hold (a warning naming the failed pins when not)."""
+    from service import vllm_compat
+
+    try:
+        report = vllm_compat.pins_report()
+    except Exception as exc:  # noqa: BLE001 - a broken check must not stop serving
+        report = {"version": vllm_compat.vllm.__version__, "checked_versions": [], "pins_hold": False,
+                  "failed": {"pins_report": repr(exc)[:300]}}
+    checked = ", ".join(report["checked_versions"]) or "?"
+    if report["pins_hold"]:
+        logger.info("vLLM %s: moe-serve's pins on its internals hold (checked for vLLM %s)",
+                    report["version"], checked)
+    else:
+        logger.warning("vLLM %s: moe-serve's pins on its internals do not hold (checked for vLLM %s); our MoE "
+                       "kernels may not hook in: %s", report["version"], checked,
+                       "; ".join(f"{name}: {error}" for name, error in report["failed"].items()))
+    return report
 
 
 def freeze_startup_heap() -> None:
@@ -215,6 +259,8 @@ def default_engine_env(embedded_model: bool = False) -> None:
         os.environ.setdefault("VLLM_ENFORCE_STRICT_TOOL_CALLING", "0")
     # vLLM 0.26 on the H200 hung at engine start without spawn (seen 2026-11-29).
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    # Read by the engine core when it stops its workers (see WORKER_EXIT_GRACE_S).
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(WORKER_EXIT_GRACE_S))
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")

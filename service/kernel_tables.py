@@ -79,10 +79,19 @@ def shape_statuses(model: str, tp: int, quantization: str | None,
 
 def warn_untuned(statuses: list[ShapeStatus], model: str, tp: int, quantization: str | None,
                  device: str) -> None:
+    """One warning per untuned shape: on a GPU naming the command that tunes it there; on a
+    machine without one (`device` 'cpu'), that tuning needs the GPU that will serve the model."""
     cmd = shlex.join(tune_command(model, tp, quantization))
     for st in statuses:
-        if not st.tuned:
-            refused = f" (refused: {'; '.join(st.refused)})" if st.refused else ""
+        if st.tuned:
+            continue
+        refused = f" (refused: {'; '.join(st.refused)})" if st.refused else ""
+        if device == "cpu":
+            logger.warning("MoE shape %s has no tuned kernel table%s: tuning needs an NVIDIA GPU and this "
+                           "machine has none; tune on the GPU that will serve this model (README: MoE kernels "
+                           "and tuning). Our kernels use their default configs (routing %s).",
+                           st.key, refused, st.routing)
+        else:
             logger.warning("MoE shape %s has no tuned kernel table for %s%s: our kernels use "
                            "their default configs (routing %s). Tune it on this GPU (minutes): %s",
                            st.key, device, refused, st.routing, cmd)

@@ -1,4 +1,5 @@
-"""OpenAI routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize.
+"""OpenAI routes: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /tokenize,
+/detokenize; and `vllm serve`'s /load.
 
 Bodies are vLLM's own request models; vLLM's own handlers (built in service.vllm_compat) serve
 them. These routes add what moe-serve owns: strict unknown-field rejection, the model-name and
@@ -6,6 +7,9 @@ engine checks, input limits, admission and the rest of `service.request_flow`.
 """
 
 from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -69,6 +73,74 @@ async def create_chat_completion(body: compat.ChatCompletionRequest, request: Re
     check_messages(body, state.settings)
     cap_output(body, ("max_completion_tokens", "max_tokens"), state.settings)
     return await serve(request, state, body.n or 1, lambda: frontend.chat.create_chat_completion(body, request))
+
+
+# Responses tools the client runs itself; the others (web search, code interpreter, MCP, ...) are run
+# by vLLM's tool server (`--frontend-arg=--tool-server=...`), without which vLLM drops them silently.
+CLIENT_TOOL_TYPES = frozenset({"function", "custom", "namespace"})
+
+
+def _check_response_tools(body: compat.ResponsesRequest, frontend: compat.Frontend) -> None:
+    if frontend.responses.tool_server is not None:
+        return
+    for i, tool in enumerate(body.tools):
+        if tool.type not in CLIENT_TOOL_TYPES:
+            raise APIError(400, f"tool type '{tool.type}' needs a tool server, which this server does not run "
+                                f"(only function and custom tools)", param=f"tools.{i}.type", code="not_supported")
+
+
+class _JSONModel:
+    """A vLLM answer whose `model_dump()` is the JSON form `vllm serve` sends (by alias, JSON mode)."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+
+    def model_dump(self) -> dict:
+        return self._model.model_dump(mode="json", by_alias=True)
+
+
+async def _response_events(events: AsyncIterator[Any]) -> AsyncIterator[str]:
+    """vLLM's Responses stream events as SSE, framed as `vllm serve` frames them."""
+    try:
+        async for event in events:
+            data = event.model_dump_json(indent=None, by_alias=True)
+            yield f"event: {getattr(event, 'type', 'unknown')}\ndata: {data}\n\n"
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+async def _create_response(frontend: compat.Frontend, body: compat.ResponsesRequest, request: Request) -> Any:
+    result = await frontend.responses.create_responses(body, request)
+    if isinstance(result, compat.ResponsesResponse):
+        return _JSONModel(result)
+    if isinstance(result, compat.ErrorResponse):
+        return result
+    return _response_events(result)
+
+
+@router.post("/v1/responses")
+async def create_response(body: compat.ResponsesRequest, request: Request) -> Response:
+    """The OpenAI Responses API on vLLM's own handler (stateless: vLLM stores no responses unless
+    VLLM_ENABLE_RESPONSES_API_STORE=1, so `background` and `previous_response_id` get its errors)."""
+    state = _state(request)
+    reject_unknown_fields(body)
+    frontend = _frontend(state, body.model)
+    if frontend.responses is None:
+        raise APIError(400, "this model does not support the Responses API", code="not_supported")
+    if isinstance(body.input, list) and len(body.input) > state.settings.max_messages:
+        raise APIError(400, f"at most {state.settings.max_messages} input items per request, got {len(body.input)}",
+                       param="input", code="invalid_value")
+    _check_response_tools(body, frontend)
+    cap_output(body, ("max_output_tokens",), state.settings)
+    return await serve(request, state, 1, lambda: _create_response(frontend, body, request))
+
+
+@router.get("/load")
+async def server_load(request: Request) -> dict:
+    """As `vllm serve`: {"server_load": n}; here n is the engine sequences admitted or waiting for
+    admission (vllm serve counts requests, and only with --enable-server-load-tracking)."""
+    admission = _state(request).admission
+    return {"server_load": admission.running + admission.queued}
 
 
 async def _tokenization_answer(call) -> JSONResponse:

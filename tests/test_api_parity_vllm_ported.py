@@ -3,7 +3,9 @@
 Written from reading vllm-project/vllm tests/entrypoints/openai/completion/test_completion.py,
 .../chat_completion/test_chat.py, .../chat_completion/test_completion_with_function_calling.py and
 tests/entrypoints/serve/tokenize/test_tokenization.py; each test names its original in a comment.
-Adapted for a random-weight model: no assertion on what the text says (e.g. "1+1 = 2"), and no
+Adapted for a random-weight model, whose greedy text differs between CPU kinds (oneDNN paths):
+no assertion on what the text says (e.g. "1+1 = 2") or that it is non-empty, `ignore_eos` wherever
+a token count is asserted (greedy decoding may pick EOS early on one CPU and not on another), no
 "the second sample differs from the first" checks that only a trained model makes reliable;
 schemas are finite (enums, bounded lengths) so a constrained random model completes them.
 The original parametrisation over a LoRA adapter is dropped (no LoRA here).
@@ -51,15 +53,18 @@ def _tokenizer():
 # --- completions: tests/entrypoints/openai/completion/test_completion.py ---
 
 def test_single_completion(client: openai.OpenAI, model: str) -> None:  # test_single_completion
-    completion = client.completions.create(model=model, prompt="Hello, my name is", max_tokens=5, temperature=0.0)
+    no_eos = {"ignore_eos": True}
+    completion = client.completions.create(model=model, prompt="Hello, my name is", max_tokens=5, temperature=0.0,
+                                           extra_body=no_eos)
     choice = completion.choices[0]
     assert completion.id and len(completion.choices) == 1
-    assert len(choice.text) >= 5 and choice.finish_reason == "length"
+    assert isinstance(choice.text, str) and choice.finish_reason == "length"
     assert completion.usage.completion_tokens == 5
     assert completion.usage.prompt_tokens == len(_tokenizer().encode("Hello, my name is"))
     assert completion.usage.total_tokens == completion.usage.prompt_tokens + 5
-    by_ids = client.completions.create(model=model, prompt=[0, 0, 0, 0, 0], max_tokens=5, temperature=0.0)
-    assert len(by_ids.choices[0].text) >= 1
+    by_ids = client.completions.create(model=model, prompt=[0, 0, 0, 0, 0], max_tokens=5, temperature=0.0,
+                                       extra_body=no_eos)
+    assert by_ids.usage.prompt_tokens == 5 and by_ids.usage.completion_tokens == 5
     assert getattr(by_ids.choices[0], "prompt_logprobs", None) is None
 
 
@@ -78,7 +83,8 @@ def test_no_logprobs(client: openai.OpenAI, model: str) -> None:  # test_no_logp
 
 @pytest.mark.parametrize("k", [0, 5])  # test_zero_logprobs, test_some_logprobs
 def test_zero_and_some_logprobs(client: openai.OpenAI, model: str, k: int) -> None:
-    out = client.completions.create(model=model, prompt=[0, 0, 0, 0, 0], max_tokens=5, temperature=0.0, logprobs=k)
+    out = client.completions.create(model=model, prompt=[0, 0, 0, 0, 0], max_tokens=5, temperature=0.0, logprobs=k,
+                                    extra_body={"ignore_eos": True})
     lp = out.choices[0].logprobs
     assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
     assert max(k, 1) <= len(lp.top_logprobs[0]) <= k + 1
@@ -112,11 +118,12 @@ def test_prompt_logprobs_completion(client: openai.OpenAI, model: str, prompt_lo
 
 
 def test_completion_streaming(client: openai.OpenAI, model: str) -> None:  # test_completion_streaming
-    kwargs = dict(model=model, prompt="What is an LLM?", max_tokens=5, temperature=0.0)
+    kwargs = dict(model=model, prompt="What is an LLM?", max_tokens=5, temperature=0.0,
+                  extra_body={"ignore_eos": True})
     single = client.completions.create(**kwargs).choices[0].text
     chunks = list(client.completions.create(stream=True, **kwargs))
     assert sum(1 for c in chunks if c.choices[0].finish_reason is not None) == 1
-    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
     assert "".join(c.choices[0].text for c in chunks) == single
 
 
@@ -209,7 +216,8 @@ def test_no_logprobs_chat(client: openai.OpenAI, model: str) -> None:  # test_no
 @pytest.mark.parametrize("k", [0, 5])  # test_zero_logprobs_chat, test_some_logprobs_chat
 def test_zero_and_some_logprobs_chat(client: openai.OpenAI, model: str, k: int) -> None:
     out = client.chat.completions.create(model=model, messages=ONE_PLUS_ONE, max_completion_tokens=5,
-                                         temperature=0.0, logprobs=True, top_logprobs=k)
+                                         temperature=0.0, logprobs=True, top_logprobs=k,
+                                         extra_body={"ignore_eos": True})
     content = out.choices[0].logprobs.content
     assert len(content) == 5 and all(len(t.top_logprobs) == k for t in content)
 
@@ -262,7 +270,7 @@ def test_single_chat_session(client: openai.OpenAI, model: str) -> None:  # test
     choice = out.choices[0]
     assert out.id and len(out.choices) == 1 and choice.finish_reason == "length"
     assert out.usage.completion_tokens == 5 and out.usage.total_tokens == out.usage.prompt_tokens + 5
-    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
     messages += [{"role": "assistant", "content": choice.message.content},
                  {"role": "user", "content": "express your result in json"}]
     assert client.chat.completions.create(model=model, messages=messages, max_completion_tokens=5).choices
@@ -345,7 +353,12 @@ def test_response_format_json_object(client: openai.OpenAI, model: str) -> None:
     out = client.chat.completions.create(model=model, temperature=0.0, max_completion_tokens=300, messages=[
         {"role": "user", "content": 'what is 1+1? please respond with a JSON object, the format is {"result": 2}'}],
         response_format={"type": "json_object"})
-    assert isinstance(json.loads(out.choices[0].message.content), dict)
+    choice = out.choices[0]
+    # Any JSON object is allowed, so a random model may still be inside a string when max tokens cut it.
+    if choice.finish_reason == "length":
+        assert choice.message.content.startswith("{")
+    else:
+        assert isinstance(json.loads(choice.message.content), dict)
 
 
 def test_response_format_json_schema(client: openai.OpenAI, model: str) -> None:  # test_response_format_json_schema
@@ -434,21 +447,39 @@ WEATHER_ASK = [{"role": "user", "content": "Hi! How are you doing today?"},
 NAMED = {"type": "function", "function": {"name": "get_current_weather"}}
 
 
+def _calls_by_index(deltas: list) -> dict[int, dict[str, str]]:
+    """Streamed tool-call deltas joined per call index: {index: {"id", "name", "arguments"}}."""
+    calls: dict[int, dict[str, str]] = defaultdict(lambda: {"id": "", "name": "", "arguments": ""})
+    for d in deltas:
+        call = calls[d.index]
+        call["id"] = call["id"] or (d.id or "")
+        call["name"] += (d.function.name or "") if d.function else ""
+        call["arguments"] += (d.function.arguments or "") if d.function else ""
+    return dict(calls)
+
+
 @pytest.mark.parametrize("stream", [True, False])  # test_function_tool_use ("auto" needs a trained model)
 @pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
 def test_function_tool_use(client: openai.OpenAI, model: str, stream: bool, tool_choice) -> None:
+    # "required" lets the model emit any number of calls (~65 tokens each; how many a random-weight
+    # model emits depends on the CPU): room for several, and every call is checked by its index.
     kwargs = dict(model=model, messages=WEATHER_ASK, tools=[WEATHER_TOOL], tool_choice=tool_choice,
-                  temperature=0.0, max_completion_tokens=120)
+                  temperature=0.0, max_completion_tokens=600)
+    schema = WEATHER_TOOL["function"]["parameters"]
     if not stream:
-        calls = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
-        assert calls and calls[0].function.name == "get_current_weather"
-        jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER_TOOL["function"]["parameters"])
-        return
-    deltas = [d for c in client.chat.completions.create(stream=True, **kwargs) if c.choices
-              for d in (c.choices[0].delta.tool_calls or [])]
-    assert deltas and deltas[0].function.name == "get_current_weather" and deltas[0].id
-    arguments = "".join(d.function.arguments or "" for d in deltas)
-    jsonschema.validate(json.loads(arguments), WEATHER_TOOL["function"]["parameters"])
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        assert choice.finish_reason != "length", choice
+        calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    else:
+        chunks = [c for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] != ["length"]
+        by_index = _calls_by_index([d for c in chunks for d in (c.choices[0].delta.tool_calls or [])])
+        assert sorted(by_index) == list(range(len(by_index)))  # indexes 0..n-1, none skipped
+        calls = [(c["id"], c["name"], c["arguments"]) for _, c in sorted(by_index.items())]
+    assert calls and (len(calls) == 1 or tool_choice == "required")
+    for call_id, name, arguments in calls:
+        assert call_id and name == "get_current_weather"
+        jsonschema.validate(json.loads(arguments), schema)
 
 
 def test_named_tool_use(client: openai.OpenAI, model: str) -> None:  # test_named_tool_use

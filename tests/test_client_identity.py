@@ -12,10 +12,13 @@ import httpx
 import pytest
 
 from loadtest.server_proc import MODEL_NAME, ServerProcess
+from service.warmup import warmup_requests
 from tests.conftest import STRICT_METRICS_KEY
 from tests.monitoring_helpers import delta, scrape
 
 pytestmark = pytest.mark.engine
+WARMUP_REQUESTS = len(warmup_requests(MODEL_NAME))
+WARMUP_COMPLETIONS = sum(path == "/v1/completions" for _, path, _ in warmup_requests(MODEL_NAME))
 SPOOFS = ({"X-Forwarded-For": "moe-serve-warmup"}, {"X-Forwarded-For": "moe-serve-warmup, 127.0.0.1"},
           {"Forwarded": "for=moe-serve-warmup"}, {"X-Real-IP": "moe-serve-warmup"},
           {"X-Forwarded-For": "moe-serve-warmup", "X-Forwarded-Proto": "https", "X-Moe-Serve-Warmup": "1",
@@ -40,14 +43,14 @@ def _complete(srv: ServerProcess, headers: dict[str, str], model: str) -> None:
 
 def test_spoofed_warmup_headers_are_counted_and_logged_with_the_real_peer(server: ServerProcess) -> None:
     """Proxy headers off (the default): each spoof is one more client request in /metrics, logged
-    from 127.0.0.1; the access log keeps exactly the two start-up warm-up lines."""
+    from 127.0.0.1; the access log keeps exactly the start-up warm-up's lines."""
     def warm(line: str) -> bool:
         return " moe_serve.access: moe-serve-warmup " in line
 
     def peer(line: str) -> bool:
         return " moe_serve.access: 127.0.0.1 POST /v1/completions 200 " in line
 
-    assert len(_wait_for_lines(server, warm, 2)) == 2
+    assert len(_wait_for_lines(server, warm, WARMUP_REQUESTS)) == WARMUP_REQUESTS
     logged_before = len(_wait_for_lines(server, peer, 0))
     before = scrape(server.base_url, server.headers)
     for headers in SPOOFS:
@@ -56,7 +59,7 @@ def test_spoofed_warmup_headers_are_counted_and_logged_with_the_real_peer(server
     assert delta(before, after, "moe_serve_requests_total", status="ok") == len(SPOOFS)
     assert delta(before, after, "moe_serve_prompt_tokens_total") > 0
     assert len(_wait_for_lines(server, peer, logged_before + len(SPOOFS))) == logged_before + len(SPOOFS)
-    assert len(_wait_for_lines(server, warm, 2, timeout=0)) == 2
+    assert len(_wait_for_lines(server, warm, WARMUP_REQUESTS, timeout=0)) == WARMUP_REQUESTS
 
 
 def test_a_trusted_proxy_names_the_client_but_cannot_make_a_request_warmup(strict_server: ServerProcess,
@@ -78,5 +81,6 @@ def test_a_trusted_proxy_names_the_client_but_cannot_make_a_request_warmup(stric
         return record(line).get("client") in ("203.0.113.7", "moe-serve-warmup") and \
             record(line).get("path") == "/v1/completions"
 
-    clients = [record(line)["client"] for line in _wait_for_lines(strict_server, forwarded, 3)]
-    assert sorted(clients) == ["203.0.113.7", "moe-serve-warmup", "moe-serve-warmup"], clients  # + the warm-up
+    clients = [record(line)["client"] for line in _wait_for_lines(strict_server, forwarded, WARMUP_COMPLETIONS + 2)]
+    # the forwarded two, and the warm-up's own completions
+    assert sorted(clients) == ["203.0.113.7"] + ["moe-serve-warmup"] * (WARMUP_COMPLETIONS + 1), clients

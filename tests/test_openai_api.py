@@ -1,4 +1,9 @@
-"""The real `openai` client against the real server (vLLM CPU engine, embedded model)."""
+"""The real `openai` client against the real server (vLLM CPU engine, embedded model).
+
+The random-weight model's greedy text differs between CPU kinds: tests compare two answers of the
+same server, count tokens with `ignore_eos`, and never assert what the text says or that it is
+non-empty (where text is needed, `allowed_token_ids` restricts it to plain words).
+"""
 
 from __future__ import annotations
 
@@ -14,11 +19,11 @@ def test_models_lists_the_served_model(client: openai.OpenAI, model: str) -> Non
 
 
 def test_completion_stream_joins_to_non_stream_at_temperature_zero(client: openai.OpenAI, model: str) -> None:
-    kwargs = dict(model=model, prompt="The capital of France is", max_tokens=12, temperature=0.0)
+    kwargs = dict(model=model, prompt="The capital of France is", max_tokens=12, temperature=0.0,
+                  extra_body={"ignore_eos": True})
     full = client.completions.create(**kwargs)
     chunks = list(client.completions.create(stream=True, **kwargs))
     streamed = "".join(c.choices[0].text for c in chunks if c.choices)
-    assert full.choices[0].text
     assert streamed == full.choices[0].text
     finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason is not None]
     assert len(finishing) == 1 and finishing[0].choices[0].finish_reason == "length"
@@ -28,7 +33,7 @@ def test_completion_stream_joins_to_non_stream_at_temperature_zero(client: opena
 
 def test_chat_stream_joins_to_non_stream_and_usage_adds_up(client: openai.OpenAI, model: str) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
-    kwargs = dict(model=model, messages=messages, max_tokens=10, temperature=0.0)
+    kwargs = dict(model=model, messages=messages, max_tokens=10, temperature=0.0, extra_body={"ignore_eos": True})
     full = client.chat.completions.create(**kwargs)
     chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -51,13 +56,18 @@ def test_max_completion_tokens_is_honoured(client: openai.OpenAI, model: str) ->
     assert out.choices[0].finish_reason == "length"
 
 
+# the embedded model's ids of "▁apple", "▁river", "▁stone", "▁cloud", "▁green", "▁house"
+WORD_TOKENS = [19767, 7782, 7253, 6945, 5344, 2134]
+
+
 def test_stop_string_ends_generation_before_it(client: openai.OpenAI, model: str) -> None:
+    words_only = {"allowed_token_ids": WORD_TOKENS}  # 24 tokens of >= 6 characters each, whatever the CPU
     base = client.completions.create(model=model, prompt="Once upon a time", max_tokens=24, temperature=0.0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
-    assert len(base) > 6
+                                     extra_body=words_only).choices[0].text
+    assert len(base) >= 24 * 6
     stop = base[len(base) // 2: len(base) // 2 + 3]
     out = client.completions.create(model=model, prompt="Once upon a time", max_tokens=24, temperature=0.0,
-                                    stop=[stop], extra_body={"ignore_eos": True})
+                                    stop=[stop], extra_body=words_only)
     assert out.choices[0].finish_reason == "stop"
     assert out.choices[0].text == base[: base.index(stop)]
 
@@ -83,13 +93,13 @@ def test_batch_prompts_and_token_id_prompts(client: openai.OpenAI, model: str) -
                                       extra_body={"ignore_eos": True})
     assert sorted(c.index for c in texts.choices) == [0, 1]
     assert texts.usage.completion_tokens == 8
+    # Each choice answers its own prompt (a batch of 2 and a batch of 1 may round differently on some
+    # CPUs, so the prompts are compared, not the greedy texts).
     ids = client.completions.create(model=model, prompt=[[1, 415, 2936], [1, 264]], max_tokens=4, temperature=0.0,
-                                    extra_body={"ignore_eos": True})
-    alone = client.completions.create(model=model, prompt=[1, 415, 2936], max_tokens=4, temperature=0.0,
-                                      extra_body={"ignore_eos": True})
-    by_index = {c.index: c.text for c in ids.choices}
-    assert by_index[0] == alone.choices[0].text
-    assert ids.usage.prompt_tokens == 5
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    by_index = {c.index: c.prompt_token_ids for c in ids.choices}
+    assert by_index == {0: [1, 415, 2936], 1: [1, 264]}
+    assert ids.usage.prompt_tokens == 5 and ids.usage.completion_tokens == 8
 
 
 def test_echo_prepends_the_prompt(client: openai.OpenAI, model: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import re
 import subprocess
 import sys
@@ -62,3 +63,46 @@ def test_optimized_mode_refuses_to_start_without_the_plugin(monkeypatch, capsys)
     monkeypatch.setattr(service.engine, "kernel_plugin_installed", lambda: False)
     assert cli.main(["--moe-kernels", "optimized", "--model", "/nonexistent"]) == 2
     assert "vllm.general_plugins" in capsys.readouterr().err
+
+
+def test_license_is_an_spdx_string_with_its_file() -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"
+    assert all((REPO / name).is_file() for name in project["license-files"])
+    assert "Apache License" in (REPO / "LICENSE").read_text()
+
+
+def test_gpu_extra_accepts_exactly_the_vllm_versions_whose_pins_are_checked() -> None:
+    from packaging.requirements import Requirement
+
+    from kernels.plugin.vllm_compat import SUPPORTED
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (vllm,) = [Requirement(r) for r in extras["gpu"]]
+    assert vllm.name == "vllm"
+    minors = {minor for minor in range(20, 40) if f"0.{minor}.0" in vllm.specifier}
+    assert minors == {minor for _, minor in SUPPORTED} == {26, 32}
+    assert "0.26.3" in vllm.specifier and "0.32.1" in vllm.specifier
+
+
+def test_without_an_engine_the_import_error_names_the_extras() -> None:
+    code = "import sys; sys.modules['vllm'] = None; import service.vllm_compat"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ModuleNotFoundError: moe-serve needs an inference engine"), last
+    assert "moe-serve[cpu]" in last and "moe-serve[gpu]" in last
+
+
+def test_every_readme_request_example_bounds_its_output() -> None:
+    """A random-weight model rarely stops by itself: an example without a cap streams thousands of tokens."""
+    readme = (REPO / "README.md").read_text()
+    bodies = re.findall(r"-d '(\{.*?\})'", readme)
+    calls = re.findall(r"\.create\((.*?)\)(?:\.|\n|:)", readme, flags=re.S)
+    assert len(bodies) >= 3 and len(calls) >= 3
+    caps = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+    for body in bodies:
+        assert any(cap in json.loads(body) for cap in caps), body
+    for call in calls:
+        assert any(f"{cap}=" in call for cap in caps), call
+    assert "405" in readme and "/health" in readme and "until curl" in readme

@@ -144,6 +144,8 @@ def test_over_capacity_gets_429_and_queued_requests_run_once_the_gate_opens(stri
             chat = http.post("/v1/chat/completions", json={"model": model, "max_tokens": 4,
                                                             "messages": [{"role": "user", "content": "over"}]})
             assert chat.status_code == 429, chat.text
+            response = http.post("/v1/responses", json={"model": model, "input": "over", "max_output_tokens": 4})
+            assert response.status_code == 429, response.text
         still = _health(strict_server, lambda b: True)
         assert (still.get("running"), still.get("queued")) == (2 * HOLD_N, 2), still
         assert not queued, "a queued request finished while the gate was closed"

@@ -33,6 +33,18 @@ def test_dispatch_targets_exist_for_this_vllm() -> None:
     assert hasattr(RequestOutput, "add") and "aggregate" in inspect.signature(RequestOutput.add).parameters
 
 
+def test_responses_api_pins() -> None:
+    """The Responses route uses: the request/response models (same module on 0.26), the handler's
+    create_responses(request, raw_request) and its tool_server (None without --tool-server)."""
+    from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
+
+    assert compat.ResponsesRequest.__module__ == compat.ResponsesResponse.__module__ == \
+        "vllm.entrypoints.openai.responses.protocol"
+    assert list(inspect.signature(OpenAIServingResponses.create_responses).parameters) == [
+        "self", "request", "raw_request"]
+    assert "tool_server" in inspect.signature(OpenAIServingResponses.__init__).parameters
+
+
 def test_serve_args_are_vllm_serve_args_and_bad_parser_names_fail() -> None:
     args = compat.serve_args("/models/x", "x", ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
     assert args.model == "/models/x" and args.served_model_name == ["x"]

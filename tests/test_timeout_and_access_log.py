@@ -12,6 +12,8 @@ import httpx
 import pytest
 
 from loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
+from service.warmup import warmup_requests
+from tests.monitoring_helpers import scrape, value
 
 pytestmark = pytest.mark.engine
 SECRET_PROMPT = "the-quick-secret-prompt-4711"
@@ -27,12 +29,18 @@ def timed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
 
 
 def test_warmup_requests_pass_auth_and_stay_out_of_the_metrics(timed_server: ServerProcess) -> None:
-    """Runs first on this module's fresh server: /health was 200, so the warm-up is done; both
-    warm-up requests went through auth to the engine (200), and no request is counted yet."""
-    records = [json.loads(line) for line in timed_server.log().splitlines() if line.startswith('{"ts"')]
-    warm = {(r["path"], r["status"]) for r in records if r["client"] == "moe-serve-warmup"}
-    assert warm == {("/v1/completions", 200), ("/v1/chat/completions", 200)}
-    assert "request path warmed up" in timed_server.log()
+    """Runs first on this module's fresh server: /health was 200, so the warm-up is done; every
+    warm-up request went through auth to the engine (200) while the worker counted compiles as
+    warm-up, and no request is counted yet."""
+    log = timed_server.log()
+    records = [json.loads(line) for line in log.splitlines() if line.startswith('{"ts"')]
+    warm = [(r["path"], r["status"]) for r in records if r["client"] == "moe-serve-warmup"]
+    kinds = warmup_requests(MODEL_NAME)
+    assert warm == [(path, 200) for _, path, _ in kinds]
+    assert all(f"warm-up {kind}: 200 in" in log for kind, _, _ in kinds)
+    assert "request path warmed up in" in log and f"({len(kinds)} of {len(kinds)} kinds answered 200)" in log
+    assert log.index("Triton JIT phase -> warmup (request warm-up)") < log.index("request path warmed up")
+    assert "could not set the workers' Triton JIT phase" not in log
     text = httpx.get(timed_server.base_url + "/metrics", headers=timed_server.headers).text
     counted = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("moe_serve_requests_total{")]
@@ -55,6 +63,30 @@ def test_stream_over_the_timeout_ends_with_an_error_event(timed_server: ServerPr
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["code"] == "timeout"
     assert len(events) > 3  # it streamed tokens before the deadline
+
+
+def test_responses_stream_over_the_timeout_ends_with_an_error_event(timed_server: ServerProcess) -> None:
+    body = {"model": MODEL_NAME, "input": SECRET_PROMPT, "max_output_tokens": 4000, "stream": True}
+    with httpx.stream("POST", timed_server.base_url + "/v1/responses", json=body, headers=timed_server.headers,
+                      timeout=60) as resp:
+        assert resp.status_code == 200
+        lines = list(resp.iter_lines())
+    events = [line[6:] for line in lines if line.startswith("data: ")]
+    assert "event: response.created" in lines
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "timeout"
+
+
+def test_a_mix_of_request_features_compiles_nothing_while_serving(timed_server: ServerProcess) -> None:
+    """Every kind the warm-up sends, again, as clients: no Triton compile in the serving phase
+    (on the CPU engine vLLM compiles no Triton kernel, so this reads 0 there by construction; on
+    a GPU it is the check that the warm-up covered every feature)."""
+    with httpx.Client(base_url=timed_server.base_url, headers=timed_server.headers, timeout=60) as http:
+        for kind, path, body in warmup_requests(MODEL_NAME):
+            resp = http.post(path, json={**body, "stream": False} if "stream" in body else body)
+            assert resp.status_code == 200, (kind, resp.text[:300])
+    samples = scrape(timed_server.base_url, timed_server.headers)
+    assert value(samples, "moe_serve_triton_jit_compiles_total", phase="serving") == 0
+    assert "during serving" not in timed_server.log()  # the plugin's warning for a serving-phase compile
 
 
 def test_short_requests_are_unaffected(timed_server: ServerProcess) -> None:

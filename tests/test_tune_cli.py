@@ -92,12 +92,25 @@ def test_tune_writes_tables_the_loader_reads_then_skips_and_resumes(model: Path,
 
 
 def test_untuned_shape_is_warned_and_counted(server, http) -> None:
-    """The session server (embedded model, no table for this machine) names the command."""
+    """The session server (embedded model, CPU): the warning says tuning needs a GPU, and names no
+    command (`moe-serve tune` exits 2 without one)."""
     text = http.get("/metrics").text
     assert "moe_serve_moe_untuned_shapes 1.0" in text and "moe_serve_moe_refused_kernel_tables 0.0" in text
     assert 'tuned="false"' in text and 'moe_serve_moe_shape_info{' in text
     log = server.log()
-    assert "has no tuned kernel table for cpu" in log and "moe-serve tune --model" in log
+    assert "has no tuned kernel table: tuning needs an NVIDIA GPU" in log
+    assert "moe-serve tune --model" not in log and "Tune it on this GPU" not in log
+
+
+def test_untuned_shape_on_a_gpu_names_the_tune_command(caplog) -> None:
+    from kernels.tuning.model_shapes import MoEShape
+    from service import kernel_tables
+
+    status = kernel_tables.ShapeStatus(MoEShape("m/TP8", 8, 1792, 4096, 2, "bf16", 32), False, "1-4:ours,5+:vllm")
+    kernel_tables.warn_untuned([status], "/models/mixtral", 8, None, "NVIDIA_H200")
+    assert "for NVIDIA_H200" in caplog.text
+    command = "moe-serve tune --model /models/mixtral --tensor-parallel-size 8"
+    assert f"Tune it on this GPU (minutes): {command}" in caplog.text
 
 
 def test_tuning_on_a_gpu_without_vllm_warns_that_the_search_is_unseeded(monkeypatch) -> None:

@@ -12,7 +12,9 @@ process, the engine core and every worker (docs/architecture.md). The plugin the
    shape seen gets its kernel variants compiled (kernels/plugin/layer_warmup.py). A failure is logged
    and counted (moe_serve_plugin_warmup_failures_total); it never stops the worker.
 4. serve: the JIT phase turns to 'serving' in a ``finally``, whatever warm-up did, so a
-   compile while serving is always counted as one (and logged with its cause).
+   compile while serving is always counted as one (and logged with its cause). The API process
+   turns it back to 'warmup' for its request warm-up (service/warmup.py) through the worker
+   method JIT_PHASE_RPC (vLLM's collective_rpc), then to 'serving' again.
 5. report: all along, through PluginMetrics (read by the API process for /metrics, /version).
 
 On vLLM-CPU the MoE runs in vLLM's CPU experts: the hooks are installed and reported, but
@@ -34,6 +36,7 @@ from kernels.plugin.moe_hook import MoeHook
 from kernels.plugin.plugin_metrics import RUNTIME_DIR_ENV, PluginMetrics, enable_multiprocess
 
 MODE_ENV = "MOE_SERVE_MOE_KERNELS"
+JIT_PHASE_RPC = "moe_serve_set_jit_phase"  # a worker method: collective_rpc(JIT_PHASE_RPC, args=(phase,))
 MODES = ("optimized", "vllm")
 
 
@@ -116,6 +119,7 @@ class MoePlugin:
         self._report_state()
         if vc.wrap_method(type(worker), vc.WARMUP_METHOD, self._around_vllm_warmup):
             self.hooks.append(f"{type(worker).__qualname__}.{vc.WARMUP_METHOD}")
+        setattr(type(worker), JIT_PHASE_RPC, _set_jit_phase)
 
     def _around_vllm_warmup(self, orig: Callable) -> Callable:
         def compile_or_warm_up_model(worker: Any, *args: Any, **kwargs: Any) -> Any:
@@ -154,6 +158,16 @@ class MoePlugin:
         jit_monitor.set_phase("serving")
         self._report_state()
         self.logger.info("moe-serve plugin: rank %s ready, Triton JIT phase -> serving", self.rank)
+
+    def set_jit_phase(self, phase: str) -> None:
+        """'serving' as serve(); 'warmup' while the API process warms its request path up."""
+        if phase == "serving":
+            self.serve()
+            return
+        self.phase = "warmup"
+        jit_monitor.set_phase("warmup")
+        self._report_state()
+        self.logger.info("moe-serve plugin: rank %s Triton JIT phase -> warmup (request warm-up)", self.rank)
 
     # -- 5. report --------------------------------------------------------------------------
     def _report_state(self) -> None:
@@ -201,6 +215,14 @@ class MoePlugin:
 
 PLUGIN: MoePlugin | None = None
 _lock = threading.Lock()
+
+
+def _set_jit_phase(worker: Any, phase: str) -> None:
+    """JIT_PHASE_RPC on vLLM's worker class: this process's plugin changes phase."""
+    if phase not in ("warmup", "serving"):
+        raise ValueError(f"unknown JIT phase {phase!r}")
+    if PLUGIN is not None:
+        PLUGIN.set_jit_phase(phase)
 
 
 def register() -> None:

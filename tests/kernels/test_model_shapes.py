@@ -79,3 +79,34 @@ def test_errors_name_what_is_missing_or_unsupported(tmp_path):
         read_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(CONFIGS["mixtral"][0]))
     assert read_config(tmp_path)["num_local_experts"] == 8
+
+
+def test_per_layer_lists_give_one_shape_per_distinct_layer_with_its_layer_count():
+    # Hunyuan-MoE style: top-k and intermediate size per layer; a dense layer says 0 experts.
+    cfg = {"architectures": ["HunYuanMoEV1ForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 5,
+           "num_experts": [0, 64, 64, 64, 32], "moe_topk": [0, 8, 8, 8, 4],
+           "moe_intermediate_size": [0, 3072, 3072, 1536, 3072], "torch_dtype": "bfloat16"}
+    shapes = moe_shapes(cfg, tp=2, name="hy")
+    assert [(s.E, s.N, s.K, s.topk, s.layers) for s in shapes] == [
+        (32, 1536, 4096, 4, 1), (64, 768, 4096, 8, 1), (64, 1536, 4096, 8, 2)]
+    assert len({s.name for s in shapes}) == 3 and all(s.name.startswith("hy/TP2/") for s in shapes)
+    # one list among int fields: the ints hold for every layer
+    (one,) = moe_shapes({**CONFIGS["mixtral"][0], "num_hidden_layers": 3, "num_experts_per_tok": [2, 2, 2]}, 8)
+    assert (one.E, one.N, one.topk, one.layers, one.name) == (8, 1792, 2, 3, "model/TP8")
+
+
+def test_lists_not_one_per_layer_are_expert_groups_run_by_every_layer():
+    # ERNIE-4.5-VL style: one entry per expert group (text, vision), every layer runs both.
+    cfg = {"architectures": ["Ernie4_5_VLMoeForConditionalGeneration"], "hidden_size": 2560, "num_hidden_layers": 28,
+           "moe_num_experts": [64, 64], "moe_intermediate_size": [1536, 512], "moe_k": 6}
+    assert [(s.E, s.N, s.topk, s.layers) for s in moe_shapes(cfg)] == [(64, 512, 6, 28), (64, 1536, 6, 28)]
+
+
+def test_per_layer_lists_that_disagree_or_do_not_divide_are_errors():
+    cfg = {"architectures": ["X"], "hidden_size": 1024, "num_hidden_layers": 3, "num_experts": [8, 8, 8],
+           "moe_topk": [2, 2], "moe_intermediate_size": 512}
+    with pytest.raises(ModelConfigError, match=r"different lengths: num_experts \(3\), moe_topk \(2\)"):
+        moe_shapes(cfg)
+    with pytest.raises(ModelConfigError, match="intermediate size 100 is not divisible"):
+        moe_shapes({**cfg, "moe_topk": 2, "moe_intermediate_size": [512, 512, 100]}, tp=8)
+    assert moe_shapes({**cfg, "num_experts": [0, 0, 0], "moe_topk": 2}) == []  # every layer dense
