@@ -125,11 +125,13 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
             vllm_version = vllm.__version__
         except ImportError:
             vllm_version = None
+        await state.refresh_worker_reports()
         return {"version": __version__, "vllm": vllm_version, "model": settings.model_name,
-                "moe_kernels": settings.moe_kernels, **workers_summary(state.runtime_dir)}
+                "moe_kernels": settings.moe_kernels, **workers_summary(state.runtime_dir, state.remote_workers)}
 
     @app.get("/metrics")
     async def metrics(_: Request) -> Response:
+        await state.refresh_worker_reports()
         return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
