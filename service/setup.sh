@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Set up .venv with moe-serve and the vLLM CPU engine (idempotent).
 #   bash service/setup.sh          # serving
-#   bash service/setup.sh --test   # + test and load-test tools, Prometheus/promtool (Debian package)
+#   bash service/setup.sh --test   # + test and load-test tools, Ray, Prometheus/promtool (Debian package)
 # Touches only what it installs: the tests start their own Prometheus, so the package's system
 # service is neither started nor left enabled, and its recommended node exporter is not installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 extras="cpu,loadtest"
-if [[ "${1:-}" == "--test" ]]; then extras="cpu,loadtest,test"; fi
+if [[ "${1:-}" == "--test" ]]; then extras="cpu,loadtest,test,ray"; fi  # ray: tests/test_ray_executor.py
 
 [[ -x .venv/bin/python ]] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
