@@ -6,6 +6,11 @@
     python bench/bench_kernels.py --quick-bench --out $OUT     (M in 1,4,16,64,256 only)
     python bench/bench_kernels.py --decode-split --shapes ... --ms 1,2,4 --out $OUT
         (the decode path's default config with and without split-K, vs vLLM)
+    python bench/bench_kernels.py --fp8-formats --out $OUT
+        (block FP8 and per-token FP8: correctness vs float64 and vLLM's block kernel, ours vs
+        vLLM vs the floor on bench/kernels_fp8.FORMAT_SHAPES; the per-tensor and per-token
+        aligned path forced vs vLLM at M 8..256; each also alone: --block-correctness,
+        --format-bench, --fp8-aligned)
     TRITON_INTERPRET=1 python bench/bench_kernels.py --smoke --out /tmp/smoke   (CPU)
 Each part is isolated (a failure prints its traceback and the others go on); results go to
 --out as results.json + results.md; a short table is printed last.
@@ -27,7 +32,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests" / "kernels")]
 
 import torch  # noqa: E402
 
+import kernels_fp8  # noqa: E402
 from shapes import M_LIST, QUICK_MS, SMOKE, TUNED, UNTUNED  # noqa: E402
+
+from kernels.moe import quant_format  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -263,8 +271,9 @@ def part_bench(shapes: dict, ms: tuple, dtypes: tuple, ceiling: float, n_sets: i
     """Ours (the config serving would use: tuned table or default), vLLM's fused_experts and
     the streaming floor of the same expert bytes, per (shape, dtype, M), in one run."""
     from floor import floor_us
+    from kernels_fp8 import expert_bytes
 
-    from kernels.moe import configs, routing
+    from kernels.moe import configs, selection
     from kernels.tuning import precompile
     from kernels.moe.config_schema import label
     from kernels.moe.fused_moe import num_programs
@@ -273,7 +282,7 @@ def part_bench(shapes: dict, ms: tuple, dtypes: tuple, ceiling: float, n_sets: i
     rows = []
     floors: dict[int, float] = {}
     if CUDA:  # compile every config this part will hit on the host CPU, in parallel
-        precompile.precompile([(*shape, dt, M, configs.get_config(M, *shape, dt))
+        precompile.precompile([(*shape, dt, M, selection.get_config(M, *shape, dt))
                                for shape in shapes.values() for dt in dtypes for M in ms], log=log)
     for name, shape in shapes.items():
         E, N, K, topk = shape
@@ -282,14 +291,14 @@ def part_bench(shapes: dict, ms: tuple, dtypes: tuple, ceiling: float, n_sets: i
             tuned = configs.load_table(E, N, K, dt, configs.device_name()) is not None
             for M in ms:
                 row = dict(part=tag, shape=name, dtype=dt, M=M, tuned=tuned)
-                cfg = configs.get_config(M, E, N, K, topk, dt)
+                cfg = selection.get_config(M, E, N, K, topk, dt)
                 row["cfg"] = label(cfg)
                 row["ctas"] = "%d/%d" % num_programs(M, E, N, K, topk, cfg)
-                row["route"] = routing.route(E, N, K, dt, M, topk=topk)  # what serving uses
+                row["route"] = selection.route(E, N, K, dt, M, topk=topk)  # what serving uses
                 try:
                     prob = _problem(shape, M, dt, n_sets, weights)
                     weights = prob["weights"]
-                    ebytes = (3 * N * K) * (1 if dt == "fp8" else 2)
+                    ebytes = expert_bytes(N, K, dt)          # fp8: weights + their scales
                     hit = sum(len(torch.unique(ids)) for _, _, ids in prob["sets"]) / n_sets
                     row["ours_us"] = time_ours(prob, None, replays)
                     row["gbytes_hit"] = hit * ebytes / 1e9
@@ -480,12 +489,13 @@ def _summary() -> None:
         for r in RESULTS["sass"]:
             log(f"sass {r['dtype']} swap={r['swap']} {r['gemm']}: {r['mma']} "
                 f"{'OK' if r['ok'] else 'UNEXPECTED'}")
-    for part in ("bench", "quick-bench", "untuned"):
+    for part in ("bench", "quick-bench", "untuned", "format-bench"):
         rows = RESULTS.get(part)
         if isinstance(rows, list):
             _bench_summary(part, rows)
     if "compiles" in RESULTS:
         log(f"compiles: {RESULTS['compiles']}")
+    kernels_fp8.summary(RESULTS, log)
 
 
 def _bench_summary(part: str, rows: list[dict]) -> None:
@@ -520,11 +530,37 @@ def _bench_summary(part: str, rows: list[dict]) -> None:
             log(f"  served < 0.98x: {r['shape']} {r['dtype']} M={r['M']} {r['served_speedup']:.2f}x")
 
 
+def _fp8_formats(args: argparse.Namespace, ms: tuple | None) -> None:
+    """--fp8-formats (or its parts): bench/kernels_fp8's block correctness, the format bench
+    (block and per-token FP8 on FORMAT_SHAPES) and the forced aligned path."""
+    every = args.fp8_formats
+    shapes = {k: v for k, v in kernels_fp8.FORMAT_SHAPES.items()
+              if not args.shapes or k in args.shapes.split(",")}
+    if every or args.format_bench:
+        if "ceiling" not in RESULTS:
+            _run("ceiling", copy_ceiling)
+    ceiling = (RESULTS.get("ceiling") or {}).get("copy_bytes_per_s", float("nan"))
+    if every or args.block_correctness:
+        _run("block-correctness", kernels_fp8.part_block_correctness, shapes, ms or (1, 7, 33),
+             DEV, False, log)
+    if every or args.format_bench:
+        _run("format-bench", part_bench, shapes, ms or kernels_fp8.FORMAT_MS,
+             (kernels_fp8.BLOCK, quant_format.PER_TOKEN), ceiling, args.sets, args.replays,
+             "format-bench")
+    if every or args.fp8_aligned:
+        aligned = {k: v for k, v in {**UNTUNED, **kernels_fp8.FORMAT_SHAPES}.items()
+                   if k in (args.shapes.split(",") if args.shapes else
+                            ("Mixtral-8x22B/TP8", "OLMoE", "Phi-3.5-MoE/TP8", "Qwen3-235B-A22B/TP8"))}
+        _run("fp8-aligned", kernels_fp8.part_fp8_aligned, aligned, ms or kernels_fp8.ALIGNED_MS,
+             args.sets, args.replays, DEV, _problem, log)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     for part in ("correctness", "sass", "bench", "compiles", "untuned", "smoke",
-                 "quick-bench", "decode-split"):
+                 "quick-bench", "decode-split", "fp8-formats", "block-correctness",
+                 "format-bench", "fp8-aligned"):
         ap.add_argument(f"--{part}", action="store_true")
     ap.add_argument("--out", default="bench/out")
     ap.add_argument("--shapes", default=None, help="comma list of names from bench/shapes.py")
@@ -555,6 +591,13 @@ def main() -> int:
         _run("untuned", part_bench, {"tiny-b": SMOKE["tiny-b"]}, (2,), ("bf16",), float("nan"),
              2, 3, "untuned")
         _run("decode-split", part_decode_split, {"tiny-b": SMOKE["tiny-b"]}, (1,), ("bf16",), 2, 3)
+        _run("block-correctness", kernels_fp8.part_block_correctness, {"tiny-a": SMOKE["tiny-a"]},
+             (1, 9), DEV, True, log)
+        _run("format-bench", part_bench, {"tiny-a": SMOKE["tiny-a"]}, (1, 8),
+             (quant_format.block_key(32, 32), quant_format.PER_TOKEN), float("nan"), 2, 3,
+             "format-bench")
+        _run("fp8-aligned", kernels_fp8.part_fp8_aligned, {"tiny-a": SMOKE["tiny-a"]}, (8,), 2, 3,
+             DEV, _problem, log)
     else:
         if args.quick_bench:
             args.bench = True
@@ -576,6 +619,7 @@ def main() -> int:
                  args.replays, "untuned")
         if args.decode_split:
             _run("decode-split", part_decode_split, shapes, ms, dtypes, args.sets, args.replays)
+        _fp8_formats(args, ms if args.ms else None)
     _save(out)
     _summary()
     log(f"total {time.perf_counter() - t0:.0f}s; results in {out}/results.md")

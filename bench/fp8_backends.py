@@ -38,7 +38,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "kernels"), str(ROOT / "bench")]
 from reference import moe_reference, rel_err  # noqa: E402
 from shapes import SMOKE, TUNED, UNTUNED  # noqa: E402
 
-from kernels.moe import routing  # noqa: E402
+from kernels.moe import routing, selection  # noqa: E402
 from kernels.moe.fused_moe import fused_moe  # noqa: E402
 from kernels.tuning.timing import make_problem, time_graph  # noqa: E402
 
@@ -142,7 +142,7 @@ def run_shape(name: str, shape: tuple, ms: tuple, fi: tuple | None, n_sets: int,
         if fi is not None and fi_weights is None:     # weights and scales are shared by all M
             fi_weights = flashinfer_weights(prob)
         row: dict[str, Any] = {"shape": name, "E": E, "N": N, "K": K, "topk": topk, "M": M,
-                               "route": routing.route(E, N, K, "fp8", M, topk=topk)}
+                               "route": selection.route(E, N, K, "fp8", M, topk=topk)}
         outs = [torch.empty_like(x) for x, _, _ in prob["sets"]]
         for bname, call in backends(prob, fi, fi_weights).items():
             try:

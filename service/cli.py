@@ -152,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         from kernels.tuning.tune_cli import main as tune_main
 
         return tune_main(args[1:])
+    if args[:1] == ["explain"]:                   # moe-serve explain ... (kernels.tuning.explain)
+        from kernels.tuning.explain import main as explain_main
+
+        return explain_main(args[1:])
     try:
         settings = settings_from_args(argv)
     except SettingsError as exc:

@@ -215,7 +215,7 @@ def default_engine_env(embedded_model: bool = False) -> None:
         # EMBEDDED_STRUCTURED_OUTPUTS) instead of xgrammar structural tags (which allow any
         # whitespace, where a random-weight model stays). Read when vLLM's tool parsers are imported.
         os.environ.setdefault("VLLM_ENFORCE_STRICT_TOOL_CALLING", "0")
-    # vLLM 0.26 on the H200 hung at engine start without spawn (DESIGN.md).
+    # vLLM 0.26 on the H200 hung at engine start without spawn (seen 2026-11-29).
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")

@@ -2,8 +2,10 @@
 
 At start the server reads the model's config.json (kernels.tuning.model_shapes), looks up a tuned
 table for each per-rank shape (kernels.moe.configs: env dir, `moe-serve tune`'s cache, shipped
-tables), logs one warning per untuned shape naming the command that tunes it, and exports
-`moe_serve_moe_shape_info{shape, tuned, routing}` and `moe_serve_moe_untuned_shapes`.
+tables; a table tuned under another Triton version is refused), logs one warning per untuned
+shape naming the command that tunes it, and exports `moe_serve_moe_shape_info{shape, tuned,
+routing}`, `moe_serve_moe_untuned_shapes` and `moe_serve_moe_refused_kernel_tables`.
+`moe-serve explain` shows the same choice per M bucket (kernels.tuning.explain).
 `--tune-on-start` runs that command (bounded) before the engine starts. The GPU's name comes
 from NVML, so the API process never creates a CUDA context of its own.
 """
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from kernels.moe import configs, routing
+from kernels.moe import configs, routing, selection
 from kernels.tuning.model_shapes import ModelConfigError, MoEShape, moe_shapes, read_config
 
 logger = logging.getLogger(__name__)
@@ -42,7 +44,8 @@ def gpu_name() -> str:
 class ShapeStatus:
     shape: MoEShape
     tuned: bool
-    routing: str                     # kernels.moe.routing.describe(): '1-4:ours,5+:vllm'
+    routing: str                     # kernels.moe.selection.describe(): '1-4:ours,5+:vllm'
+    refused: tuple[str, ...] = ()    # its config and routing files refused (another Triton)
 
     @property
     def key(self) -> str:
@@ -64,10 +67,13 @@ def shape_statuses(model: str, tp: int, quantization: str | None,
         logger.warning("MoE kernel tables: cannot read the model's MoE shapes (%s)", exc)
         return []
     dev = device or gpu_name()
+    routing_refused = tuple((routing.load(dev) or {}).get("refused", []))
     out = []
     for s in shapes:
-        tuned = configs.load_table(s.E, s.N, s.K, s.dtype, dev) is not None
-        out.append(ShapeStatus(s, tuned, routing.describe(s.E, s.N, s.K, s.dtype, dev, s.topk)))
+        found = configs.find_table(s.E, s.N, s.K, s.dtype, dev)
+        out.append(ShapeStatus(s, found.table is not None,
+                               selection.describe(s.E, s.N, s.K, s.dtype, dev, s.topk),
+                               found.refused + routing_refused))
     return out
 
 
@@ -76,9 +82,10 @@ def warn_untuned(statuses: list[ShapeStatus], model: str, tp: int, quantization:
     cmd = shlex.join(tune_command(model, tp, quantization))
     for st in statuses:
         if not st.tuned:
-            logger.warning("MoE shape %s has no tuned kernel table for %s: our kernels use their "
-                           "default configs (routing %s). Tune it on this GPU (minutes): %s",
-                           st.key, device, st.routing, cmd)
+            refused = f" (refused: {'; '.join(st.refused)})" if st.refused else ""
+            logger.warning("MoE shape %s has no tuned kernel table for %s%s: our kernels use "
+                           "their default configs (routing %s). Tune it on this GPU (minutes): %s",
+                           st.key, device, refused, st.routing, cmd)
 
 
 def export(statuses: list[ShapeStatus], registry: CollectorRegistry) -> None:
@@ -90,6 +97,10 @@ def export(statuses: list[ShapeStatus], registry: CollectorRegistry) -> None:
     for st in statuses:
         info.labels(st.key, str(st.tuned).lower(), st.routing).set(1)
     untuned.set(sum(not st.tuned for st in statuses))
+    refused = Gauge("moe_serve_moe_refused_kernel_tables", "Kernel table files for the served "
+                    "model refused because they were tuned under another Triton version (run "
+                    "`moe-serve tune`).", registry=registry)
+    refused.set(len({why for st in statuses for why in st.refused}))
 
 
 def tune_on_start(model: str, tp: int, quantization: str | None, budget_minutes: float) -> int:
@@ -99,9 +110,7 @@ def tune_on_start(model: str, tp: int, quantization: str | None, budget_minutes:
     logger.info("tuning the model's MoE kernels before serving (budget %.1f min): %s",
                 budget_minutes, shlex.join(cmd[3:]))
     rc = subprocess.run(cmd, timeout=budget_minutes * 60 * 1.5 + 120).returncode
-    configs.load_table.cache_clear()
-    configs.get_config.cache_clear()
-    routing.load.cache_clear()
+    selection.clear_caches()
     if rc:
         logger.warning("moe-serve tune exited %d; serving with the default configs", rc)
     return rc

@@ -6,7 +6,7 @@ calling those constructors, `build_frontend` runs vLLM's own `init_app_state` (w
 runs) on an args namespace made by vLLM's own `vllm serve` argument parser, so the completion,
 chat, tokenization and models handlers are built exactly as `vllm serve` builds them, on both
 versions. Each name imported here is pinned by tests/test_vllm_compat.py (on 0.32); the 0.26
-paths were checked by reading its source (/work/vllm026/vllm).
+paths were read in vLLM 0.26.0's source, and the server runs on 0.26 on the GPU host.
 
 | what                          | 0.32                                        | 0.26                               |
 |-------------------------------|---------------------------------------------|------------------------------------|

@@ -24,19 +24,22 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+def imports_of(path: Path) -> set[str]:
+    """Every module name an import anywhere in path names (`from a import b` gives a and a.b)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
 def _graph() -> dict[str, set[str]]:
     """module -> the package modules it imports anywhere in its source (`from pkg import mod` too)."""
     mods = _modules()
-    graph: dict[str, set[str]] = {}
-    for name, path in mods.items():
-        found: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                found |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-        graph[name] = {m for m in found if m in mods and m != name and mods[m].stem != "__init__"}
-    return graph
+    return {name: {m for m in imports_of(path) if m in mods and m != name and mods[m].stem != "__init__"}
+            for name, path in mods.items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[set[str]]:

@@ -46,12 +46,21 @@ def test_register_per_mode(mode: str, wrapped: bool) -> None:
     assert out["hooks"].count("WorkerBase.__init__") == 1
 
 
+class _Experts(SimpleNamespace):
+    """An experts object as the hook reads vLLM's: block_shape / per_act_token_quant are
+    FusedMoEExperts properties over its quant_config (pinned by vllm_compat.pin_fp8_layout)."""
+
+    block_shape = property(lambda self: self.quant_config.block_shape)
+    per_act_token_quant = property(lambda self: self.quant_config.per_act_token_quant)
+
+
 def _experts(**quant) -> SimpleNamespace:
     q = SimpleNamespace(**{"use_fp8_w8a8": False, "quant_dtype": None, "block_shape": None,
-                           "gemm1_clamp_limit": None, "gemm1_alpha": None, "gemm1_beta": None, **quant})
-    return SimpleNamespace(quant_config=q, _lora_context=None, w1_bias=None, w2_bias=None,
-                           quantization_emulation=False, w1_scale=None, w2_scale=None, a1_scale=None,
-                           a2_scale=None)
+                           "per_act_token_quant": False, "gemm1_clamp_limit": None,
+                           "gemm1_alpha": None, "gemm1_beta": None, **quant})
+    return _Experts(quant_config=q, _lora_context=None, w1_bias=None, w2_bias=None,
+                    quantization_emulation=False, w1_scale=None, w2_scale=None, a1_scale=None,
+                    a2_scale=None)
 
 
 SILU = SimpleNamespace(name="SILU")
@@ -59,12 +68,12 @@ E, N, K, M, TOPK = 4, 16, 32, 5, 2
 
 
 def _why(experts=None, act=SILU, expert_map=None, gne=-1, dtype=torch.float32, w_dtype=None,
-         out_dtype=None, a1q_scale=None, require_cuda=False, n_w1=2 * N) -> str | None:
+         out_dtype=None, a1q_scale=None, require_cuda=False, n_w1=2 * N, a2_scale=None) -> str | None:
     call = vllm_compat.ApplyCall(
         torch.zeros(M, K, dtype=out_dtype or dtype), torch.zeros(M, K, dtype=dtype),
         torch.zeros(E, n_w1, K, dtype=w_dtype or dtype), torch.zeros(E, K, N, dtype=w_dtype or dtype),
         torch.ones(M, TOPK), torch.zeros(M, TOPK, dtype=torch.int32), act, gne, expert_map, a1q_scale,
-        None, torch.zeros(1), torch.zeros(1), None, False)
+        a2_scale, torch.zeros(1), torch.zeros(1), None, False)
     return unsupported_reason(experts or _experts(), call, require_cuda=require_cuda)
 
 
@@ -100,9 +109,22 @@ def test_unsupported_reasons() -> None:
     assert _why(f, a1q_scale=torch.ones(1), **kw) is None
     f.w1_scale = torch.ones(E, 3)
     assert _why(f, a1q_scale=torch.ones(1), **kw) == "fp8_w_scale_layout"
-    f.w1_scale = torch.ones(E)
-    f.quant_config.block_shape = [128, 128]
-    assert _why(f, a1q_scale=torch.ones(1), **kw) == "fp8_block"
+    # per-token dynamic activations (FP8-dynamic): [M, 1] scales with the format flag
+    f.w1_scale = torch.ones(E, 2 * N)
+    f.quant_config.per_act_token_quant = True
+    assert _why(f, a1q_scale=torch.ones(M, 1), **kw) is None
+    assert _why(f, a1q_scale=torch.ones(1), **kw) == "fp8_act_scale_per_token_layout"
+    assert _why(f, a1q_scale=torch.ones(M, 1), a2_scale=torch.ones(1), **kw) == "fp8_a2_scale_layout"
+    # block FP8: [E, cdiv(rows, bn), cdiv(cols, bk)] weight scales, [M, cdiv(K, bk)] act scales
+    b = _experts(use_fp8_w8a8=True, block_shape=[16, 16])
+    b.w1_scale, b.w2_scale = torch.ones(E, 2 * N // 16, K // 16), torch.ones(E, K // 16, N // 16)
+    assert _why(b, a1q_scale=torch.ones(M, K // 16), **kw) is None
+    assert _why(b, a1q_scale=torch.ones(M, 1), **kw) == "fp8_block_act_scale_layout"
+    assert _why(b, a1q_scale=torch.ones(M, K // 16), a2_scale=torch.ones(1), **kw) == "fp8_a2_scale_layout"
+    b.quant_config.block_shape = [16, 24]                  # bk is the K loop's tile: a power of two
+    assert _why(b, a1q_scale=torch.ones(M, 2), **kw) == "fp8_block_shape:16x24"
+    b.quant_config.block_shape = [32, 16]
+    assert _why(b, a1q_scale=torch.ones(M, K // 16), **kw) == "fp8_block_scale_layout"
 
 
 def test_wrapper_calls_vllm_with_every_argument() -> None:
@@ -126,18 +148,20 @@ def test_wrapper_calls_vllm_with_every_argument() -> None:
 
 def test_our_path_maps_arguments_correctly() -> None:
     """run_ours (what the hook calls for supported cases) writes vLLM's `output` buffer with
-    the MoE result, for 16/32-bit and FP8 per-tensor static inputs (interpreter, CPU)."""
+    the MoE result, for 16/32-bit, FP8 per-tensor static, block FP8 and per-token FP8 inputs
+    (interpreter, CPU), and names each layer's format for routing."""
     out = _run("""
         import json, torch
         from types import SimpleNamespace
         from tests.kernels.reference import moe_reference, rel_err, routing
-        from kernels.plugin.moe_hook import MoeHook, fp8_scales
+        from kernels.plugin.moe_hook import MoeHook, fp8_scales, layer_shape
         from kernels.plugin.vllm_compat import ApplyCall
         E, N, K, M, TOPK = 4, 16, 32, 7, 2
         g = torch.Generator().manual_seed(0)
         res = {}
         hook = MoeHook(None, None)
-        q = SimpleNamespace(use_fp8_w8a8=False, quant_dtype=None, block_shape=None)
+        q = SimpleNamespace(use_fp8_w8a8=False, quant_dtype=None, block_shape=None,
+                            per_act_token_quant=False)
         def call(x, w1, w2, tw, ids, out, a1=None, a2=None):
             return ApplyCall(out, x, w1, w2, tw, ids, "silu", E, None, a1, a2, None, None, None, False)
         for dt in (torch.float32, torch.float16):
@@ -155,14 +179,43 @@ def test_our_path_maps_arguments_correctly() -> None:
         w2 = (torch.randn(E, K, N, generator=g)).to(fp8)
         s1, s2, a1, a2 = torch.full((E,), 0.05), torch.full((E,), 0.05), torch.tensor(0.5), torch.tensor(0.05)
         tw, ids = routing(M, E, TOPK, g)
-        ex = SimpleNamespace(quant_config=q, w1_scale=s1, w2_scale=s2, a1_scale=None)
+        ex = SimpleNamespace(quant_config=q, w1_scale=s1, w2_scale=s2, a1_scale=None, block_shape=None,
+                             per_act_token_quant=False)
         out = torch.full((M, K), float("nan"), dtype=torch.bfloat16)
         c = call(x, w1, w2, tw, ids, out, a1, a2)
         hook.run_ours(ex, c, fp8_scales(ex, c))
         ref = moe_reference(x, w1, w2, tw, ids, w1_scale=s1, w2_scale=s2, a1_scale=a1, quant_acts="static",
                             a2_scale=a2)
         res["fp8"] = rel_err(out.float(), ref)
+        # block FP8 and per-token FP8 as vLLM's prepare step hands them over (fp8 x + scales)
+        from tests.kernels.reference import quant_fp8_block, quant_act_groups, quant_fp8
+        x = torch.randn(M, K, generator=g)
+        for name, block, per_tok in (("block", [16, 16], False), ("per_token", None, True)):
+            qb = SimpleNamespace(use_fp8_w8a8=True, quant_dtype=fp8, block_shape=block,
+                                 per_act_token_quant=per_tok)
+            w1 = torch.randn(E, 2 * N, K, generator=g) / K ** 0.5
+            w2 = torch.randn(E, K, N, generator=g) / N ** 0.5
+            if block:
+                (q1, s1), (q2, s2) = quant_fp8_block(w1, 16, 16), quant_fp8_block(w2, 16, 16)
+                xq, a1 = quant_act_groups(x, 16)
+            else:
+                (q1, s1), (q2, s2) = quant_fp8(w1, True), quant_fp8(w2, True)
+                a1 = x.abs().amax(1, keepdim=True) / 448.0
+                xq = (x / a1).to(fp8)
+            ex = SimpleNamespace(quant_config=qb, block_shape=block, per_act_token_quant=per_tok,
+                                 w1_scale=s1, w2_scale=s2, a1_scale=None)
+            out = torch.full((M, K), float("nan"), dtype=torch.bfloat16)
+            c = call(xq, q1, q2, tw, ids, out, a1, None)
+            hook.run_ours(ex, c, fp8_scales(ex, c))
+            ref = moe_reference(xq, q1, q2, tw, ids, w1_scale=s1, w2_scale=s2, a1_scale=a1,
+                                block_shape=tuple(block) if block else None)
+            res[name] = rel_err(out.float(), ref)
+            shape = layer_shape(c, fp8_scales(ex, c))
+            res[name + "_key"] = shape.route_dtype
         print(json.dumps(res))
     """, TRITON_INTERPRET="1", TRITON_DEFAULT_FP_FUSION="1")
     assert out["torch.float32"] < 1e-3 and out["torch.float16"] < 1e-2, out
     assert out["fp8"] < 5e-2, out
+    assert out["block"] < 0.12 and out["per_token"] < 0.12, out
+    assert out["block_key"] == "fp8_w8a8,block_shape=[16,16]", out
+    assert out["per_token_key"] == "fp8_w8a8,per_token", out

@@ -94,7 +94,7 @@ def test_tune_writes_tables_the_loader_reads_then_skips_and_resumes(model: Path,
 def test_untuned_shape_is_warned_and_counted(server, http) -> None:
     """The session server (embedded model, no table for this machine) names the command."""
     text = http.get("/metrics").text
-    assert "moe_serve_moe_untuned_shapes 1.0" in text
+    assert "moe_serve_moe_untuned_shapes 1.0" in text and "moe_serve_moe_refused_kernel_tables 0.0" in text
     assert 'tuned="false"' in text and 'moe_serve_moe_shape_info{' in text
     log = server.log()
     assert "has no tuned kernel table for cpu" in log and "moe-serve tune --model" in log

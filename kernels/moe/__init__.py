@@ -1,5 +1,7 @@
 """The fused MoE itself: Triton kernels (token alignment, the aligned path's grouped GEMM,
 the decode path's two kernels), the launcher that runs or records their launches, and what
 picks a kernel config for a layer shape and M (tuned tables in ``configs/``, defaults,
-shared-memory fit) and whether ours or vLLM's kernel serves it (the routing table).
+shared-memory fit) and whether ours or vLLM's kernel serves it (the routing table), decided in
+one place, selection.py. Imports nothing from kernels.plugin or kernels.tuning; vLLM only
+through vllm_kernels, when present.
 """

@@ -1,29 +1,42 @@
-"""Which kernel config serves M tokens of a shape: a tuned table, else a default.
+"""The kernel config tables, and the default config for a shape that has none.
 
-Tables: ``E={E},N={N},K={K},dtype={dtype},device={device}.json`` (schema: kernels.moe.config_schema),
+Tables: ``E={E},N={N},K={K},dtype={dtype},device={device}.json`` (schema: kernels.moe.config_schema;
+dtype: the layer's kernels.moe.quant_format key, e.g. ``dtype=fp8_w8a8,block_shape=[128,128]``),
 keyed by M bucket; M maps to the smallest bucket >= M (else the largest), so the set of
-configs, hence of compiled variants, is finite. Searched in order: $MOE_SERVE_KERNEL_CONFIG_DIR,
-the tuner's cache ($MOE_SERVE_CACHE/kernels/<device>/triton-<version>, written by
-`moe-serve tune`), then the tables shipped in kernels/moe/configs/.
+configs, hence of compiled variants, is finite. Searched in order: $MOE_SERVE_KERNEL_CONFIG_DIR
+("env dir"), the tuner's cache ($MOE_SERVE_CACHE/kernels/<device>/triton-<version>, written by
+`moe-serve tune`), then the tables shipped in kernels/moe/configs/. A table that records another
+``triton_version`` than the running Triton's is refused with a warning (a config tuned for one
+compiler can lose, or fail to fit, under another): the search goes on, and a shape left with no
+table runs the default configs until it is re-tuned with `moe-serve tune`. A table without
+``triton_version`` is taken as it is.
 
 Default for a shape with no table: the decode path while tokens per expert are few
 (heuristics.use_decode_path), else the aligned path with vLLM's own config for the shape
 when vLLM is importable on a GPU (kernels.moe.vllm_kernels), else heuristics.aligned_config.
+Which of these serves an M, after the shared-memory fit (fit: block-FP8 configs also get
+BLOCK_K = the activation group), is kernels.moe.selection's decision.
 """
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
-from kernels.moe import heuristics, smem, vllm_kernels
-from kernels.moe.config_schema import KEYS, Config, down_config, validate
+from kernels.moe import heuristics, quant_format, smem, vllm_kernels
+from kernels.moe.config_schema import KEYS, Config, block_k_of, down_config, validate, with_block_k
 
 M_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+ENV_DIR, TUNER_CACHE, SHIPPED = "env dir", "tuner cache", "shipped table"
+TUNE_HINT = "re-tune it on this GPU with `moe-serve tune --model DIR`"
 
-__all__ = ["KEYS", "Config", "down_config", "validate", "get_config", "load_table"]
+__all__ = ["KEYS", "Config", "block_k_of", "down_config", "validate", "find_table", "load_table",
+           "fit"]
+logger = logging.getLogger(__name__)
 
 
 def device_file_name(gpu_name: str) -> str:
@@ -41,6 +54,12 @@ def device_name() -> str:
     return device_file_name(torch.cuda.get_device_name())
 
 
+def running_triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
 def config_file_name(E: int, N: int, K: int, dtype: str, device: str) -> str:
     return f"E={E},N={N},K={K},dtype={dtype},device={device}.json"
 
@@ -53,29 +72,69 @@ def bucket_of(M: int, buckets: tuple[int, ...] = M_BUCKETS) -> int:
     return buckets[-1]
 
 
-def cache_dir(device: str | None = None) -> Path:
+def cache_dir(device: str | None = None, triton_version: str | None = None) -> Path:
     """Where `moe-serve tune` writes tables for this device and Triton version."""
-    import triton
-
     root = Path(os.environ.get("MOE_SERVE_CACHE", Path.home() / ".cache" / "moe-serve"))
-    return root / "kernels" / (device or device_name()) / f"triton-{triton.__version__}"
+    version = triton_version or running_triton_version()
+    return root / "kernels" / (device or device_name()) / f"triton-{version}"
 
 
-def config_dirs(device: str | None = None) -> list[Path]:
+def labelled_dirs(device: str | None = None, triton_version: str | None = None) -> list[tuple[str, Path]]:
+    """(source, dir) in search order: env dir, tuner cache, shipped tables."""
     env = os.environ.get("MOE_SERVE_KERNEL_CONFIG_DIR")
-    return ([Path(env)] if env else []) + [cache_dir(device), CONFIG_DIR]
+    return (([(ENV_DIR, Path(env))] if env else [])
+            + [(TUNER_CACHE, cache_dir(device, triton_version)), (SHIPPED, CONFIG_DIR)])
+
+
+def config_dirs(device: str | None = None, triton_version: str | None = None) -> list[Path]:
+    return [d for _, d in labelled_dirs(device, triton_version)]
+
+
+def version_refusal(path: Path, recorded: str | None, running: str) -> str | None:
+    """Why a table file is refused (None: accepted): it records another Triton version."""
+    if recorded is None or recorded == running:
+        return None
+    return f"{path}: made under Triton {recorded}, this is Triton {running}"
+
+
+@dataclass(frozen=True)
+class TableLookup:
+    """The table found for a shape: {bucket: config} with where it came from, or none; and the
+    files refused on the way (another Triton version)."""
+
+    table: dict[int, Config] | None
+    source: str | None          # ENV_DIR | TUNER_CACHE | SHIPPED
+    path: Path | None
+    refused: tuple[str, ...] = ()
 
 
 @functools.lru_cache(maxsize=None)
-def load_table(E: int, N: int, K: int, dtype: str, device: str) -> dict[int, Config] | None:
-    """The tuned table {bucket: config} for this shape, or None when no file matches."""
+def find_table(E: int, N: int, K: int, dtype: str, device: str,
+               triton_version: str | None = None) -> TableLookup:
+    """The first table for this shape in the config dirs that is not refused (see the module
+    doc); triton_version: the Triton the configs will run under (default: this one)."""
+    running = triton_version or running_triton_version()
     name = config_file_name(E, N, K, dtype, device)
-    for d in config_dirs(device):
+    refused: list[str] = []
+    for source, d in labelled_dirs(device, running):
         path = d / name
-        if path.is_file():
-            raw = json.loads(path.read_text())
-            return {int(k): validate(v) for k, v in raw.items() if k.isdigit()}
-    return None
+        if not path.is_file():
+            continue
+        raw = json.loads(path.read_text())
+        why = version_refusal(path, raw.get("triton_version"), running)
+        if why:
+            logger.warning("moe-serve: kernel table refused (%s); %s", why, TUNE_HINT)
+            refused.append(why)
+            continue
+        table = {int(k): validate(v) for k, v in raw.items() if k.isdigit()}
+        return TableLookup(table, source, path, tuple(refused))
+    return TableLookup(None, None, None, tuple(refused))
+
+
+def load_table(E: int, N: int, K: int, dtype: str, device: str,
+               triton_version: str | None = None) -> dict[int, Config] | None:
+    """The tuned table {bucket: config} for this shape, or None when no file is usable."""
+    return find_table(E, N, K, dtype, device, triton_version).table
 
 
 def aligned_default(M: int, E: int, N: int, K: int, topk: int, dtype: str,
@@ -97,22 +156,25 @@ def default_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
     return aligned_default(M, E, N, K, topk, dtype, device)
 
 
-@functools.lru_cache(maxsize=4096)
-def get_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
-               device: str | None = None, act_bytes: int = 2) -> Config:
-    """Config for M tokens: tuned table entry for M's bucket, else the default; either way
-    fitted to Hopper's 227 KB of shared memory per CTA (smem.fit). act_bytes: itemsize of
-    fp8 layers' hidden states (bf16 2)."""
-    device = device or device_name()
-    table = load_table(E, N, K, dtype, device)
-    if table:
-        cfg = table[bucket_of(M, tuple(sorted(table)))]
-    else:
-        cfg = default_config(bucket_of(M), E, N, K, topk, dtype, device)
-    return smem.fit(cfg, dtype, act_bytes, topk)
+def default_source(M: int, E: int, N: int, K: int, topk: int, dtype: str,
+                   device: str | None = None) -> str:
+    """Which default default_config takes for bucket M, in words."""
+    if heuristics.use_decode_path(M, E, topk, N, K):
+        return "decode-path heuristic"
+    on_gpu = (device or device_name()) != "cpu"
+    if on_gpu and vllm_kernels.moe_config(M, E, N, K, topk, dtype) is not None:
+        return "vLLM's config for the shape"
+    return "aligned-path heuristic"
 
 
-def buckets_for(E: int, N: int, K: int, dtype: str, device: str | None = None) -> tuple[int, ...]:
-    """The M buckets that select configs for this shape (tuned keys or M_BUCKETS)."""
-    table = load_table(E, N, K, dtype, device or device_name())
-    return tuple(sorted(table)) if table else M_BUCKETS
+def fit(cfg: Config, dtype: str, act_bytes: int = 2, topk: int = 8) -> Config:
+    """cfg made launchable for format `dtype`: block FP8's BLOCK_K (= the activation group),
+    then smem.fit (Hopper's shared memory; it lowers stages first, so a block config keeps its
+    BLOCK_K)."""
+    bs = quant_format.block_shape(dtype)
+    if bs:
+        cfg = with_block_k(cfg, bs[1])
+    cfg = smem.fit(cfg, quant_format.weight_dtype(dtype), act_bytes, topk)
+    if bs and block_k_of(cfg) != {bs[1]}:
+        raise ValueError(f"no shared-memory fit of {cfg} with BLOCK_K {bs[1]} (block FP8)")
+    return cfg

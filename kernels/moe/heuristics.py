@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kernels.moe import quant_format
 from kernels.moe.config_schema import MAX_SPLIT_K, Config, validate
 
 NUM_SMS_DEFAULT = 132  # H100/H200 SXM
@@ -55,8 +56,11 @@ def decode_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
     (decode_split): on the H200 (bench/results/2026-12-02/session7_kernels/decode_split.json)
     splitting won where a kernel had <= ~64 programs and lost where it already had ~128, and
     splitting the bf16 up kernel lost in 8 of 10 shapes at M = 1. Not the default until the
-    routing table's untuned-shape cells are measured with it."""
+    routing table's untuned-shape cells are measured with it. Block FP8: BLOCK_K = the
+    activation group (128) in both kernels, so one more stage each keeps about as many weight
+    bytes in flight (untimed: a starting point for the tuner)."""
     fp8 = dtype.startswith("fp8")
+    block = quant_format.block_shape(dtype)
     p32 = expected_experts(M, E, topk) * -(-N // 32)
     if p32 < 160:
         swap1, bn1, bk1 = False, 32, 256
@@ -69,6 +73,10 @@ def decode_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
     else:
         swap2, bn2 = False, 16
     bk1, bk2 = _pow2_at_most(K, bk1), _pow2_at_most(N, 256)
+    stages1, stages2 = 4, 5 if fp8 else 4
+    if block:
+        bk1 = bk2 = block[1]
+        stages1, stages2 = 5, 6
     split1 = split2 = 1
     if split:
         if fp8:
@@ -76,10 +84,10 @@ def decode_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
                                   -(-K // bk1), 4)
         split2 = decode_split(M * -(-K // bn2), topk * -(-N // bk2), 2)
     cfg = {"DECODE": True, "PDL": True, "BLOCK_M": decode_block_m(M, topk), "BLOCK_N": bn1,
-           "BLOCK_K": bk1, "GROUP_M": 1, "num_warps": 4, "num_stages": 4, "SWAP_AB": swap1,
-           "SPLIT_K": split1,
+           "BLOCK_K": bk1, "GROUP_M": 1, "num_warps": 4, "num_stages": stages1,
+           "SWAP_AB": swap1, "SPLIT_K": split1,
            "DOWN": {"BLOCK_N": bn2, "BLOCK_K": bk2, "GROUP_M": 1, "num_warps": 4,
-                    "num_stages": 5 if fp8 else 4, "SWAP_AB": swap2, "SPLIT_K": split2}}
+                    "num_stages": stages2, "SWAP_AB": swap2, "SPLIT_K": split2}}
     return validate(cfg)
 
 
@@ -121,6 +129,7 @@ def aligned_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
     Tiles give >= ~1 wave of programs, swap AB while BLOCK_M < 64; when GEMM1's fused grid
     is under ~2 programs per SM, un-fuse gate/up and split K; GEMM2 likewise splits K."""
     fp8 = dtype.startswith("fp8")
+    block = quant_format.block_shape(dtype)
     slots = M * topk
     tokens_per_expert = slots / E
     block_m = 16 if tokens_per_expert <= 16 else 32 if tokens_per_expert <= 32 else \
@@ -130,8 +139,10 @@ def aligned_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
     bk = 128 if fp8 else 64
     if block_m <= 32:
         bk = 256 if fp8 else 128
+    if block:                          # one K step = one activation group
+        bk = block[1]
     stages = 4 if block_m <= 32 else 3
-    gate = {"BLOCK_M": block_m, "BLOCK_K": _pow2_at_most(K, bk),
+    gate = {"BLOCK_M": block_m, "BLOCK_K": bk if block else _pow2_at_most(K, bk),
             "GROUP_M": 1 if tokens_per_expert < 128 else 8,
             "num_warps": 4 if block_m <= 64 else 8, "num_stages": stages}
     bn1 = _tile_n(N, active_blocks, not swap, num_sms)
@@ -139,7 +150,7 @@ def aligned_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
     if block_m >= 128:
         bn1 = bn2 = 128
     cfg = {**gate, "BLOCK_N": bn1, "SWAP_AB": swap, "SPLIT_K": 1, "FUSE_GU": True}
-    down_bk = _pow2_at_most(N, bk)
+    down_bk = bk if block else _pow2_at_most(N, bk)
     down = {"BLOCK_N": bn2, "BLOCK_K": down_bk, "GROUP_M": gate["GROUP_M"],
             "num_warps": gate["num_warps"], "num_stages": stages, "SWAP_AB": swap, "SPLIT_K": 1}
     target = 2 * num_sms

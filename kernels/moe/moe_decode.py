@@ -8,8 +8,9 @@ moe_decode_up_kernel    grid (T, cdiv(N, BLOCK_N))
     every hit expert's weights are read once. Its A tile holds all T slots' token rows,
     masked to the slots routed to e:
         h[s', n] = sum_k x[s' // topk, k] * w1[e, n, k]          (gate rows n, up rows N + n)
-        act[s', n] = silu(gate) * up   in act's dtype (bf16 / fp32, or fp8 through the static
-                                       a2 scale: quantized once, here, for GEMM2)
+        act[s', n] = silu(gate) * up   in act's dtype (bf16 / fp32), or fp8 quantized once, here,
+                                       for GEMM2 (C_QUANT as in kernels.moe.moe_gemm: the static a2
+                                       scale, or dynamic per slot and GROUP_K columns)
 
 moe_decode_down_kernel  grid (M * cdiv(K, BLOCK_N),)   (token fastest: tokens that share an
     expert read the same weight tile at the same time, from L2)
@@ -19,8 +20,11 @@ moe_decode_down_kernel  grid (M * cdiv(K, BLOCK_N),)   (token fastest: tokens th
     top-k reduction ride in the epilogue.
 
 A_MODE (activations) as in kernels.moe.moe_gemm: 0 float; 1 fp8 input with a static scale;
-2 static scale, quantized on load; 3 dynamic per-row scale (absmax / 448, one pre-pass).
-W_SCALE: 0 none, 1 per-tensor ([E]), 2 per-channel ([E, rows of w]).
+2 static scale, quantized on load; 3 dynamic per-row scale (absmax / 448, one pre-pass);
+4 fp8 input, per-row scale; 5 fp8 input, per-row-and-group scales; 6 dynamic per row and group,
+quantized on load (BLOCK_K == GROUP_K). The down kernel takes 0-3, 5 and 6.
+W_SCALE: 0 none, 1 per-tensor ([E]), 2 per-channel ([E, rows of w]), 3 block
+([E, cdiv(rows, GROUP_N), cdiv(cols, GROUP_K)], applied per K step with A_MODE 5/6).
 SWAP_AB: acc[BN, BM] += w[BN, BK] @ a^T[BK, BM], so weight rows fill wgmma's 64-row slot.
 USE_PDL (GPU): the down kernel is a programmatic dependent launch; it waits (gdc_wait) for
 the up kernel only before its first activation load.
@@ -30,7 +34,7 @@ the split axis s reduces its share of the reduction (up: K tiles; down: the flat
 loop) and adds its fp32 partial into a workspace with atomics; the program that finishes a
 tile last (a per-tile arrival counter, acq_rel) reads the sums back while zeroing them
 (atomic exchange), resets the counter, and runs the epilogue. Workspace and counters are
-therefore zero again after every call (see kernels.moe.fused_moe.split_workspace): no memset
+therefore zero again after every call (see kernels.moe.moe_decode_launch.split_workspace): no memset
 launch, and the path stays two launches under CUDA graphs.
 """
 from __future__ import annotations
@@ -39,7 +43,8 @@ import triton
 import triton.language as tl
 
 from kernels.moe.launch import jit
-from kernels.moe.moe_gemm import _dequant, _mma, _quant_fp8, _token_scale
+from kernels.moe.moe_tiles import (_a_scale, _dequant, _group_quant_cols, _mma, _mma_scaled,
+                                   _quant_a, _quant_fp8, _token_scale)
 
 
 @triton.jit
@@ -76,11 +81,13 @@ def moe_decode_up_kernel(
     # strides
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk,
     stride_cs, stride_cn, stride_se, stride_sn,
+    stride_asm, stride_ask, stride_sk, stride_css, stride_csg,
     # constexprs
     TOPK: tl.constexpr, MUL_ROUTED: tl.constexpr, A_MODE: tl.constexpr,
-    W_SCALE: tl.constexpr, C_FP8: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    W_SCALE: tl.constexpr, C_QUANT: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8_PREROUND: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr,
+    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
 ):
     if USE_PDL:                        # let the down kernel's programs launch during our tail
         tl.extra.cuda.gdc_launch_dependents()
@@ -99,11 +106,15 @@ def moe_decode_up_kernel(
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
 
-    a_ptrs = x_ptr + (offs_m // TOPK)[:, None].to(tl.int64) * stride_xm \
-        + offs_k[None, :] * stride_xk                                               # [BM, BK]
+    x_row = (offs_m // TOPK).to(tl.int64)                            # [BM] token of each slot
+    a_ptrs = x_ptr + x_row[:, None] * stride_xm + offs_k[None, :] * stride_xk      # [BM, BK]
     wg_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn \
         + offs_k[None, :] * stride_wk                                                # [BN, BK]
     wu_ptrs = wg_ptrs + N * stride_wn
+    as_ptrs = a_scale_ptr + x_row * stride_asm                       # A_MODE 5: [BM] rows
+    if W_SCALE == 3:                                                 # [BN] rows' block scales
+        sg_ptrs = w_scale_ptr + expert * stride_se + (offs_n // GROUP_N) * stride_sn
+        su_ptrs = w_scale_ptr + expert * stride_se + ((offs_n + N) // GROUP_N) * stride_sn
 
     num_k_tiles = tl.cdiv(K, BLOCK_K)
     k_lo = 0
@@ -112,13 +123,8 @@ def moe_decode_up_kernel(
         per_split = tl.cdiv(num_k_tiles, SPLIT_K)
         k_lo = tl.program_id(2) * per_split
         k_hi = tl.minimum(k_lo + per_split, num_k_tiles)
-    a_scale = 1.0
-    if A_MODE == 3:                                                  # per-token absmax over K
-        a_scale = _token_scale(a_ptrs, rows, 0, K, stride_xk, BLOCK_K, False)  # [BM]
-        a_inv = (1.0 / a_scale)[:, None]
-    elif A_MODE != 0:
-        a_scale = tl.load(a_scale_ptr).to(tl.float32)
-        a_inv = 1.0 / a_scale
+    a_scale, a_inv = _a_scale(a_scale_ptr, a_ptrs, x_row, rows, 0, K, stride_xk, stride_asm,
+                              BLOCK_K, A_MODE, False)
 
     if SWAP_AB:
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -139,12 +145,16 @@ def moe_decode_up_kernel(
             a = tl.load(a_ptrs, mask=rows[:, None] & kmask, other=0.0)
             wg = tl.load(wg_ptrs, mask=n_mask[:, None] & kmask, other=0.0)
             wu = tl.load(wu_ptrs, mask=n_mask[:, None] & kmask, other=0.0)
-        if A_MODE >= 2:
-            a = _quant_fp8(a, a_inv, FP8_PREROUND)
-        elif A_MODE == 0:
-            a = a.to(wg.dtype)
-        acc_g = _mma(acc_g, a, wg, SWAP_AB)
-        acc_u = _mma(acc_u, a, wu, SWAP_AB)
+        g = k * BLOCK_K // GROUP_K if W_SCALE == 3 else 0            # activation group
+        a, a_s = _quant_a(a, wg, a_inv, as_ptrs, g, stride_ask, rows, A_MODE, FP8_PREROUND)
+        if W_SCALE == 3:
+            acc_g = _mma_scaled(acc_g, a, wg, a_s,
+                                tl.load(sg_ptrs + g * stride_sk, mask=n_mask, other=0.0), SWAP_AB)
+            acc_u = _mma_scaled(acc_u, a, wu, a_s,
+                                tl.load(su_ptrs + g * stride_sk, mask=n_mask, other=0.0), SWAP_AB)
+        else:
+            acc_g = _mma(acc_g, a, wg, SWAP_AB)
+            acc_u = _mma(acc_u, a, wu, SWAP_AB)
         a_ptrs += BLOCK_K * stride_xk
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
@@ -172,8 +182,14 @@ def moe_decode_up_kernel(
         acc_u = acc_u * rw
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cs + offs_n[None, :] * stride_cn
     res = acc_g * tl.sigmoid(acc_g) * acc_u
-    if C_FP8:
+    if C_QUANT == 1:
         res = _quant_fp8(res, 1.0 / tl.load(c_scale_ptr).to(tl.float32), FP8_PREROUND)
+    elif C_QUANT == 2:                 # BLOCK_N % GROUP_K == 0: this tile holds whole groups
+        offs_g = pid_n * (BLOCK_N // GROUP_K) + tl.arange(0, BLOCK_N // GROUP_K)
+        s_ptrs = c_scale_ptr + offs_m[:, None].to(tl.int64) * stride_css + offs_g[None, :] * stride_csg
+        res = _group_quant_cols(res, n_mask[None, :], s_ptrs,
+                                rows[:, None] & (offs_g[None, :] * GROUP_K < N),
+                                BLOCK_N // GROUP_K, GROUP_K, FP8_PREROUND)
     tl.store(c_ptrs, res.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
@@ -187,16 +203,20 @@ def moe_decode_down_kernel(
     # strides
     stride_as, stride_an, stride_we, stride_wk, stride_wn,
     stride_om, stride_ok, stride_se, stride_sk,
+    stride_ass, stride_asg, stride_sn,          # act group scales [T, groups]; w2 block scales
     # constexprs
     TOPK: tl.constexpr, MUL_ROUTED: tl.constexpr, A_MODE: tl.constexpr, W_SCALE: tl.constexpr,
     EVEN_N: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8_PREROUND: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr,
+    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
 ):
     """Grid (M * cdiv(K, BLOCK_N), SPLIT_K). Row j of the [BLOCK_M >= TOPK, BK] A tile
     carries slot j's chunk (other rows zero), so
     acc[j, :] accumulates slot j's product with its own expert; per-row scales (routed
-    weight, weight and activation scales) and the sum over rows come once, after the loop."""
+    weight, weight and activation scales) and the sum over rows come once, after the loop;
+    block scales (A_MODE 5/6, W_SCALE 3: chunk c is activation group c) scale each chunk's
+    product."""
     pid = tl.program_id(0)
     m = (pid % M).to(tl.int64)
     pid_k = pid // M
@@ -215,11 +235,12 @@ def moe_decode_down_kernel(
     if A_MODE == 3:                                                  # per-slot absmax over N
         row_scale = _token_scale(row_ptrs, j_mask, 0, N, stride_an, BLOCK_K, False)  # [BM]
         a_inv = (1.0 / row_scale)[:, None]
-    elif A_MODE != 0:
+    elif A_MODE == 1 or A_MODE == 2:
         a_scale = tl.load(a_scale_ptr).to(tl.float32)
         a_inv = 1.0 / a_scale
         row_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + a_scale
-    else:
+    else:                                                            # none, or per chunk
+        a_inv = 1.0
         row_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
 
     if SWAP_AB:
@@ -246,11 +267,14 @@ def moe_decode_down_kernel(
             w_mask = w_mask & cm
         a = tl.load(row_ptrs + c * BLOCK_K * stride_an, mask=a_mask, other=0.0)
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        if A_MODE >= 2:
-            a = _quant_fp8(a, a_inv, FP8_PREROUND)
-        elif A_MODE == 0:
-            a = a.to(w.dtype)
-        acc = _mma(acc, a, w, SWAP_AB)
+        a, a_s = _quant_a(a, w, a_inv, a_scale_ptr + slots * stride_ass, c, stride_asg, j_mask,
+                          A_MODE, FP8_PREROUND)
+        if W_SCALE == 3:               # w2 block scales of expert e, output rows, group c
+            w_s = tl.load(w_scale_ptr + tl.maximum(e, 0) * stride_se + (offs_kout // GROUP_N) * stride_sk
+                          + c * stride_sn, mask=offs_kout < tl.where(e >= 0, K, 0), other=0.0)
+            acc = _mma_scaled(acc, a, w, a_s, w_s, SWAP_AB)
+        else:
+            acc = _mma(acc, a, w, SWAP_AB)
     if SWAP_AB:
         acc = tl.trans(acc)                                          # [BM, BN]
 

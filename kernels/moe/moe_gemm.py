@@ -17,110 +17,52 @@ SPLIT_K: program_id(1) = K-split s, which reduces K tiles [s*TPS, (s+1)*TPS).
 A_SILU: A is a [T, 2K] pre-activation h (gate cols 0..K-1, up cols K..2K-1, fp32 sums of an
     un-fused/split GEMM1): the A tile is silu(h_gate) * h_up computed on load (GEMM2).
 
-A_MODE (activation handling):
+A_MODE (activation handling; a_row = slot // A_ROW_DIV):
     0: float A, float W (bf16/fp16/fp32 tl.dot)
     1: A already fp8, static per-tensor scale a_scale_ptr[0] applied in the epilogue
     2: float A, static per-tensor scale: quantized to fp8 inside the K loop
     3: float A, dynamic per-token scale (row absmax / 448): one absmax pass over K, then
        quantized to fp8 inside the K loop
-W_SCALE: 0 none, 1 per-tensor (one per expert, [E]), 2 per-channel ([E, rows of w]).
+    4: A already fp8, per-token scale a_scale[a_row] (quantized once, by vLLM or a prologue)
+    5: A already fp8, per-token-group scales a_scale[a_row, k // GROUP_K], applied per K step
+    6: float A, dynamic per-token-group quantization on load: BLOCK_K == GROUP_K, so each A
+       tile row is one group (absmax / 448); its scale is applied per K step
+W_SCALE: 0 none, 1 per-tensor (one per expert, [E]), 2 per-channel ([E, rows of w]),
+    3 block ([E, cdiv(rows, GROUP_N), cdiv(K, GROUP_K)]), applied per K step with A_MODE 5/6:
+    acc += (a @ w^T) * a_scale[row, group] * w_scale[e, row_block, group]   (vLLM's block kernel)
+C_QUANT (EPI 1): 0 store c in its dtype; 1 fp8 with the static scale c_scale_ptr[0]; 2 fp8 with
+    a dynamic scale per row and GROUP_K columns (BLOCK_N % GROUP_K == 0), written to
+    c_scale[row, n // GROUP_K]: GEMM2's A quantized once, in GEMM1's epilogue.
 SWAP_AB: acc[BN, BM] += w[BN, BK] @ a^T[BK, BM]; one transpose after the K loop, so the
     weight rows fill wgmma's 64-row M slot when BLOCK_M < 64.
 """
 from __future__ import annotations
 
-import triton
 import triton.language as tl
 
 from kernels.moe.launch import jit
-
-FP8_MAX = 448.0
-
-
-@triton.jit
-def _quant_fp8(a, inv_scale, PREROUND: tl.constexpr):
-    """Scale, clamp to +-448 and cast a float tile to float8_e4m3fn.
-
-    PREROUND (interpreter only): Triton's interpreter drops the carry when rounding crosses a
-    power of two (124.3 -> 64, not 128), so there we first round the fp32 mantissa to 3 bits
-    (nearest-even) with integer ops and the cast becomes exact. The GPU uses cvt.rn directly."""
-    q = tl.clamp(a.to(tl.float32) * inv_scale, -448.0, 448.0)
-    if PREROUND:
-        bits = q.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # keep sign, exp, 3 mantissa bits
-        q = bits.to(tl.float32, bitcast=True)
-    return q.to(tl.float8e4nv)
-
-
-@triton.jit
-def _mma(acc, a, w, SWAP_AB: tl.constexpr):
-    """acc[BM, BN] += a[BM, BK] @ w[BN, BK]^T, or swapped acc[BN, BM] += w @ a^T."""
-    if SWAP_AB:
-        acc = tl.dot(w, tl.trans(a), acc)
-    else:
-        acc = tl.dot(a, tl.trans(w), acc)
-    return acc
-
-
-@triton.jit
-def _load_a(a_ptrs, mask, up_off, A_SILU: tl.constexpr):
-    """A tile; with A_SILU: silu(gate) * up from the two halves of h (fp32)."""
-    if A_SILU:
-        g = tl.load(a_ptrs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(a_ptrs + up_off, mask=mask, other=0.0).to(tl.float32)
-        return g * tl.sigmoid(g) * u
-    else:
-        return tl.load(a_ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
-def _token_scale(a_ptrs, row_mask, up_off, n_cols, step, BLOCK_K: tl.constexpr,
-                 A_SILU: tl.constexpr):
-    """Dynamic per-row fp8 scale: absmax over the row's n_cols columns / 448 ([BM] fp32).
-    a_ptrs: [BM, BK] pointers to the first column chunk; step: a column's pointer stride."""
-    offs_k = tl.arange(0, BLOCK_K)
-    amax = tl.zeros([a_ptrs.shape[0]], dtype=tl.float32)
-    for k in range(0, tl.cdiv(n_cols, BLOCK_K)):
-        kmask = offs_k[None, :] < n_cols - k * BLOCK_K
-        a = _load_a(a_ptrs + k * BLOCK_K * step, row_mask[:, None] & kmask, up_off, A_SILU)
-        amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), axis=1))
-    return tl.maximum(amax, 1e-10) / 448.0
-
-
-@triton.jit
-def _dequant(acc, a_scale, w_scale_ptr, expert, stride_se, cols, col_limit, stride_sn,
-             A_MODE: tl.constexpr, W_SCALE: tl.constexpr):
-    """acc [BM, BN] times the activation scale (A_MODE 3: per row [BM]; 1, 2: scalar) and the
-    weight scale (W_SCALE 1: the expert's; 2: per weight row `cols` [BN], < col_limit)."""
-    if A_MODE == 3:
-        acc = acc * a_scale[:, None]
-    elif A_MODE != 0:
-        acc = acc * a_scale
-    if W_SCALE == 1:
-        acc = acc * tl.load(w_scale_ptr + expert * stride_se).to(tl.float32)
-    elif W_SCALE == 2:
-        s = tl.load(w_scale_ptr + expert * stride_se + cols * stride_sn, mask=cols < col_limit,
-                    other=0.0)
-        acc = acc * s.to(tl.float32)[None, :]
-    return acc
+from kernels.moe.moe_tiles import (_a_scale, _dequant, _group_quant, _group_quant_cols, _load_a,
+                               _mma, _mma_scaled, _quant_a, _quant_fp8, _token_scale)
 
 
 @jit(do_not_specialize=["num_valid", "num_m_blocks"])
 def moe_gemm_kernel(
     # pointers
     a_ptr, w_ptr, c_ptr, a_scale_ptr, w_scale_ptr, topk_w_ptr,
-    sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
+    sorted_ids_ptr, expert_ids_ptr, num_post_ptr, c_scale_ptr,
     # sizes (N = output columns; the weight has 2N rows when GATE_UP)
     N, K, num_valid, num_m_blocks,
     # strides
     stride_am, stride_ak, stride_we, stride_wn, stride_wk,
     stride_cm, stride_cn, stride_se, stride_sn,
+    stride_asm, stride_ask, stride_sk, stride_csm, stride_csk,
     # constexprs
     A_ROW_DIV: tl.constexpr, GATE_UP: tl.constexpr, EPI: tl.constexpr, MUL_ROUTED: tl.constexpr,
     A_MODE: tl.constexpr, W_SCALE: tl.constexpr, EVEN_K: tl.constexpr,
     SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FP8_PREROUND: tl.constexpr,
     SPLIT_K: tl.constexpr, A_SILU: tl.constexpr, C_ROW_DIV: tl.constexpr,
+    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, C_QUANT: tl.constexpr,
 ):
     # ---- program -> (m block, n tile), grouped for L2 reuse --------------------------
     pid = tl.program_id(0)
@@ -147,15 +89,13 @@ def moe_gemm_kernel(
     wg_ptrs = w_ptr + expert * stride_we + offs_nw[:, None] * stride_wn \
         + offs_k[None, :] * stride_wk                                                # [BN, BK]
     wu_ptrs = wg_ptrs + N * stride_wn
+    as_ptrs = a_scale_ptr + a_row * stride_asm                       # A_MODE 5: [BM] rows
+    if W_SCALE == 3:                                                 # [BN] rows' block scales
+        sg_ptrs = w_scale_ptr + expert * stride_se + (offs_nw // GROUP_N) * stride_sn
+        su_ptrs = w_scale_ptr + expert * stride_se + ((offs_nw + N) // GROUP_N) * stride_sn
 
-    # ---- activation scale ------------------------------------------------------------
-    a_scale = 1.0
-    if A_MODE == 3:
-        a_scale = _token_scale(a_ptrs, row_mask, up_off, K, stride_ak, BLOCK_K, A_SILU)  # [BM]
-        a_inv = (1.0 / a_scale)[:, None]
-    elif A_MODE != 0:
-        a_scale = tl.load(a_scale_ptr).to(tl.float32)                # scalar
-        a_inv = 1.0 / a_scale
+    a_scale, a_inv = _a_scale(a_scale_ptr, a_ptrs, a_row, row_mask, up_off, K, stride_ak,
+                              stride_asm, BLOCK_K, A_MODE, A_SILU)
 
     if SWAP_AB:
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -184,17 +124,21 @@ def moe_gemm_kernel(
             kmask = offs_k[None, :] < K - k * BLOCK_K
             a = _load_a(a_ptrs, row_mask[:, None] & kmask, up_off, A_SILU)
             wg = tl.load(wg_ptrs, mask=kmask, other=0.0)
-        if A_MODE >= 2:
-            a = _quant_fp8(a, a_inv, FP8_PREROUND)
-        elif A_MODE == 0:
-            a = a.to(wg.dtype)
-        acc_g = _mma(acc_g, a, wg, SWAP_AB)
+        g = k * BLOCK_K // GROUP_K if W_SCALE == 3 else 0            # activation group
+        a, a_s = _quant_a(a, wg, a_inv, as_ptrs, g, stride_ask, row_mask, A_MODE, FP8_PREROUND)
+        if W_SCALE == 3:
+            acc_g = _mma_scaled(acc_g, a, wg, a_s, tl.load(sg_ptrs + g * stride_sk), SWAP_AB)
+        else:
+            acc_g = _mma(acc_g, a, wg, SWAP_AB)
         if GATE_UP:
             if EVEN_K:
                 wu = tl.load(wu_ptrs)
             else:
                 wu = tl.load(wu_ptrs, mask=kmask, other=0.0)
-            acc_u = _mma(acc_u, a, wu, SWAP_AB)
+            if W_SCALE == 3:
+                acc_u = _mma_scaled(acc_u, a, wu, a_s, tl.load(su_ptrs + g * stride_sk), SWAP_AB)
+            else:
+                acc_u = _mma(acc_u, a, wu, SWAP_AB)
         a_ptrs += BLOCK_K * stride_ak
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
@@ -216,9 +160,18 @@ def moe_gemm_kernel(
         if GATE_UP:
             acc_u = acc_u * rw
     c_mask = row_mask[:, None] & (offs_n[None, :] < N)
-    c_ptrs = c_ptr + (slot // C_ROW_DIV)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    c_row = slot // C_ROW_DIV
+    c_ptrs = c_ptr + c_row[:, None] * stride_cm + offs_n[None, :] * stride_cn
     if EPI == 1:
         res = acc_g * tl.sigmoid(acc_g) * acc_u
+        if C_QUANT == 1:
+            res = _quant_fp8(res, 1.0 / tl.load(c_scale_ptr).to(tl.float32), FP8_PREROUND)
+        elif C_QUANT == 2:
+            offs_g = pid_n * (BLOCK_N // GROUP_K) + tl.arange(0, BLOCK_N // GROUP_K)
+            s_ptrs = c_scale_ptr + c_row[:, None] * stride_csm + offs_g[None, :] * stride_csk
+            res = _group_quant_cols(res, offs_n[None, :] < N, s_ptrs,
+                                    row_mask[:, None] & (offs_g[None, :] * GROUP_K < N),
+                                    BLOCK_N // GROUP_K, GROUP_K, FP8_PREROUND)
         tl.store(c_ptrs, res.to(c_ptr.dtype.element_ty), mask=c_mask)
     elif EPI == 2:
         tl.atomic_add(c_ptrs, acc_g, mask=c_mask, sem="relaxed")
@@ -235,18 +188,41 @@ def quant_fp8_kernel(
     # pointers
     x_ptr, y_ptr, scale_ptr,
     # sizes, strides
-    K, stride_xm, stride_ym,
+    K, stride_xm, stride_ym, stride_sm, stride_sk,
     # constexprs
-    FP8_PREROUND: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALE: tl.constexpr, FP8_PREROUND: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """y[m, k] = fp8(x[m, k] / scale), the static per-tensor scale scale_ptr[0]: GEMM1's input
-    quantized once (A_PREQUANT) with the rounding of A_MODE 2. Grid (M, cdiv(K, BLOCK_K))."""
+    """y[m, k] = fp8(x[m, k] / scale): an A operand quantized once, with the rounding of the
+    K loop's on-load quantization (A_MODE 2, 3, 6). m = program_id(0).
+    SCALE 0: static per-tensor scale_ptr[0]; grid (M, cdiv(K, BLOCK_K)).
+    SCALE 1: dynamic per token, scale[m] = max|x[m, :]| / 448 written at scale_ptr + m * stride_sm;
+             grid (M, 1) (an absmax pass, then the quantizing pass).
+    SCALE 2: dynamic per token and group of BLOCK_K columns, scale[m, g] written at
+             scale_ptr + m * stride_sm + g * stride_sk; grid (M, cdiv(K, BLOCK_K))."""
     m = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = offs < K
-    x = tl.load(x_ptr + m * stride_xm + offs, mask=mask, other=0.0)
-    inv = 1.0 / tl.load(scale_ptr).to(tl.float32)
-    tl.store(y_ptr + m * stride_ym + offs, _quant_fp8(x, inv, FP8_PREROUND), mask=mask)
+    x_row = x_ptr + m * stride_xm
+    y_row = y_ptr + m * stride_ym
+    if SCALE == 1:
+        offs = tl.arange(0, BLOCK_K)
+        s = _token_scale(x_row + offs[None, :], tl.full([1], 1, tl.int1), 0, K, 1, BLOCK_K,
+                         False)                                                   # [1]
+        tl.store(scale_ptr + m * stride_sm + tl.arange(0, 1), s)
+        inv = (1.0 / s)[:, None]
+        for k0 in range(0, K, BLOCK_K):
+            mask = (k0 + offs) < K
+            x = tl.load(x_row + k0 + offs[None, :], mask=mask[None, :], other=0.0)
+            tl.store(y_row + k0 + offs[None, :], _quant_fp8(x, inv, FP8_PREROUND), mask=mask[None, :])
+    else:
+        g = tl.program_id(1)
+        offs = g * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = offs < K
+        x = tl.load(x_row + offs[None, :], mask=mask[None, :], other=0.0)        # [1, BK]
+        if SCALE == 2:
+            q, s = _group_quant(x, FP8_PREROUND)
+            tl.store(scale_ptr + m * stride_sm + g * stride_sk + tl.arange(0, 1), s)
+        else:
+            q = _quant_fp8(x, 1.0 / tl.load(scale_ptr).to(tl.float32), FP8_PREROUND)
+        tl.store(y_row + offs[None, :], q, mask=mask[None, :])
 
 
 @jit()

@@ -18,7 +18,8 @@ The decode path (kernels.moe.moe_decode) keeps, per stage, the [BLOCK_M, BK] A t
 The estimates are checked to be upper bounds of Triton's own figure (CompiledKernel
 metadata.shared) by compiling configs for sm_90 on the CPU (tests/kernels/test_smem_fit.py).
 `fit()` lowers num_stages (to 2), then BLOCK_K (to 32), then BLOCK_N, until a config fits;
-configs.get_config applies it to every config it returns (tuned file or heuristic).
+kernels.moe.selection applies it to every config it chooses (tuned file or heuristic) and
+records what it changed.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from kernels.moe import configs, routing
+from kernels.moe import quant_format, routing, selection
 from kernels.moe.fused_moe import dtype_name
 from kernels.moe.moe_variants import warm_moe_variants
 from kernels.plugin.plugin_host import PluginHost
@@ -34,17 +34,24 @@ class LayerShape:
     N: int                      # intermediate size per rank (w1 is [E, 2N, K])
     K: int                      # hidden size
     topk: int
-    dtype: torch.dtype          # activation dtype
-    fp8: str | None             # None | 'per_tensor' | 'per_channel' (W8A8 weight scales)
-    static_act: bool            # FP8 activation scale static (else dynamic per token)
+    dtype: torch.dtype          # activation dtype (fp8 when vLLM quantized the hidden states)
+    fp8: str | None             # None | 'per_tensor' | 'per_channel' | 'block' (W8A8 weight scales)
+    static_act: bool            # FP8 activation scale static (else dynamic)
     router_on_input: bool
     ids_dtype: torch.dtype
     device: str
+    per_token_act: bool = False                 # dynamic per-token activations (FP8-dynamic)
+    block_shape: tuple[int, int] | None = None  # block FP8: (bn, bk)
 
     @property
     def route_dtype(self) -> str:
-        """Routing/config dtype key: 'fp8' for W8A8 layers, else the activation dtype's."""
-        return "fp8" if self.fp8 else dtype_name(self.dtype)
+        """Routing/config key: the FP8 format's (kernels.moe.quant_format), else the activation
+        dtype's."""
+        if self.block_shape:
+            return quant_format.block_key(*self.block_shape)
+        if self.per_token_act:
+            return quant_format.PER_TOKEN
+        return quant_format.FP8 if self.fp8 else dtype_name(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -128,16 +135,17 @@ class LayerWarmup:
         max_tokens = (p.facts and p.facts.max_num_batched_tokens) or DEFAULT_MAX_TOKENS
         max_seqs = (p.facts and p.facts.max_num_seqs) or DEFAULT_MAX_SEQS
         E, N, K, wname = shape.E, shape.N, shape.K, shape.route_dtype
-        plan = warmup_plan(routing.ranges(E, N, K, wname, topk=shape.topk), max_seqs, max_tokens, shape.topk,
+        plan = warmup_plan(selection.ranges(E, N, K, wname, topk=shape.topk), max_seqs, max_tokens, shape.topk,
                            policy=routing.policy(), cfg_key=_chooser(self.vllm_calls.get(shape), shape))
-        desc = routing.describe(E, N, K, wname, topk=shape.topk)
+        desc = selection.describe(E, N, K, wname, topk=shape.topk)
         n = 0
         if plan["ours"]:
             n = self.warm_variants(E, N, K, shape.topk, shape.dtype, max_tokens, fp8=shape.fp8,
                                    device=shape.device, static_act=shape.static_act,
-                                   router_weight_on_input=shape.router_on_input, ids_dtypes=(shape.ids_dtype,))
-            swaps = {bool(configs.get_config(b, E, N, K, shape.topk, wname).get("SWAP_AB"))
-                     for b in configs.buckets_for(E, N, K, wname)}
+                                   router_weight_on_input=shape.router_on_input, ids_dtypes=(shape.ids_dtype,),
+                                   per_token_act=shape.per_token_act, block_shape=shape.block_shape)
+            swaps = {bool(selection.get_config(b, E, N, K, shape.topk, wname).get("SWAP_AB"))
+                     for b in selection.buckets_for(E, N, K, wname)}
             p.set_swap_ab("mixed" if len(swaps) > 1 else str(swaps.pop()).lower())
         nv = self.warm_vllm(shape, plan["vllm"]) if plan["vllm"] else 0
         p.report_routing(routing.shape_key(E, N, K, wname), desc)
@@ -169,7 +177,7 @@ def _chooser(tmpl: VllmCallTemplate | None, shape: LayerShape) -> Callable[[int]
         return None
     try:
         return vllm_config_chooser(tuple(tmpl.call.w1.shape), tuple(tmpl.call.w2.shape), shape.topk,
-                                   shape.fp8 is not None)
+                                   shape.route_dtype)
     except Exception:  # noqa: BLE001
         return None
 

@@ -1,8 +1,12 @@
 """The plugin's MoE hook: vLLM's TritonExperts.apply -> our fused_moe where we support the call
-and the measured routing table (kernels/moe/routing.py) says ours is faster for (E, N, K, dtype, M).
+and the routing (kernels/moe/selection.py) says ours is faster for (E, N, K, dtype, M).
 
-Supported: gated SiLU, no expert_map / LoRA / bias / clamp; bf16/fp16/fp32, or FP8 W8A8 with
-per-tensor or per-channel weight scales and a per-tensor activation scale. Everything else, and
+Supported: gated SiLU, no expert_map / LoRA / bias / clamp; bf16/fp16/fp32, or FP8 W8A8 in
+the three formats of kernels.moe.quant_format: per-tensor or per-channel weight scales with a
+per-tensor activation scale, or with dynamic per-token activations (FP8-dynamic), and block
+scales ([bn, bk] weight blocks, activations per token per bk columns; bk a power of two >= 16:
+it is the K loop's tile), read from the experts as vLLM's Triton experts read them
+(vllm_compat.fp8_layout). Everything else, and
 supported calls routed to vLLM, run vLLM's original (counted 'fallback' + reason, or
 'routed_to_vllm'). Every layer shape seen is queued for warm-up (kernels/plugin/layer_warmup.py).
 Why this point: it owns the whole expert computation (both GEMMs, activation, routed-weight
@@ -15,11 +19,11 @@ from typing import Any, Callable
 
 import torch
 
-from kernels.moe import routing
+from kernels.moe import routing, selection
 from kernels.moe.fused_moe import FP8, Fp8Scales, fused_moe
 from kernels.plugin.layer_warmup import LayerShape, LayerWarmup, VllmCallTemplate
 from kernels.plugin.plugin_host import PluginHost
-from kernels.plugin.vllm_compat import OUTPUT_WRITTEN, ApplyCall, call_apply
+from kernels.plugin.vllm_compat import OUTPUT_WRITTEN, ApplyCall, call_apply, fp8_layout
 
 
 def unsupported_reason(experts: Any, call: ApplyCall, require_cuda: bool = True) -> str | None:
@@ -61,16 +65,35 @@ def unsupported_reason(experts: Any, call: ApplyCall, require_cuda: bool = True)
 
 def _fp8_reason(experts: Any, call: ApplyCall) -> str | None:
     x, w1, w2 = call.hidden_states, call.w1, call.w2
-    if getattr(experts.quant_config, "block_shape", None):
-        return "fp8_block"
     if w1.dtype != FP8 or w2.dtype != FP8 or call.output.dtype != torch.bfloat16:
         return "fp8_dtypes"
-    if x.dtype == FP8 and (call.a1q_scale is None or call.a1q_scale.numel() != 1):
-        return "fp8_act_scale_per_token"
+    if x.dtype not in (FP8, torch.bfloat16, torch.float16, torch.float32):
+        return f"fp8_input:{x.dtype}"
+    block, per_token = fp8_layout(experts)
+    M, K = x.shape
+    E, n = w1.size(0), w2.size(2)
+    a1 = call.a1q_scale
+    if block:
+        bn, bk = block
+        if bk < 16 or bk & (bk - 1) or bn < 1:
+            return f"fp8_block_shape:{bn}x{bk}"
+        for attr, rows, cols in (("w1_scale", 2 * n, K), ("w2_scale", w2.size(1), n)):
+            s = getattr(experts, attr, None)
+            if s is None or tuple(s.shape) != (E, -(-rows // bn), -(-cols // bk)):
+                return "fp8_block_scale_layout"
+        if x.dtype == FP8 and (a1 is None or tuple(a1.shape) != (M, -(-K // bk))):
+            return "fp8_block_act_scale_layout"
+        return "fp8_a2_scale_layout" if call.a2_scale is not None else None
+    if per_token:
+        if x.dtype == FP8 and (a1 is None or a1.numel() != M):
+            return "fp8_act_scale_per_token_layout"
+        if call.a2_scale is not None:
+            return "fp8_a2_scale_layout"
+    elif x.dtype == FP8 and (a1 is None or a1.numel() != 1):
+        return "fp8_act_scale_per_token"             # per-token scales without the format flag
     a2 = getattr(experts, "a2_scale", None)
     if a2 is not None and a2.numel() != 1:
         return "fp8_a2_scale_layout"
-    E, n = w1.size(0), w2.size(2)
     for attr, rows in (("w1_scale", 2 * n), ("w2_scale", w2.size(1))):
         s = getattr(experts, attr, None)
         if s is None or s.numel() not in (E, E * rows):
@@ -82,18 +105,26 @@ def fp8_scales(experts: Any, call: ApplyCall) -> Fp8Scales | None:
     """Our Fp8Scales for an FP8 W8A8 call (None for 16/32-bit weights)."""
     if call.w1.dtype != FP8:
         return None
-    a1 = call.a1q_scale if call.hidden_states.dtype == FP8 else getattr(experts, "a1_scale", None)
+    block, per_token = fp8_layout(experts)
+    x_fp8 = call.hidden_states.dtype == FP8
+    a1 = call.a1q_scale if x_fp8 else None if block or per_token else getattr(experts, "a1_scale", None)
     f32 = lambda t: None if t is None else t.float()  # noqa: E731 - no copy when already fp32
-    return Fp8Scales(f32(experts.w1_scale), f32(experts.w2_scale), f32(a1), f32(call.a2_scale))
+    return Fp8Scales(f32(experts.w1_scale), f32(experts.w2_scale), f32(a1), f32(call.a2_scale),
+                     block_shape=tuple(block) if block else None, per_token_act=per_token and not block)
 
 
 def layer_shape(call: ApplyCall, scales: Fp8Scales | None) -> LayerShape:
     E, two_n, K = call.w1.shape
-    fp8 = None if scales is None else "per_tensor" if scales.w1_scale.numel() == E else "per_channel"
+    fp8 = None
+    if scales is not None:
+        fp8 = "block" if scales.block_shape else "per_tensor" if scales.w1_scale.numel() == E else "per_channel"
     return LayerShape(E=E, N=two_n // 2, K=K, topk=call.topk_ids.size(1), dtype=call.hidden_states.dtype,
-                      fp8=fp8, static_act=scales is not None and scales.a1_scale is not None,
+                      fp8=fp8, static_act=scales is not None and scales.a1_scale is not None
+                      and not scales.per_token_act and not scales.block_shape,
                       router_on_input=call.apply_router_weight_on_input,
-                      ids_dtype=call.topk_ids.dtype, device=str(call.hidden_states.device))
+                      ids_dtype=call.topk_ids.dtype, device=str(call.hidden_states.device),
+                      per_token_act=scales is not None and scales.per_token_act,
+                      block_shape=scales.block_shape if scales is not None else None)
 
 
 class MoeHook:
@@ -121,7 +152,7 @@ class MoeHook:
         except Exception as exc:  # noqa: BLE001
             return self._fallback(orig, experts, call, f"error:{type(exc).__name__}")
         M = call.hidden_states.size(0)
-        if routing.route(shape.E, shape.N, shape.K, shape.route_dtype, M, topk=shape.topk) != routing.OURS:
+        if selection.route(shape.E, shape.N, shape.K, shape.route_dtype, M, topk=shape.topk) != routing.OURS:
             self.plugin.count_launch("routed_to_vllm")
             return call_apply(orig, experts, call)
         try:

@@ -1,4 +1,5 @@
-"""The only module of the plugin that touches vLLM internals (vLLM 0.26 on the GPU host, 0.32 here).
+"""Where the plugin touches vLLM internals (vLLM 0.26 on the GPU host, 0.32 here), and the pins of
+the kernel-side pieces kernels.moe.vllm_kernels loads.
 
 Every point below is checked by a pin in ``PINS``; tests/test_vllm_compat.py runs them on the CPU
 (0.32), bench/check_vllm_pins.py on the GPU host (0.26). Where the versions differ, the
@@ -10,11 +11,13 @@ difference is dispatched here on ``vllm_minor()``:
 | ``FusedMoEExpertsModular.apply`` return               | None            | None or UnfinalizedMoEOutput |
 | ``WorkerBase.__init__(vllm_config, local_rank, rank)`` | same            | same                        |
 | ``<Worker>.compile_or_warm_up_model(self)``           | same            | same                        |
-| ``try_get_optimal_moe_config(w1, w2, top_k, dtype, M)`` | same          | same                        |
+| ``try_get_optimal_moe_config(w1, w2, top_k, dtype, M, block_shape)`` | same | same          |
 | ``_resize_cache(flat, shape)`` views a workspace's front | same         | same                        |
 | ``moe_align_block_size(topk_ids, block_size, E)``      | same            | same                        |
 | ``fused_experts(x, w1, w2, tw, ids, quant_config=)``   | same            | same                        |
 | ``fp8_w8a8_moe_quant_config(w1_scale=, w2_scale=, a1_scale=, a2_scale=)`` | same | same |
+| ``fp8_w8a8_moe_quant_config(..., per_act_token_quant=, block_shape=)`` | same  | same                        |
+| ``FusedMoEExperts.block_shape`` / ``.per_act_token_quant`` (its quant_config's) | same | same |
 | VllmConfig fields read by ``worker_facts``            | same            | same                        |
 
 The return of apply: our kernel writes the final [M, K] sum into ``output`` and returns
@@ -35,6 +38,8 @@ from typing import Any, Callable
 import torch
 import vllm
 from vllm.config import KernelConfig, ParallelConfig, SchedulerConfig
+
+from kernels.moe import vllm_kernels as vk
 
 EXPERTS = ("vllm.model_executor.layers.fused_moe.experts.triton_moe", "TritonExperts")
 MODULAR = ("vllm.model_executor.layers.fused_moe.modular_kernel", "FusedMoEExpertsModular")
@@ -154,48 +159,27 @@ def worker_facts(worker: Any) -> WorkerFacts:
         tp_size=getattr(getattr(cfg, "parallel_config", None), "tensor_parallel_size", None))
 
 
-def vllm_config_chooser(w1_shape: tuple[int, ...], w2_shape: tuple[int, ...], topk: int,
-                        fp8: bool) -> Callable[[int], str]:
-    """M -> vLLM's own fused-MoE config for this layer (try_get_optimal_moe_config), as a
-    hashable string; cached. Raises when vLLM cannot choose (no GPU config machinery)."""
-    from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
+def fp8_layout(experts: Any) -> tuple[list[int] | None, bool]:
+    """(block_shape, per_act_token_quant) of an FP8 experts object, as vLLM's Triton experts
+    read them (FusedMoEExperts properties over its quant_config)."""
+    return experts.block_shape, bool(experts.per_act_token_quant)
 
-    dtype = "fp8_w8a8" if fp8 else None
+
+def vllm_config_chooser(w1_shape: tuple[int, ...], w2_shape: tuple[int, ...], topk: int,
+                        fmt: str) -> Callable[[int], str]:
+    """M -> vLLM's own fused-MoE config for this layer of format `fmt` (a quant_format key;
+    try_get_optimal_moe_config), as a hashable string; cached. Raises when vLLM cannot choose
+    (no GPU config machinery)."""
+    try_get_optimal_moe_config = load(vk.CONFIG_LOOKUP)
+    dtype, block = vk.vllm_dtype(fmt)
 
     @functools.lru_cache(maxsize=None)
     def choose(M: int) -> str:
-        return repr(sorted(try_get_optimal_moe_config(w1_shape, w2_shape, topk, dtype, M).items()))
+        return repr(sorted(try_get_optimal_moe_config(w1_shape, w2_shape, topk, dtype, M,
+                                                      block_shape=block).items()))
 
     choose(1)
     return choose
-
-
-def moe_config(M: int, E: int, N: int, K: int, topk: int, dtype: str) -> dict[str, Any] | None:
-    """vLLM's fused_moe config for M tokens of (E, N per rank, K), bf16 or fp8 W8A8: its
-    shipped table for this GPU where one exists, else its default; None if it cannot choose."""
-    from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
-
-    try:
-        return dict(try_get_optimal_moe_config((E, 2 * N, K), (E, K, N), topk,
-                                               "fp8_w8a8" if dtype == "fp8" else None, M))
-    except Exception:  # noqa: BLE001 - no config machinery for this platform
-        return None
-
-
-def align_op() -> Callable:
-    """vLLM's moe_align_block_size(topk_ids, block_size, num_experts) -> (sorted_ids,
-    expert_ids, num_tokens_post_pad): the same outputs as kernels.moe.align, a CUDA kernel."""
-    from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
-
-    return moe_align_block_size
-
-
-def fused_experts() -> tuple[Callable, Callable]:
-    """(fused_experts, fp8_w8a8_moe_quant_config): vLLM's Triton MoE, the timing baseline."""
-    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
-    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts as fx
-
-    return fx, fp8_w8a8_moe_quant_config
 
 
 def _params(fn: Callable) -> tuple[str, ...]:
@@ -234,10 +218,9 @@ def pin_config_fields() -> str:
 
 
 def pin_config_chooser() -> str:
-    from vllm.model_executor.layers.fused_moe import fused_moe as fm
-
-    assert _params(fm.try_get_optimal_moe_config)[:5] == ("w1_shape", "w2_shape", "top_k", "dtype", "M")
-    assert "BLOCK_SIZE_M" in vllm_config_chooser((8, 64, 32), (8, 32, 32), 2, False)(5)
+    assert _params(load(vk.CONFIG_LOOKUP))[:6] == ("w1_shape", "w2_shape", "top_k", "dtype", "M",
+                                                  "block_shape")
+    assert "BLOCK_SIZE_M" in vllm_config_chooser((8, 64, 32), (8, 32, 32), 2, "bf16")(5)
     return "try_get_optimal_moe_config"
 
 
@@ -251,15 +234,35 @@ def pin_workspace_views() -> str:
 
 
 def pin_kernel_baselines() -> str:
-    assert _params(align_op())[:3] == ("topk_ids", "block_size", "num_experts")
-    fx, qcfg = fused_experts()
+    """The vLLM pieces kernels.moe.vllm_kernels loads (it returns None where one is missing)."""
+    assert _params(load(vk.ALIGN_OP))[:3] == ("topk_ids", "block_size", "num_experts")
+    fx, qcfg = load(vk.FUSED_EXPERTS), load(vk.FP8_QUANT_CONFIG)
     assert _params(fx)[:5] == ("hidden_states", "w1", "w2", "topk_weights", "topk_ids")
     assert "quant_config" in _params(fx)
-    assert {"w1_scale", "w2_scale", "a1_scale", "a2_scale"} <= set(_params(qcfg))
-    assert "BLOCK_SIZE_N" in (moe_config(4, 8, 32, 64, 2, "bf16") or {"BLOCK_SIZE_N": 0})
+    assert {"w1_scale", "w2_scale", "a1_scale", "a2_scale", "per_act_token_quant",
+            "block_shape"} <= set(_params(qcfg))
+    assert "BLOCK_SIZE_N" in (vk.moe_config(4, 8, 32, 64, 2, "bf16") or {"BLOCK_SIZE_N": 0})
     return "moe_align_block_size, fused_experts, fp8_w8a8_moe_quant_config"
+
+
+def pin_fp8_layout() -> str:
+    """What fp8_layout reads: the experts' properties over their quant_config, for a block and
+    a per-token FP8 config built by vLLM's own constructor."""
+    qcfg = load(vk.FP8_QUANT_CONFIG)
+    experts = load(MODULAR).__mro__[1]                 # FusedMoEExperts
+    for name in ("block_shape", "per_act_token_quant", "w1_scale", "w2_scale", "a1_scale", "a2_scale"):
+        assert isinstance(getattr(experts, name), property), name
+    one = torch.ones(2, 2, 2)
+    block = qcfg(w1_scale=one, w2_scale=one, block_shape=[128, 128])
+    token = qcfg(w1_scale=one, w2_scale=one, per_act_token_quant=True, per_out_ch_quant=True)
+    view = lambda q: type("X", (), {"quant_config": q, "block_shape": experts.block_shape,  # noqa: E731
+                                    "per_act_token_quant": experts.per_act_token_quant})()
+    assert fp8_layout(view(block)) == ([128, 128], False), fp8_layout(view(block))
+    assert fp8_layout(view(token)) == (None, True), fp8_layout(view(token))
+    assert block.use_fp8_w8a8 and token.use_fp8_w8a8
+    return "FusedMoEExperts.block_shape / per_act_token_quant, fp8 quant config block and per-token"
 
 
 PINS: tuple[Callable[[], str], ...] = (pin_version, pin_apply, pin_worker, pin_config_fields,
                                        pin_config_chooser, pin_workspace_views,
-                                       pin_kernel_baselines)
+                                       pin_kernel_baselines, pin_fp8_layout)

@@ -7,9 +7,12 @@ matches no family is an error that names the fields it looked for.
 from __future__ import annotations
 
 import json
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kernels.moe import quant_format
 
 EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 INTERMEDIATE = ("moe_intermediate_size", "intermediate_size", "ffn_hidden_size")
@@ -32,12 +35,24 @@ class MoEShape:
     N: int
     K: int
     topk: int
-    dtype: str                         # 'bf16' | 'fp16' | 'fp8'
+    dtype: str                         # kernels.moe.quant_format key: 'bf16' | 'fp16' | 'fp8' | ...
     layers: int
 
     @property
     def key(self) -> tuple[int, int, int, int]:
         return self.E, self.N, self.K, self.topk
+
+
+def model_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
+    """The arguments every command about a model's MoE shapes takes: --model, -tp, --quantization."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="local HF model directory (config.json)")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    ap.add_argument("--quantization", choices=["fp8", "compressed-tensors"], default=None,
+                    help="vLLM's --quantization: the method whose format to use (default: the "
+                         "checkpoint's quantization_config; 'fp8' with no such config: vLLM's "
+                         "online per-tensor FP8)")
+    return ap
 
 
 def _find(cfgs: list[dict[str, Any]], names: tuple[str, ...]) -> Any:
@@ -74,14 +89,22 @@ def moe_shapes(cfg: dict[str, Any], tp: int = 1, quantization: str | None = None
                                f"(needed: experts, per-expert intermediate size, hidden size, top-k)")
     if N % tp:
         raise ModelConfigError(f"intermediate size {N} is not divisible by tensor-parallel size {tp}")
-    quant = quantization or (cfg.get("quantization_config") or {}).get("quant_method")
-    if quant not in (None, "fp8"):
-        raise ModelConfigError(f"quantization {quant!r}: our kernels serve bf16/fp16 and fp8 W8A8")
-    dtype = "fp8" if quant == "fp8" else {"float16": "fp16"}.get(
+    try:
+        fmt = quant_format.of_checkpoint(_find_dict(layers, "quantization_config"), quantization)
+    except quant_format.FormatError as e:
+        raise ModelConfigError(str(e)) from e
+    dtype = fmt or {"float16": "fp16"}.get(
         str(_find_str(layers, "torch_dtype") or _find_str(layers, "dtype") or "bfloat16"), "bf16")
     n_layers = _find(layers, ("num_hidden_layers", "n_layers", "num_layers")) or 1
     return [MoEShape(name=f"{name}/TP{tp}", E=E, N=N // tp, K=K, topk=min(topk, E),
                      dtype=dtype, layers=n_layers)]
+
+
+def _find_dict(cfgs: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
+    for c in cfgs:
+        if isinstance(c.get(key), dict):
+            return c[key]
+    return None
 
 
 def _find_str(cfgs: list[dict[str, Any]], key: str) -> str | None:

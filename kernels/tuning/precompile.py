@@ -14,8 +14,9 @@ from typing import Callable
 
 import torch
 
-from kernels.moe import aot
-from kernels.moe.fused_moe import FP8, Fp8Scales, fused_moe
+from kernels.moe import aot, quant_format
+from kernels.moe.fp8_scales import FP8, unit_scales
+from kernels.moe.fused_moe import fused_moe
 from kernels.moe.launch import kernel_name, record_launches
 from kernels.moe.smem import SMEM_LIMIT
 
@@ -26,15 +27,9 @@ def _compile_job(job: tuple) -> dict:
     """Worker: record one config's launches on CPU tensors and compile them for sm_90.
     Returns {variant key: shared bytes or -1 on failure}."""
     E, N, K, topk, dtype, M, cfg = job
-    wdt = FP8 if dtype == "fp8" else torch.bfloat16
-    x = torch.empty(M, K, dtype=torch.bfloat16)
-    w1, w2 = torch.empty(E, 2 * N, K, dtype=wdt), torch.empty(E, K, N, dtype=wdt)
-    tw = torch.empty(M, topk)
     ids = (torch.arange(M * topk) % E).reshape(M, topk).to(torch.int32)
-    fp8 = Fp8Scales(torch.ones(E), torch.ones(E), torch.ones(()), torch.ones(())) \
-        if dtype == "fp8" else None
     with record_launches() as launches:
-        fused_moe(x, w1, w2, tw, ids, fp8=fp8, config=cfg)
+        _record(E, N, K, topk, dtype, M, cfg, ids)
     res = {}
     for ln in launches:
         key = _variant(ln)
@@ -50,6 +45,17 @@ def _compile_job(job: tuple) -> dict:
 
 
 _WORKER_CACHE: dict = {}
+
+
+def _record(E: int, N: int, K: int, topk: int, dtype: str, M: int, cfg: dict,
+            ids: torch.Tensor | None = None) -> None:
+    """fused_moe on empty CPU tensors of format `dtype` (a kernels.moe.quant_format key; bf16
+    hidden states, as the tuner times them) inside the caller's record_launches()."""
+    wdt = FP8 if quant_format.is_fp8(dtype) else torch.bfloat16
+    fused_moe(torch.empty(M, K, dtype=torch.bfloat16), torch.empty(E, 2 * N, K, dtype=wdt),
+              torch.empty(E, K, N, dtype=wdt), torch.empty(M, topk),
+              ids if ids is not None else torch.zeros(M, topk, dtype=torch.int32),
+              fp8=unit_scales(dtype, E, N, K, M, x_fp8=False), config=cfg)
 
 
 def _variant(launch: tuple) -> str:
@@ -72,15 +78,9 @@ def precompile(jobs: list[tuple], workers: int | None = None, timeout_s: float =
     global _POOL
     todo, seen = [], set()
     for job in jobs:
-        E, N, K, topk, dtype, M, cfg = job
-        wdt = FP8 if dtype == "fp8" else torch.bfloat16
         try:
             with record_launches() as launches:
-                fused_moe(torch.empty(M, K, dtype=torch.bfloat16),
-                          torch.empty(E, 2 * N, K, dtype=wdt), torch.empty(E, K, N, dtype=wdt),
-                          torch.empty(M, topk), torch.zeros(M, topk, dtype=torch.int32),
-                          fp8=Fp8Scales(torch.ones(E), torch.ones(E), torch.ones(()),
-                                        torch.ones(())) if dtype == "fp8" else None, config=cfg)
+                _record(*job)
         except Exception:  # noqa: BLE001
             continue
         keys = {_variant(ln) for ln in launches}
@@ -127,13 +127,8 @@ def compiles_ok(E: int, N: int, K: int, topk: int, dtype: str, M: int, cfg: dict
     """False when a precompiled variant of cfg failed or exceeds shared memory."""
     if not _COMPILED:
         return True
-    wdt = FP8 if dtype == "fp8" else torch.bfloat16
     with record_launches() as launches:
-        fused_moe(torch.empty(M, K, dtype=torch.bfloat16), torch.empty(E, 2 * N, K, dtype=wdt),
-                  torch.empty(E, K, N, dtype=wdt), torch.empty(M, topk),
-                  torch.zeros(M, topk, dtype=torch.int32),
-                  fp8=Fp8Scales(torch.ones(E), torch.ones(E), torch.ones(()), torch.ones(()))
-                  if dtype == "fp8" else None, config=cfg)
+        _record(E, N, K, topk, dtype, M, cfg)
     for ln in launches:
         sh = _COMPILED.get(_variant(ln))
         if sh is not None and (sh < 0 or sh > SMEM_LIMIT):

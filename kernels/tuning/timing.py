@@ -12,7 +12,9 @@ from typing import Any, Callable
 
 import torch
 
-from kernels.moe.fused_moe import FP8, Fp8Scales, fused_moe
+from kernels.moe import quant_format
+from kernels.moe.fp8_scales import Fp8Scales, quantize_weights
+from kernels.moe.fused_moe import fused_moe
 
 
 def time_graph(fn: Callable[[int], Any], n_sets: int, replays: int = 20, flush_l2: bool = False) -> float:
@@ -69,18 +71,18 @@ def _replay_us(body: Callable[[], Any], replays: int) -> float:
 
 def make_problem(E: int, N: int, K: int, topk: int, M: int, dtype: str, n_sets: int,
                  device: str, seed: int = 0, weights: tuple | None = None) -> dict[str, Any]:
-    """Random never-zero inputs, n_sets routings (softmax of random logits, top-k)."""
+    """Random never-zero inputs, n_sets routings (softmax of random logits, top-k). dtype: a
+    kernels.moe.quant_format key ('bf16'; fp8: per-tensor weights with static activation scales,
+    per-channel with per-token ones, or block scales with per-group ones)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
+    fp8 = quant_format.is_fp8(dtype)
     if weights is None:  # generated on the device (DeepSeek-V3 shard: 2.8 GB in bf16)
         gd = torch.Generator(device=device).manual_seed(seed)
         w1 = torch.randn(E, 2 * N, K, generator=gd, device=device).mul_(K ** -0.5)
         w2 = torch.randn(E, K, N, generator=gd, device=device).mul_(N ** -0.5)
-        if dtype == "fp8":
-            s1 = w1.abs().flatten(1).amax(1) / 448
-            s2 = w2.abs().flatten(1).amax(1) / 448
-            w1 = (w1 / s1[:, None, None]).to(FP8)
-            w2 = (w2 / s2[:, None, None]).to(FP8)
-            weights = (w1, w2, s1, s2)
+        if fp8:
+            weights = (*quantize_weights(w1, dtype), *quantize_weights(w2, dtype))
+            weights = (weights[0], weights[2], weights[1], weights[3])
         else:
             weights = (w1.to(torch.bfloat16), w2.to(torch.bfloat16), None, None)
         del gd
@@ -90,11 +92,14 @@ def make_problem(E: int, N: int, K: int, topk: int, M: int, dtype: str, n_sets: 
         p = torch.softmax(torch.randn(M, E, generator=g), -1)
         tw, ids = p.topk(topk, -1)
         sets.append((x, tw.float().to(device), ids.to(torch.int32).to(device)))
-    fp8 = None
-    if dtype == "fp8":
-        fp8 = Fp8Scales(weights[2], weights[3], torch.tensor(0.02, device=device),
-                        torch.tensor(0.02, device=device))
-    return {"weights": weights, "sets": sets, "fp8": fp8}
+    scales = None
+    if fp8 and dtype == quant_format.FP8:
+        scales = Fp8Scales(weights[2], weights[3], torch.tensor(0.02, device=device),
+                           torch.tensor(0.02, device=device))
+    elif fp8:
+        scales = Fp8Scales(weights[2], weights[3], block_shape=quant_format.block_shape(dtype),
+                           per_token_act=dtype == quant_format.PER_TOKEN)
+    return {"weights": weights, "sets": sets, "fp8": scales}
 
 
 def time_ours(prob: dict[str, Any], cfg: dict | None, replays: int = 20) -> float:
@@ -117,9 +122,11 @@ def time_vllm(prob: dict[str, Any], replays: int = 20) -> float | None:
     fused_experts, qcfg = fx
     w1, w2, s1, s2 = prob["weights"]
     quant = None
-    if prob["fp8"] is not None:
-        quant = qcfg(w1_scale=s1, w2_scale=s2, a1_scale=prob["fp8"].a1_scale,
-                     a2_scale=prob["fp8"].a2_scale)
+    q = prob["fp8"]
+    if q is not None:
+        quant = qcfg(w1_scale=s1, w2_scale=s2, a1_scale=q.a1_scale, a2_scale=q.a2_scale,
+                     per_act_token_quant=q.per_token_act, per_out_ch_quant=q.per_token_act,
+                     block_shape=list(q.block_shape) if q.block_shape else None)
 
     def call(i: int) -> None:
         x, tw, ids = prob["sets"][i]

@@ -4,10 +4,12 @@ Per M bucket two families compete, each starting from its default and walked one
 at a time (phases), every phase's new candidates compiled for sm_90 on the host CPU first
 (kernels.tuning.precompile), then timed:
   decode (buckets with M * topk <= 64, kernels.moe.moe_decode): up tile, up BLOCK_K, up stages,
-      down tile, down stages, up split-K, down split-K, PDL;
+      down tile, down stages, up split-K, down split-K, PDL (fp8: and A_PREQUANT);
   aligned (every bucket): A GEMM1 split/fuse, B GEMM1 tiles (fp8: and A_PREQUANT), C GEMM2;
   then D: each bucket tries its neighbours' winners (one-dimension walks stop at local
   optima). The faster family wins the bucket.
+`dtype` is the layer's kernels.moe.quant_format key: each format is tuned on its own (block FP8
+candidates keep BLOCK_K = the activation group, so its BLOCK_K walks collapse).
 Candidates are pruned statically first (tl.dot dims >= 16, swapped tiles 64-row, shared
 memory <= 227 KB). A time budget stops the search and keeps the best so far; `state` (a
 dict the caller may persist) lets an interrupted search resume after its last phase.
@@ -21,9 +23,9 @@ from typing import Any, Callable
 
 import torch
 
-from kernels.moe import configs, heuristics, smem
+from kernels.moe import configs, heuristics, quant_format, smem
+from kernels.moe.config_schema import Config, prequant, validate, with_block_k
 from kernels.tuning import precompile
-from kernels.moe.config_schema import Config, validate
 from kernels.tuning.timing import make_problem, time_ours
 
 DECODE_TUNE_MAX_SLOTS = 64
@@ -49,9 +51,16 @@ def _ok_tile(c: dict, n_rows: int, k_in: int) -> bool:
     return c.get("SPLIT_K", 1) <= _k_tiles(k_in, c["BLOCK_K"])
 
 
+def normalize(cfg: dict, dtype: str) -> Config:
+    """A candidate as the format runs it (validated; block FP8: BLOCK_K = the group)."""
+    cfg = validate(cfg)
+    bs = quant_format.block_shape(dtype)
+    return with_block_k(cfg, bs[1]) if bs else cfg
+
+
 def legal(cfg: dict, N: int, K: int, topk: int, dtype: str) -> bool:
     try:
-        cfg = validate(cfg)
+        cfg = normalize(cfg, dtype)
     except ValueError:
         return False
     d = configs.down_config(cfg)
@@ -60,8 +69,8 @@ def legal(cfg: dict, N: int, K: int, topk: int, dtype: str) -> bool:
         if d["SPLIT_K"] > topk * _k_tiles(N, d["BLOCK_K"]):   # shares the slot x chunk loop
             return False
         d = {**d, "BLOCK_M": 16, "SPLIT_K": 1}
-    return (_ok_tile(cfg, rows1, K) and _ok_tile(d, K, N)
-            and max(smem.gemm_estimates(cfg, dtype, topk=topk)) <= smem.SMEM_LIMIT)
+    est = smem.gemm_estimates(cfg, quant_format.weight_dtype(dtype), topk=topk)
+    return _ok_tile(cfg, rows1, K) and _ok_tile(d, K, N) and max(est) <= smem.SMEM_LIMIT
 
 
 def _vary(base: dict, key: str, values, down: bool = False) -> list[dict]:
@@ -91,11 +100,11 @@ def aligned_a(cur: dict, K: int) -> list[dict]:
 
 
 def aligned_b(cur: dict, dtype: str) -> list[dict]:
-    """GEMM1 tiles, one dimension at a time (fp8: and x quantized once, A_PREQUANT)."""
-    fp8 = dtype == "fp8"
+    """GEMM1 tiles, one dimension at a time (fp8: and x quantized once or not, A_PREQUANT)."""
+    fp8 = quant_format.is_fp8(dtype)
     out = _vary(cur, "BLOCK_K", (128, 256) if fp8 else (64, 128))
     if fp8:
-        out += [{**cur, "A_PREQUANT": not cur.get("A_PREQUANT", False)}]
+        out += [{**cur, "A_PREQUANT": not prequant(cur)}]
     out += _vary(cur, "num_stages", (3, 4, 5) if cur["BLOCK_M"] <= 32 else (3, 4))
     out += _vary(cur, "BLOCK_N", (64, 128) if cur["SWAP_AB"] else (64, 128, 256))
     if cur["BLOCK_M"] < 64:
@@ -116,7 +125,7 @@ def aligned_c(cur: dict, N: int, dtype: str) -> list[dict]:
     if small:
         out += _vary(base, "SPLIT_K", [s for s in (1, 2, 4, 8) if s <= _k_tiles(N, d["BLOCK_K"])],
                      down=True)
-    out += _vary(base, "BLOCK_K", (128, 256) if dtype == "fp8" else (64, 128), down=True)
+    out += _vary(base, "BLOCK_K", (128, 256) if quant_format.is_fp8(dtype) else (64, 128), down=True)
     out += _vary(base, "num_stages", (3, 4) if not small else (2, 3, 4), down=True)
     out += _vary(base, "BLOCK_N", (64, 128) if d["SWAP_AB"] else (64, 128, 256), down=True)
     if small:
@@ -146,6 +155,8 @@ PHASES: list[tuple[str, str, Callable[..., list[dict]]]] = [  # (name, family, c
     ("decode up split", "decode", lambda c, s: _vary(c, "SPLIT_K", (1, 2, 4, 8))),
     ("decode down split", "decode", lambda c, s: _vary(c, "SPLIT_K", (1, 2, 4, 8, 16), down=True)),
     ("decode PDL", "decode", lambda c, s: [{**c, "PDL": not c.get("PDL", False)}]),
+    ("decode A quant", "decode", lambda c, s: [{**c, "A_PREQUANT": not prequant(c)}]
+     if quant_format.is_fp8(s["dtype"]) else []),
     ("aligned A gate split/fuse", "aligned", lambda c, s: aligned_a(c, s["K"])),
     ("aligned B gate tiles", "aligned", lambda c, s: aligned_b(c, s["dtype"])),
     ("aligned C down", "aligned", lambda c, s: aligned_c(c, s["N"], s["dtype"])),
@@ -229,7 +240,7 @@ def tune_shape(E: int, N: int, K: int, topk: int, dtype: str, buckets: tuple[int
         out: list[Config] = []
         for c in cs:
             if legal(c, N, K, topk, dtype):
-                v = validate(c)
+                v = normalize(c, dtype)
                 if v not in out and v not in have:
                     out.append(v)
         return out
@@ -261,7 +272,7 @@ def tune_shape(E: int, N: int, K: int, topk: int, dtype: str, buckets: tuple[int
     missing = [b for b in buckets if b not in out]
     for b in missing:   # budget spent before the bucket was timed: the default, fitted
         out[b] = configs.default_config(b, E, N, K, topk, dtype, cfg_device)
-    return {b: smem.fit(c, dtype, topk=topk) for b, c in out.items()}
+    return {b: configs.fit(c, dtype, topk=topk) for b, c in out.items()}
 
 
 def winners(best: dict[str, dict[int, list]], buckets: tuple[int, ...]) -> dict[int, Config]:

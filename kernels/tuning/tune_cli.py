@@ -1,14 +1,18 @@
 """`moe-serve tune`: tune our fused-MoE kernels for a model's MoE shapes on this GPU.
 
-    moe-serve tune --model DIR [--tensor-parallel-size N] [--quantization fp8]
+    moe-serve tune --model DIR [--tensor-parallel-size N] [--quantization fp8|compressed-tensors]
                    [--budget-minutes M] [--out DIR] [--no-vllm] [--force]
 
-Reads DIR/config.json (no weights), derives the shapes one rank runs, searches configs for
+Reads DIR/config.json (no weights), derives the shapes one rank runs and their format (its
+quantization_config as vLLM reads it, --quantization overriding the method: per-tensor 'fp8',
+block 'fp8_w8a8,block_shape=[128,128]', per-token 'fp8_w8a8,per_token': kernels.moe.quant_format;
+each format is tuned and routed on its own), searches configs for
 every M bucket (kernels.tuning.tune) within the budget, then times ours against vLLM's
 fused_experts at M = 1..4096 and writes the configs and the routing table (ours only where
-measured >= 1.02x) into the cache the server reads first ($MOE_SERVE_CACHE/kernels/<device>/
-triton-<version>, or --out). Interrupted runs resume after their last finished phase; a
-shape already tuned is skipped unless --force. Exit codes: 0 done, 2 no GPU / bad model.
+measured faster beyond the run-to-run spread: kernels.tuning.make_routing) into the cache the
+server reads first ($MOE_SERVE_CACHE/kernels/<device>/triton-<version>, or --out).
+Interrupted runs resume after their last finished phase; a shape already tuned is skipped
+unless --force. Exit codes: 0 done, 2 no GPU / bad model.
 On a CPU with TRITON_INTERPRET=1 the whole pipeline runs (for tests), timed by wall clock.
 """
 from __future__ import annotations
@@ -23,10 +27,10 @@ from typing import Any
 
 import torch
 
-from kernels.moe import configs, routing, vllm_kernels
+from kernels.moe import configs, routing, selection, vllm_kernels
 from kernels.tuning import make_routing, precompile, tune
 from kernels.moe.config_schema import label
-from kernels.tuning.model_shapes import ModelConfigError, MoEShape, moe_shapes, read_config
+from kernels.tuning.model_shapes import ModelConfigError, MoEShape, model_parser, moe_shapes, read_config
 from kernels.tuning.timing import make_problem, time_ours, time_vllm
 
 ROUTE_MS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024,
@@ -74,7 +78,7 @@ def _route_shape(shape: MoEShape, device_kind: str, replays: int, deadline: floa
             break
         prob = make_problem(E, N, K, topk, M, shape.dtype, 8, device_kind, seed=M, weights=weights)
         weights = prob["weights"]
-        cfg = configs.get_config(M, E, N, K, topk, shape.dtype)
+        cfg = selection.get_config(M, E, N, K, topk, shape.dtype)
         ours = time_ours(prob, None, replays)
         theirs = time_vllm(prob, replays)
         measured[str(M)] = {"ours_us": ours, "vllm_us": theirs,
@@ -82,15 +86,16 @@ def _route_shape(shape: MoEShape, device_kind: str, replays: int, deadline: floa
                             "cfg": label(cfg)}
     if not measured:                             # budget spent before the first M
         return default
-    ranges = make_routing.build_ranges({int(m): v["speedup"] for m, v in measured.items()})
+    ranges = make_routing.route_measured(measured)
     return {**entry, "measured": measured, "ranges": ranges, "rule": "measured"}
 
 
 def _write_routing(out: Path, device: str, entries: dict[str, Any]) -> Path:
     path = out / routing.file_name(device)
     table = json.loads(path.read_text()) if path.is_file() else {
-        "device": device, "threshold": make_routing.THRESHOLD, "sources": ["moe-serve tune"],
-        "rule": "moe-serve tune: ours iff measured speedup >= threshold", "shapes": {}}
+        "device": device, "triton_version": configs.running_triton_version(),
+        "spread": make_routing.DEFAULT_SPREAD, "spread_from": "default (one reading per M)",
+        "sources": ["moe-serve tune"], "rule": make_routing.RULE, "shapes": {}}
     table["shapes"].update(entries)
     path.write_text(json.dumps(table, indent=1) + "\n")
     return path
@@ -118,12 +123,7 @@ def seed_warning(device_kind: str) -> str | None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="moe-serve tune", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="local HF model directory (config.json)")
-    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    ap.add_argument("--quantization", choices=["fp8"], default=None,
-                    help="tune fp8 W8A8 (default: the checkpoint's quantization_config)")
+    ap = model_parser("moe-serve tune", __doc__)
     ap.add_argument("--budget-minutes", type=float, default=10.0)
     ap.add_argument("--out", default=None, help="default: the server's tuned-config cache")
     ap.add_argument("--buckets", default=",".join(map(str, configs.M_BUCKETS)))
@@ -194,8 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                 tune.write_table(table, E, N, K, shape.dtype, out, device,
                                  {"model": shape.name, "search_s": round(time.perf_counter() - t0)})
                 part.unlink(missing_ok=True)
-            configs.load_table.cache_clear()
-            configs.get_config.cache_clear()
+            selection.clear_caches()
             deadline = t_start + budget
             ent = _route_shape(shape, device_kind, args.replays, deadline, use_vllm, max(buckets))
             entries[routing.shape_key(E, N, K, shape.dtype)] = ent
@@ -210,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         precompile.shutdown_pool()
     path = _write_routing(out, device, entries)
-    routing.load.cache_clear()
+    selection.clear_caches()
     print(f"[tune] wrote {len(shapes)} table(s) and {path} in {time.perf_counter() - t_start:.0f}s",
           flush=True)
     return 0

@@ -19,11 +19,14 @@ from shapes import TUNED, UNTUNED  # noqa: E402
 
 import torch  # noqa: E402
 
-from kernels.moe import aot, configs, smem  # noqa: E402
+from kernels.moe import aot, configs, selection, smem  # noqa: E402
 from kernels.moe.align import moe_align_kernel  # noqa: E402
 from kernels.moe.fused_moe import Fp8Scales, fused_moe  # noqa: E402
 from kernels.moe.launch import record_launches  # noqa: E402
 from kernels.moe.moe_gemm import topk_sum_kernel  # noqa: E402
+
+# the Triton the shipped H200 tables were tuned with (they are refused under another)
+SHIPPED_TRITON = json.loads(next(configs.CONFIG_DIR.glob("E=*.json")).read_text())["triton_version"]
 
 MS = sorted({*range(1, 65), *configs.M_BUCKETS, 100, 300, 700, 1500, 3000, 6000, 8192, 12000,
              16384})
@@ -60,7 +63,7 @@ def main() -> None:
     for name, (E, N, K, topk) in {**TUNED, **UNTUNED}.items():
         for dt in ("bf16", "fp8"):
             for M in MS:
-                cfg = configs.get_config(M, E, N, K, topk, dt, "NVIDIA_H200")
+                cfg = selection.get_config(M, E, N, K, topk, dt, "NVIDIA_H200", triton_version=SHIPPED_TRITON)
                 est = max(smem.gemm_estimates(cfg, dt, topk=topk))
                 if est > smem.SMEM_LIMIT:
                     over.append([name, dt, M, est])

@@ -77,7 +77,7 @@ SPLITS = [(2, 1), (1, 2), (4, 8), (8, 4)]  # (up, down): more splits than tiles 
 
 
 def _split_ws_zero() -> bool:
-    from kernels.moe import fused_moe as fm
+    from kernels.moe import moe_decode_launch as fm
     return all(not (f.any() or c.any()) for f, c in fm._SPLIT_WS.values())
 
 
@@ -156,7 +156,7 @@ def test_decode_block_m_must_hold_all_slots():
 
 def test_default_path_choice():
     """Untuned shapes: decode while M * topk <= min(32, E), else the aligned path."""
-    from kernels.moe import configs
+    from kernels.moe import configs, selection
 
     assert configs.default_config(1, 8, 1792, 4096, 2, "bf16").get("DECODE")
     assert configs.default_config(4, 8, 1792, 4096, 2, "bf16").get("DECODE")
@@ -164,5 +164,5 @@ def test_default_path_choice():
     assert configs.default_config(4, 128, 96, 2048, 8, "fp8").get("DECODE")
     assert not configs.default_config(8, 128, 96, 2048, 8, "fp8").get("DECODE")
     for M in (1, 2, 4):
-        cfg = configs.get_config(M, 256, 256, 7168, 8, "bf16", device="cpu")
+        cfg = selection.get_config(M, 256, 256, 7168, 8, "bf16", device="cpu")
         assert cfg["BLOCK_M"] >= M * 8

@@ -211,10 +211,12 @@ def test_act_amax_is_the_max_over_routed_pairs():
 
 
 @pytest.mark.parametrize("case", [CASES[2], CASES[3], SPLIT_CASES[0], SPLIT_CASES[4]])
-def test_a_prequant_quantizes_x_once_with_the_same_rounding(case):
-    """A_PREQUANT (static a1 scale): one quant launch before GEMM1, then fp8 A (A_MODE 1); the
-    result is the in-loop quant's (same fp8 values) and matches the float64 reference. With a
-    dynamic scale it changes nothing (per-token scales are computed inside the GEMM)."""
+def test_aligned_path_quantizes_activations_once_by_default(case):
+    """The aligned path's default (A_PREQUANT): x quantized once by a launch before GEMM1 (static
+    a1: A_MODE 1; dynamic: per-token scales, A_MODE 4), and a dynamic GEMM2 input once more
+    after a fused GEMM1 (a static one is quantized in GEMM1's epilogue); the K-loop variant
+    (A_PREQUANT false) launches no quant kernel. Both round alike (same fp8 values) and match
+    the float64 reference."""
     from kernels.moe.launch import kernel_name, record_launches
 
     M, E, N, K, topk, cfg = case
@@ -223,18 +225,20 @@ def test_a_prequant_quantizes_x_once_with_the_same_rounding(case):
     q2, s2 = quant_fp8(w2, True)
     a1 = (x.abs().max() / 448.0).reshape(())
     a2 = (act_amax(x, q1.float() * s1.reshape(E, -1, 1), ids) / 448.0).float().reshape(())
-    pre = {**cfg, "A_PREQUANT": True}
-    for a1s, a2s, n_quant in ((a1, a2, 1), (None, None, 0)):
+    inloop = {**cfg, "A_PREQUANT": False}
+    fused1 = cfg.get("SPLIT_K", 1) == 1 and cfg.get("FUSE_GU", True)
+    for a1s, a2s, n_quant in ((a1, a2, 1), (None, None, 1 + fused1)):
         scales = Fp8Scales(s1, s2, a1s, a2s)
-        with record_launches() as launches:
-            fused_moe(x, q1, q2, tw, ids, fp8=scales, config=pre)
-        assert [kernel_name(k) for k, *_ in launches].count("quant_fp8_kernel") == n_quant
+        for c, want in ((cfg, n_quant), (inloop, 0)):
+            with record_launches() as launches:
+                fused_moe(x, q1, q2, tw, ids, fp8=scales, config=c)
+            assert [kernel_name(k) for k, *_ in launches].count("quant_fp8_kernel") == want
         outs = []
-        for c in (cfg, pre):
+        for c in (inloop, cfg):
             out = torch.full((M, K), float("nan"), dtype=torch.float32)
             outs.append(fused_moe(x, q1, q2, tw, ids, fp8=scales, out=out, config=c))
-        assert rel_err(outs[1], outs[0]) < 1e-6
-    qref = moe_reference(x, q1, q2, tw, ids, s1, s2, a1_scale=a1, quant_acts="static", a2_scale=a2)
-    out = torch.full((M, K), float("nan"), dtype=torch.float32)
-    fused_moe(x, q1, q2, tw, ids, fp8=Fp8Scales(s1, s2, a1, a2), out=out, config=pre)
-    assert rel_err(out, qref) < FP8_TOL_QAWARE
+        assert rel_err(outs[1], outs[0].double()) < 1e-6
+        mode = "static" if a1s is not None else "dynamic"
+        qref = moe_reference(x, q1, q2, tw, ids, s1, s2, a1_scale=a1s, quant_acts=mode,
+                             a2_scale=a2s)
+        assert rel_err(outs[1], qref) < FP8_TOL_QAWARE

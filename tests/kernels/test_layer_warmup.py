@@ -12,7 +12,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from kernels.moe import configs, routing
+from kernels.moe import configs, routing, selection
 from kernels.plugin import jit_monitor, vllm_compat
 from kernels.plugin.layer_warmup import LayerShape, VllmCallTemplate, _vllm_group, warmup_plan
 from kernels.plugin.plugin_metrics import PluginMetrics
@@ -74,7 +74,7 @@ def test_apply_routes_per_m(plugin, tmp_path, monkeypatch):
     (tmp_path / routing.file_name(dev)).write_text(json.dumps(table))
     monkeypatch.setenv("MOE_SERVE_KERNEL_CONFIG_DIR", str(tmp_path))
     monkeypatch.delenv(routing.ROUTING_ENV, raising=False)
-    routing.load.cache_clear()
+    selection.clear_caches()
     plugin.moe.require_cuda = False
     calls = []
 
@@ -93,7 +93,7 @@ def test_apply_routes_per_m(plugin, tmp_path, monkeypatch):
         plugin.moe.handle(orig, experts, three)
         assert torch.all(three.output == 7.0)
     finally:
-        routing.load.cache_clear()
+        selection.clear_caches()
     assert calls == [3]
     launches = {p: _value(plugin, "moe_serve_moe_kernel_launches_total", path=p) for p in
                 ("optimized", "routed_to_vllm", "fallback")}
@@ -197,3 +197,44 @@ def test_one_failing_shape_does_not_stop_the_others(plugin, monkeypatch):
     plugin.layers.see(bad)  # seen again while serving: no second attempt
     assert not plugin.layers.pending and warmed == [E]
     assert _value(plugin, "moe_serve_plugin_warmup_failures_total", rank="0") == 1
+
+
+def test_block_and_per_token_layers_warm_their_own_variants(plugin, monkeypatch):
+    """A block-FP8 and a per-token FP8 layer (hidden states fp8, as vLLM hands them over) are
+    keyed by their format, and the real warm_moe_variants (interpreter, M up to 8) warms every
+    kernel variant a serving call of that layer then launches."""
+    from kernels.moe import moe_variants, quant_format
+    from kernels.moe.fused_moe import fused_moe
+    from kernels.moe.launch import record_launches
+
+    monkeypatch.setenv(routing.ROUTING_ENV, "ours")
+    plugin.facts = vllm_compat.WorkerFacts(0, 0, "test", max_num_batched_tokens=8, max_num_seqs=8,
+                                           backend="auto", dtype="fp8", activation_dtype="bf16",
+                                           tp_size=1)
+    warmed: set = set()
+    key = moe_variants._variant_key
+    monkeypatch.setattr(moe_variants, "_variant_key",
+                        lambda *a: warmed.add(key(*a)) or key(*a))
+    fp8 = torch.float8_e4m3fn
+    block = LayerShape(E, N, K, TOPK, fp8, "block", False, False, torch.int32, "cpu",
+                       block_shape=(16, 16))
+    token = LayerShape(E, N, K, TOPK, fp8, "per_channel", False, False, torch.int32, "cpu",
+                       per_token_act=True)
+    assert block.route_dtype == quant_format.block_key(16, 16)
+    assert token.route_dtype == quant_format.PER_TOKEN
+    for shape in (block, token):
+        plugin.layers.see(shape)
+    plugin.layers.warm_pending()
+    assert plugin.layers.warmed == {block, token} and not plugin.layers.failed
+    modes = set()
+    for shape in (block, token):
+        for M in (1, 3, 7):
+            x, w1, w2, tw, ids, scales = moe_variants._inputs(
+                M, E, N, K, TOPK, fp8, shape.fp8, False, torch.int32, "cpu",
+                shape.per_token_act, shape.block_shape)
+            with record_launches() as launches:
+                fused_moe(x, w1, w2, tw, ids, fp8=scales)
+            for kernel, _, args, kwargs in launches:
+                assert key(kernel, args, kwargs) in warmed, (shape, M, kwargs)
+                modes.add(kwargs.get("A_MODE"))
+    assert {4, 5} <= modes                 # per-token and per-group fp8 hidden states

@@ -19,6 +19,21 @@ CONFIGS = {  # architecture: (config fields, tp, expected (E, N, K, topk, dtype)
                          "hidden_size": 7168, "num_experts_per_tok": 8,
                          "quantization_config": {"quant_method": "fp8"}}, 8,
                         (256, 256, 7168, 8, "fp8")),
+    "deepseek-v3-block-fp8": ({"architectures": ["DeepseekV3ForCausalLM"], "n_routed_experts": 256,
+                               "moe_intermediate_size": 2048, "hidden_size": 7168,
+                               "num_experts_per_tok": 8, "quantization_config": {
+                                   "quant_method": "fp8", "activation_scheme": "dynamic",
+                                   "weight_block_size": [128, 128]}}, 8,
+                              (256, 256, 7168, 8, "fp8_w8a8,block_shape=[128,128]")),
+    "qwen3-fp8-dynamic": ({"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 128,
+                           "moe_intermediate_size": 768, "hidden_size": 2048,
+                           "num_experts_per_tok": 8, "quantization_config": {
+                               "quant_method": "compressed-tensors", "config_groups": {"group_0": {
+                                   "weights": {"type": "float", "num_bits": 8,
+                                               "strategy": "channel"},
+                                   "input_activations": {"type": "float", "num_bits": 8,
+                                                         "strategy": "token", "dynamic": True}}}}},
+                          1, (128, 768, 2048, 8, "fp8_w8a8,per_token")),
     "llama4-nested": ({"architectures": ["Llama4ForConditionalGeneration"],
                        "text_config": {"num_local_experts": 16, "intermediate_size": 8192,
                                        "hidden_size": 5120, "num_experts_per_tok": 1,
@@ -35,6 +50,14 @@ def test_families(name):
     cfg, tp, want = CONFIGS[name]
     (shape,) = moe_shapes(cfg, tp)
     assert (shape.E, shape.N, shape.K, shape.topk, shape.dtype) == want
+
+
+def test_quantization_flag_names_the_method():
+    """--quantization fp8 on an unquantized checkpoint: vLLM's online per-tensor FP8."""
+    (shape,) = moe_shapes(CONFIGS["mixtral"][0], 8, "fp8")
+    assert shape.dtype == "fp8"
+    (shape,) = moe_shapes(CONFIGS["deepseek-v3-block-fp8"][0], 8, "fp8")
+    assert shape.dtype == "fp8_w8a8,block_shape=[128,128]"
 
 
 def test_dense_model_has_no_moe_shape():

@@ -1,48 +1,107 @@
-"""Routing table (kernels/moe/routing.py, kernels/tuning/make_routing.py); the plugin's use of it is in
-tests/test_layer_warmup.py."""
+"""Routing tables (kernels/moe/routing.py, built by kernels/tuning/make_routing.py) and the route
+kernels.moe.selection takes from them; the plugin's use of it is in test_layer_warmup.py."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
 import pytest
 
-from kernels.moe import configs, routing
-from kernels.tuning import make_routing
+from kernels.moe import configs, routing, selection
 from kernels.moe.config_schema import label
+from kernels.tuning import make_routing
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "kernels/moe/configs" / routing.file_name("NVIDIA_H200")
+SHIPPED_TABLE = json.loads(SHIPPED.read_text())
+SHIPPED_TRITON = SHIPPED_TABLE["triton_version"]   # the shipped tables are refused under another
 sys.path.insert(0, str(ROOT / "bench"))
 from results_archive import raw  # noqa: E402  (a closed date's raw files are in its archive)
 
-RESULTS = [raw(src.removeprefix("bench/results/")) for src in json.loads(SHIPPED.read_text())["sources"]]
+RESULTS = [raw(src.removeprefix("bench/results/")) for src in SHIPPED_TABLE["sources"]]  # its raw files
+D = 0.03                                            # spread for the rule tests: e^0.03 = 1.0305
 
 
-def test_ranges_are_conservative():
-    r = make_routing.build_ranges({1: 1.10, 2: 1.2, 4: 1.05, 16: 1.01, 64: 1.3, 256: None})
-    assert routing.route_in(r, 1) == "ours"
-    assert routing.route_in(r, 3) == "ours"          # both neighbours >= 1.02, 2x apart
-    assert routing.route_in(r, 4) == "ours"
-    assert routing.route_in(r, 5) == "vllm"          # 16 is below the threshold
-    assert routing.route_in(r, 16) == "vllm"
-    assert routing.route_in(r, 40) == "vllm"
-    assert routing.route_in(r, 64) == "ours"         # measured point itself
-    assert routing.route_in(r, 65) == "vllm"         # 256 errored
+def _routes(points: dict[int, float | None]) -> dict[int, str]:
+    return {m: b for m, (b, _) in make_routing.decide_points(points, D).items()}
+
+
+def test_a_route_flips_only_beyond_the_spread_and_keeps_it_inside():
+    r = _routes({1: 1.02, 2: 1.10, 4: 1.01, 8: 0.99, 16: 0.95, 32: 1.02, 64: 1.05})
+    assert r == {1: "vllm",      # within the spread: keeps the start (vLLM)
+                 2: "ours", 4: "ours", 8: "ours",    # 1.01 and 0.99 are noise: no flip back
+                 16: "vllm",     # 0.95 is beyond it
+                 32: "vllm",     # noise again: stays
+                 64: "ours"}
+    why = make_routing.decide_points({2: 1.10, 4: 1.01}, D)
+    assert "within the spread" in why[4][1] and "ours faster" in why[2][1]
+
+
+def test_a_lone_flip_close_to_the_band_follows_its_neighbours_a_far_one_stays():
+    assert _routes({1: 1.2, 2: 1.2, 4: 0.95, 8: 1.2}) == {1: "ours", 2: "ours", 4: "ours", 8: "ours"}
+    assert _routes({1: 1.2, 2: 1.2, 4: 0.90, 8: 1.2})[4] == "vllm"    # |ln 0.90| >= 2 x spread
+    assert _routes({1: 0.8, 2: 1.05, 4: 0.8})[2] == "vllm"            # a lone win as well
+    assert _routes({1: 0.8, 2: 1.10, 4: 0.8})[2] == "ours"
+    assert _routes({1: 1.2, 2: None, 4: 1.2})[2] == "vllm"            # an error is never smoothed
+    assert _routes({1: 1.2, 2: 0.95})[2] == "vllm"                    # the last point has one neighbour
+
+
+def test_ranges_between_and_outside_the_measured_m():
+    r = make_routing.build_ranges({1: 1.10, 2: 1.2, 4: 1.05, 16: 0.9, 64: 1.3, 256: None}, D)
+    assert routing.route_in(r, 3) == "ours"          # both neighbours ours, 2x apart
+    assert routing.route_in(r, 5) == "vllm"          # 16 is vLLM
+    assert routing.route_in(r, 40) == "vllm"         # 16 -> 64 is 4x apart: not interpolated
+    assert routing.route_in(r, 64) == "ours" and routing.route_in(r, 65) == "vllm"   # 256 errored
     assert routing.route_in(r, 10 ** 6) == "vllm"    # above the largest measured M
     assert r[-1] == {"m_min": 65, "m_max": None, "backend": "vllm"}  # merged
-    assert make_routing.build_ranges({1: 1.019}) == [{"m_min": 1, "m_max": None, "backend": "vllm"}]
-    wide = make_routing.build_ranges({256: 1.1, 4096: 1.1})   # 16x apart: no interpolation
-    assert routing.route_in(wide, 512) == "vllm" and routing.route_in(wide, 4096) == "ours"
+    assert make_routing.build_ranges({2: 1.5}, D)[0] == {"m_min": 1, "m_max": 1, "backend": "vllm"}
+    assert make_routing.build_ranges({1: 1.029}, D) == [{"m_min": 1, "m_max": None, "backend": "vllm"}]
+
+
+def test_the_two_range_islands_of_the_old_threshold_rule_are_gone():
+    """Qwen3-30B-A3B/TP1 bf16 as measured on the H200 on 2026-12-01 (before its re-tune): the
+    1.02 threshold rule made '1:vllm,2-512:ours,513-1023:vllm,1024-4096:ours' of a single 0.976
+    reading at M=768."""
+    points = {1: 0.9084, 2: 1.1197, 3: 1.0782, 4: 1.0937, 6: 1.0304, 8: 1.0583, 12: 1.0317,
+              16: 1.057, 24: 1.0381, 32: 1.0318, 48: 1.0396, 64: 1.0514, 96: 1.0266, 128: 1.0368,
+              192: 1.0637, 256: 1.0823, 384: 1.1286, 512: 1.048, 768: 0.976, 1024: 1.0626,
+              2048: 1.1017, 4096: 1.1102}
+    assert routing.format_ranges(make_routing.build_ranges(points, D)) == "1:vllm,2-4096:ours,4097+:vllm"
+
+
+def test_spread_is_measured_from_repeated_cells_else_the_default():
+    few = {("a", "bf16", m, "c"): [1.0, 1.1] for m in range(make_routing.MIN_REPEATS - 1)}
+    assert make_routing.measured_spread(few)[0] == make_routing.DEFAULT_SPREAD
+    cells = {("a", "bf16", m, "c"): [1.0, math.exp(0.001 * m)] for m in range(1, 21)}
+    cells[("a", "bf16", 99, "c")] = [1.0]                              # one reading: no repeat
+    d, where = make_routing.measured_spread(cells)
+    assert d == pytest.approx(0.019) and "20 repeated cells" in where  # 90th percentile
+    tight = {("a", "bf16", m, "c"): [1.0, 1.0001] for m in range(10)}
+    assert make_routing.measured_spread(tight)[0] == make_routing.MIN_SPREAD
+
+
+def test_build_averages_a_cells_readings_with_its_last_config():
+    row = dict(shape="Mixtral-8x7B/TP8", dtype="bf16", M=1, ours_us=10.0, vllm_us=12.0)
+    results = [{"bench": [{**row, "speedup": 1.10, "cfg": "a"}]},
+               {"bench": [{**row, "speedup": 1.21, "cfg": "b"}]},
+               {"bench": [{**row, "speedup": 1.00, "cfg": "b"}, {**row, "shape": "not-named", "speedup": 2.0}]}]
+    table = make_routing.build(results, "dev", [], "9.9", spread=D)
+    (key, ent), = table["shapes"].items()
+    assert key == "E=8,N=1792,K=4096,dtype=bf16" and table["triton_version"] == "9.9"
+    point = ent["measured"]["1"]
+    assert point["speedup"] == pytest.approx(math.sqrt(1.21)) and point["readings"] == 2
+    assert point["cfg"] == "b" and point["route"] == "ours" and "beyond the spread" in point["why"]
 
 
 @pytest.mark.skipif(not all(p.exists() for p in RESULTS), reason="H200 results not in the tree")
 def test_shipped_table_is_generated_from_the_results():
-    table = make_routing.build([json.loads(p.read_text()) for p in RESULTS], "NVIDIA_H200", [])
-    shipped = json.loads(SHIPPED.read_text())
+    table = make_routing.build([json.loads(p.read_text()) for p in RESULTS], "NVIDIA_H200", [],
+                               SHIPPED_TRITON)
+    assert table["spread"] == SHIPPED_TABLE["spread"] and table["spread_from"].startswith("measured")
     assert {k: v["ranges"] for k, v in table["shapes"].items()} == \
-        {k: v["ranges"] for k, v in shipped["shapes"].items()}
+        {k: v["ranges"] for k, v in SHIPPED_TABLE["shapes"].items()}
 
 
 def test_routed_to_ours_configs_are_the_measured_ones():
@@ -50,32 +109,45 @@ def test_routed_to_ours_configs_are_the_measured_ones():
     memory fit must not have changed a winning config). Checked where the config does not
     depend on the machine: tuned tables and the decode heuristic. (An untuned shape's aligned
     config comes from vLLM's lookup for the GPU it runs on, which a CPU cannot reproduce.)"""
-    shipped = json.loads(SHIPPED.read_text())
-    sys.path.insert(0, str(ROOT / "bench"))
     n = 0
-    for key, ent in shipped["shapes"].items():
+    for key, ent in SHIPPED_TABLE["shapes"].items():
         E, N, K = (int(p.split("=")[1]) for p in key.split(",")[:3])
         dt = key.split("dtype=")[1]
         for m, meas in ent["measured"].items():
             if routing.route_in(ent["ranges"], int(m)) != "ours":
                 continue
-            cfg = configs.get_config(int(m), E, N, K, ent["topk"], dt, "NVIDIA_H200")
-            if not (configs.load_table(E, N, K, dt, "NVIDIA_H200") or cfg.get("DECODE")):
+            choice = selection.config_choice(int(m), E, N, K, ent["topk"], dt, "NVIDIA_H200",
+                                             triton_version=SHIPPED_TRITON)
+            if choice.source == selection.DEFAULT_RULE and not choice.config.get("DECODE"):
                 continue
-            assert label(cfg) == meas["cfg"], (key, m)
+            assert label(choice.config) == meas["cfg"], (key, m)
+            assert choice.shrunk == ()
             n += 1
     assert n >= 5
 
 
 def test_route_unmeasured_and_policy(monkeypatch):
-    assert routing.route(3, 48, 64, "bf16", 1, "NVIDIA_H200") == "vllm"     # never measured
-    assert routing.route(3, 48, 64, "bf16", 1, "NVIDIA_H200", topk=1) == "ours"   # default rule
-    assert routing.route(3, 48, 64, "bf16", 4, "NVIDIA_H200", topk=1) == "vllm"   # 4 > E
-    assert routing.route(128, 96, 2048, "fp8", 4, "NVIDIA_H200") == "ours"  # Qwen3 fp8 M=4
-    assert routing.route(8, 1792, 4096, "fp8", 1, "NVIDIA_H200") == "ours"  # Mixtral fp8 M=1
-    assert routing.route(8, 1792, 4096, "fp8", 64, "NVIDIA_H200") == "vllm"  # M=64: < 1.02x
-    assert routing.route(8, 1792, 4096, "bf16", 1, "some_gpu") == "vllm"    # no table
+    def route(*a, **k):
+        return selection.route(*a, **k, triton_version=SHIPPED_TRITON)
+
+    assert route(3, 48, 64, "bf16", 1, "NVIDIA_H200") == "vllm"     # never measured
+    assert route(3, 48, 64, "bf16", 1, "NVIDIA_H200", topk=1) == "ours"   # default rule
+    assert route(3, 48, 64, "bf16", 4, "NVIDIA_H200", topk=1) == "vllm"   # 4 > E
+    assert route(128, 96, 2048, "fp8", 4, "NVIDIA_H200") == "ours"  # Qwen3 fp8 M=4
+    assert route(8, 1792, 4096, "fp8", 1, "NVIDIA_H200") == "ours"  # Mixtral fp8 M=1
+    assert route(8, 1792, 4096, "fp8", 64, "NVIDIA_H200") == "vllm"  # M=64: 0.977x
+    assert route(8, 1792, 4096, "bf16", 1, "some_gpu") == "vllm"    # no table
     monkeypatch.setenv(routing.ROUTING_ENV, "ours")
-    assert routing.route(3, 48, 64, "bf16", 1, "NVIDIA_H200") == "ours"
+    assert route(3, 48, 64, "bf16", 1, "NVIDIA_H200") == "ours"
     monkeypatch.setenv(routing.ROUTING_ENV, "vllm")
-    assert routing.route(128, 96, 2048, "fp8", 4, "NVIDIA_H200") == "vllm"
+    assert route(128, 96, 2048, "fp8", 4, "NVIDIA_H200") == "vllm"
+
+
+def test_routing_table_of_another_triton_is_refused(caplog):
+    with caplog.at_level("WARNING"):
+        loaded = routing.load("NVIDIA_H200", "0.0.1-other")
+    assert loaded["shapes"] == {} and str(SHIPPED) in loaded["refused"][0]
+    assert "moe-serve tune" in caplog.text
+    rc = selection.route_choice(128, 96, 2048, "fp8", 4, "NVIDIA_H200", topk=8, triton_version="0.0.1-other")
+    assert rc.rule.startswith(selection.DEFAULT_RULE) and "refused" in rc.rule
+    assert configs.find_table(128, 96, 2048, "fp8", "NVIDIA_H200", "0.0.1-other").table is None

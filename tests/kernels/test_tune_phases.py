@@ -3,6 +3,8 @@ its neighbour's winner when one-dimension walks cannot reach it; the decode fami
 buckets where it is cheaper; a resumed search skips the phases it already finished."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from kernels.moe import configs, heuristics
 from kernels.tuning import precompile, tune
 
@@ -62,3 +64,24 @@ def test_decode_family_wins_where_cheaper_and_resume_skips_done_phases(monkeypat
 def test_decode_defaults_hold_all_slots() -> None:
     for M in (1, 2, 4, 8):
         assert heuristics.decode_config(M, 128, 96, 2048, 8, "fp8")["BLOCK_M"] >= M * 8
+
+
+def test_block_fp8_is_tuned_as_its_own_format_with_block_k_the_group(monkeypatch,
+                                                                     tmp_path: Path) -> None:
+    """Every block-FP8 candidate timed has BLOCK_K = the activation group in both GEMMs (the
+    BLOCK_K walks collapse), the quantize-once flip is offered on both paths, and the table is
+    written under vLLM's format name."""
+    from kernels.moe import quant_format
+
+    key = quant_format.block_key(128, 128)
+    timed = _stub(monkeypatch, lambda M, c: 1.0 + (0.5 if c.get("DECODE") else 0.0) * (M > 1))
+    table = tune.tune_shape(256, 256, 7168, 8, key, (1, 16), budget_s=600, device="cpu",
+                            log=lambda *a: None, parallel=False)
+    assert timed and all(configs.block_k_of(c) == {128} for _, c in timed)
+    assert {bool(c.get("DECODE")) for _, c in timed} == {True, False}
+    pre = {(bool(c.get("DECODE")), c.get("A_PREQUANT")) for _, c in timed}
+    assert (True, True) in pre and (False, False) in pre      # both flips were timed
+    assert all(configs.block_k_of(c) == {128} for c in table.values())
+    path = tune.write_table(table, 256, 256, 7168, key, tmp_path, "dev")
+    assert path.name == "E=256,N=256,K=7168,dtype=fp8_w8a8,block_shape=[128,128],device=dev.json"
+

@@ -1,0 +1,135 @@
+"""`moe-serve explain`: per MoE shape of a model and M, the path, config and its source, the
+measured ratio and the fallback, from the tables alone (no GPU)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kernels.moe import configs, routing, selection
+from kernels.plugin import vllm_compat
+from kernels.plugin.moe_hook import unsupported_reason
+from kernels.tuning import explain
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED_ROUTING = json.loads((configs.CONFIG_DIR / routing.file_name("NVIDIA_H200")).read_text())
+SHIPPED_TRITON = SHIPPED_ROUTING["triton_version"]
+MIXTRAL = {"architectures": ["MixtralForCausalLM"], "num_local_experts": 8, "num_experts_per_tok": 2,
+           "intermediate_size": 14336, "hidden_size": 4096, "num_hidden_layers": 32,
+           "torch_dtype": "bfloat16"}
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch, tmp_path):
+    monkeypatch.delenv("MOE_SERVE_KERNEL_CONFIG_DIR", raising=False)
+    monkeypatch.delenv(routing.ROUTING_ENV, raising=False)
+    monkeypatch.setenv("MOE_SERVE_CACHE", str(tmp_path / "cache"))
+    selection.clear_caches()
+    yield
+    selection.clear_caches()
+
+
+def _model(tmp_path: Path, **extra) -> str:
+    d = tmp_path / "model"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps({**MIXTRAL, **extra}))
+    return str(d)
+
+
+def _rows(out: str) -> dict[int, str]:
+    """M -> its row of the table (rows start with the M value)."""
+    rows = {}
+    for line in out.splitlines():
+        first = line.split()[:1]
+        if first and first[0].isdigit():
+            rows[int(first[0])] = line
+    return rows
+
+
+def test_shipped_tables_per_m(tmp_path, capsys) -> None:
+    rc = explain.main(["--model", _model(tmp_path), "-tp", "8", "--device", "NVIDIA_H200",
+                       "--triton-version", SHIPPED_TRITON])
+    out = capsys.readouterr().out
+    assert rc == 0
+    rows = _rows(out)
+    assert sorted(rows) == list(configs.M_BUCKETS)
+    measured = SHIPPED_ROUTING["shapes"]["E=8,N=1792,K=4096,dtype=bf16"]["measured"]
+    assert "ours decode" in rows[1] and configs.SHIPPED in rows[1]
+    assert f"{measured['1']['speedup']:.3f}x@M=1" in rows[1]
+    for M, row in rows.items():
+        s = selection.choose(8, 1792, 4096, 2, "bf16", M, "NVIDIA_H200", triton_version=SHIPPED_TRITON)
+        assert row.split()[1:1 + len(s.path.split())] == s.path.split() and s.config.label in row
+        assert (s.fallback or s.route.why) in row
+    assert any(r.split()[1] == "vllm" and "routed to vLLM" in r for r in rows.values())
+    assert "E=8 N=1792 K=4096 topk=2 bf16, 32 layers" in out and "vLLM MoE backend: triton" in out
+
+
+def test_tables_of_another_triton_are_refused_and_defaults_shown(tmp_path, capsys) -> None:
+    rc = explain.main(["--model", _model(tmp_path), "-tp", "8", "--device", "NVIDIA_H200",
+                       "--triton-version", "0.0.1-other", "--m", "1,64"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "refused: " in out and "made under Triton " + SHIPPED_TRITON in out
+    rows = _rows(out)
+    assert "default: decode-path heuristic" in rows[1]
+    assert "default rule" in out and configs.SHIPPED not in rows[64]
+
+
+def test_block_fp8_layers_are_selected_as_their_format(tmp_path, capsys) -> None:
+    """A block-FP8 checkpoint's layers are named by their format and follow selection's route
+    (the default rule: ours on the decode buckets), as the hook, which accepts a block call
+    with vLLM's scale layouts, serves them."""
+    model = _model(tmp_path, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    assert explain.main(["--model", model, "--m", "1,64"]) == 0
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    assert "fp8_w8a8,block_shape=[128,128]" in out and explain.SCHEME_FALLBACKS == {}
+    assert not any("unsupported by ours" in r for r in rows.values())
+    assert rows[1].split()[1] == "ours" and rows[64].split()[1] == "vllm"
+    E, N, K, M, fp8 = 4, 128, 256, 2, torch.float8_e4m3fn
+    quant = SimpleNamespace(use_fp8_w8a8=True, quant_dtype=fp8, block_shape=[128, 128],
+                            per_act_token_quant=False, gemm1_clamp_limit=None, gemm1_alpha=None,
+                            gemm1_beta=None)
+    experts = SimpleNamespace(quant_config=quant, _lora_context=None, w1_bias=None, w2_bias=None,
+                              quantization_emulation=False, block_shape=[128, 128],
+                              per_act_token_quant=False, w1_scale=torch.ones(E, 2, 2),
+                              w2_scale=torch.ones(E, 2, 1), a2_scale=None)
+    call = vllm_compat.ApplyCall(torch.zeros(M, K, dtype=torch.bfloat16), torch.zeros(M, K, dtype=fp8),
+                                 torch.zeros(E, 2 * N, K, dtype=fp8), torch.zeros(E, K, N, dtype=fp8),
+                                 torch.ones(M, 2), torch.zeros(M, 2, dtype=torch.int32),
+                                 SimpleNamespace(name="SILU"), -1, None, torch.ones(M, 2), None,
+                                 torch.zeros(1), torch.zeros(1), None, False)
+    assert unsupported_reason(experts, call, require_cuda=False) is None
+
+
+def test_bad_models_exit_2(tmp_path, capsys) -> None:
+    assert explain.main(["--model", str(tmp_path / "missing")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    gpt_oss = _model(tmp_path, architectures=["GptOssForCausalLM"])
+    assert explain.main(["--model", gpt_oss]) == 2
+    assert "vLLM's kernels serve it" in capsys.readouterr().err
+
+
+def test_console_script_dispatches_explain(tmp_path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    res = subprocess.run([sys.executable, "-m", "service", "explain", "--model", _model(tmp_path),
+                          "--m", "1"], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert sorted(_rows(res.stdout)) == [1] and "moe-serve explain:" in res.stdout
+
+
+def test_on_a_gpu_the_device_and_arch_come_from_it(tmp_path, capsys, monkeypatch) -> None:
+    """Without --device the GPU's table name and compute capability are used (simulated H200)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert explain.main(["--model", _model(tmp_path), "-tp", "8", "--triton-version", SHIPPED_TRITON,
+                         "--m", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "on NVIDIA_H200, " in out and out.splitlines()[0].endswith("arch sm90")
+    assert configs.SHIPPED in _rows(out)[1]
