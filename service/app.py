@@ -152,12 +152,14 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
             vllm_version = vllm.__version__
         except ImportError:
             vllm_version = None
+        await state.refresh_worker_reports()
         return {"version": __version__, "vllm": vllm_version, "vllm_pins": state.engine.vllm_pins,
-                "model": settings.model_name,
-                "moe_kernels": settings.moe_kernels, **workers_summary(state.runtime_dir)}
+                "model": settings.model_name, "moe_kernels": settings.moe_kernels,
+                **workers_summary(state.runtime_dir, state.remote_workers)}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(_: Request) -> Response:
+        await state.refresh_worker_reports()
         return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
 
     def count_refused(scope: dict, http_status: int | None) -> None:

@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any
 
-from service.settings import DEFAULT_REQUEST_TIMEOUT_S, Settings, SettingsError, env_default
+from service.settings import DEFAULT_REQUEST_TIMEOUT_S, EXECUTOR_BACKENDS, Settings, SettingsError, env_default
 
 KEEP_ALIVE_S = 75  # seconds an idle HTTP connection is kept open
 
@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=e("served_model_name"))
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=e("tensor_parallel_size"),
                    help="default: all visible GPUs (at most 8); 1 on CPU")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=int(e("pipeline_parallel_size", 1)),
+                   help="pipeline stages (default 1); stages can sit on different nodes with the ray backend")
+    p.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS,
+                   default=e("distributed_executor_backend"),
+                   help="vLLM's executor: mp (worker processes on this node; vLLM's default), ray (workers "
+                   "on the nodes of a running Ray cluster: one replica over several nodes), uni (one process)")
     p.add_argument("--dtype", default=e("dtype", "auto"))
     p.add_argument("--max-model-len", type=int, default=e("max_model_len"))
     p.add_argument("--quantization", default=e("quantization"))
@@ -135,7 +141,8 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
     opt_float = lambda v: None if v in (None, "") else float(v)  # noqa: E731
     return Settings(
         model=args.model, served_model_name=args.served_model_name,
-        tensor_parallel_size=opt_int(args.tensor_parallel_size), dtype=args.dtype,
+        tensor_parallel_size=opt_int(args.tensor_parallel_size), pipeline_parallel_size=args.pipeline_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend or None, dtype=args.dtype,
         max_model_len=opt_int(args.max_model_len), quantization=args.quantization,
         gpu_memory_utilization=opt_float(args.gpu_memory_utilization),
         max_num_seqs=opt_int(args.max_num_seqs),

@@ -44,6 +44,7 @@ def build_engine_args(settings: Settings, model_path: str) -> Any:
         "model": model_path,
         "served_model_name": [settings.model_name],
         "tensor_parallel_size": settings.resolved_tensor_parallel_size(),
+        "pipeline_parallel_size": settings.pipeline_parallel_size,
         "dtype": settings.dtype,
         "disable_log_stats": False,
     }
@@ -61,6 +62,8 @@ def build_engine_args(settings: Settings, model_path: str) -> Any:
         kwargs["quantization"] = settings.quantization
     if settings.max_num_seqs is not None:
         kwargs["max_num_seqs"] = settings.max_num_seqs
+    if settings.distributed_executor_backend:
+        kwargs["distributed_executor_backend"] = settings.distributed_executor_backend
     if settings.model is None:  # the embedded model: see EMBEDDED_STRUCTURED_OUTPUTS
         kwargs["structured_outputs_config"] = dict(EMBEDDED_STRUCTURED_OUTPUTS)
     kwargs.update(settings.engine_args)
@@ -250,6 +253,9 @@ def kernel_plugin_installed() -> bool:
     return any(ep.name == PLUGIN_NAME for ep in entry_points(group=PLUGIN_GROUP))
 
 
+RAY_ENV_PREFIXES = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
+
+
 def default_engine_env(embedded_model: bool = False) -> None:
     """Environment defaults vLLM needs here (set only where the user has not)."""
     if embedded_model:
@@ -264,3 +270,8 @@ def default_engine_env(embedded_model: bool = False) -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    # vLLM's legacy Ray executor (VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0) copies only some env vars
+    # to its workers: add ours (kernel mode, runtime dir); the V2 executor copies them all.
+    prefixes = [p for p in os.environ.get(RAY_ENV_PREFIXES, "").split(",") if p]
+    if "MOE_SERVE_" not in prefixes:
+        os.environ[RAY_ENV_PREFIXES] = ",".join([*prefixes, "MOE_SERVE_"])

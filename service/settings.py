@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 MoeKernels = Literal["optimized", "vllm"]
-MAX_TENSOR_PARALLEL = 8
+MAX_TENSOR_PARALLEL = 8  # one node's GPUs; over several nodes (executor backend ray) there is no cap
+EXECUTOR_BACKENDS = ("mp", "ray", "uni")  # vLLM's distributed_executor_backend values a server can use
 EMBEDDED_MODEL_NAME = "moe-serve-tiny-mixtral"
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 
@@ -33,6 +34,8 @@ class Settings:
     model: str | None = None  # None: the embedded tiny Mixtral
     served_model_name: str | None = None
     tensor_parallel_size: int | None = None  # None: all visible GPUs (max 8), 1 on CPU
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None: vLLM's choice (mp on one node); ray: a Ray cluster
     dtype: str = "auto"
     max_model_len: int | None = None
     quantization: str | None = None
@@ -103,8 +106,15 @@ class Settings:
         tp = self.tensor_parallel_size
         if self.tune_budget_minutes <= 0:
             raise SettingsError(f"--tune-budget-minutes must be > 0, got {self.tune_budget_minutes}")
-        if tp is not None and not 1 <= tp <= MAX_TENSOR_PARALLEL:
-            raise SettingsError(f"--tensor-parallel-size must be in 1..{MAX_TENSOR_PARALLEL}, got {tp}")
+        backend = self.executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise SettingsError(f"--distributed-executor-backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                                f"got {backend!r}")
+        if tp is not None and (tp < 1 or (tp > MAX_TENSOR_PARALLEL and backend != "ray")):
+            raise SettingsError(f"--tensor-parallel-size must be in 1..{MAX_TENSOR_PARALLEL} (more only over "
+                                f"several nodes, with --distributed-executor-backend ray), got {tp}")
+        if self.pipeline_parallel_size < 1:
+            raise SettingsError(f"--pipeline-parallel-size must be >= 1, got {self.pipeline_parallel_size}")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise SettingsError("--gpu-memory-utilization must be in (0, 1]")
         if not 0 <= self.port <= 65535:
@@ -134,6 +144,12 @@ class Settings:
         if self.malloc_trim_interval_s < 0:
             raise SettingsError("--malloc-trim-interval must be >= 0 (0 disables)")
         return self
+
+    @property
+    def executor_backend(self) -> str | None:
+        """vLLM's executor backend: --distributed-executor-backend, or the same key given with
+        --engine-arg (which wins, as every pass-through arg does)."""
+        return self.engine_args.get("distributed_executor_backend", self.distributed_executor_backend)
 
     def resolved_tensor_parallel_size(self) -> int:
         """TP size to start with: the flag, else all visible GPUs (<= 8), else 1."""

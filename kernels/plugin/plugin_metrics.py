@@ -9,15 +9,27 @@ multiprocess files cannot delete a series; the API side drops 0-valued ``*_info`
 
 Multiprocess mode is switched on in the worker process only (``enable_multiprocess``): the API
 process keeps its in-memory registry, and vLLM's ``vllm:*`` series stay where vLLM puts them.
+
+Workers on other nodes (vLLM's Ray executor) write the same files into the runtime dir of *their*
+node, which the API process cannot read. So every worker also answers vLLM's ``collective_rpc``
+under the name ``REPORT_METHOD`` (``worker_report``): given the server id the API process wrote
+into its runtime dir (``SERVER_ID_FILE``), a worker whose dir holds that id answers None (the API
+reads its files), any other answers its own series as plain data (msgpack-safe: vLLM carries it
+from the worker through the engine core to the API process).
 """
 from __future__ import annotations
 
+import glob
 import os
+import socket
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, values
+from prometheus_client.multiprocess import MultiProcessCollector
 
 RUNTIME_DIR_ENV = "MOE_SERVE_RUNTIME_DIR"
+SERVER_ID_FILE = "server-id"  # in the runtime dir: the id of the API process that reads it
+REPORT_METHOD = "moe_serve_plugin_report"  # a worker attribute, called through collective_rpc
 PREFIX = "moe_serve_"
 JIT_COMPILES = "moe_serve_triton_jit_compiles"
 JIT_CACHE_LOADS = "moe_serve_triton_jit_cache_loads"
@@ -33,6 +45,8 @@ WARMUP_SHAPES = "moe_serve_plugin_warmup_shapes"
 KERNEL_INFO_LABELS = ("backend", "swap_ab", "dtype", "tp_size", "mode")
 WORKER_INFO_LABELS = ("rank", "mode", "phase", "moe_hook", "jit_monitor")  # + pid (gauge mode 'all')
 LAUNCH_PATHS = ("optimized", "routed_to_vllm", "fallback")
+GAUGE_MODES = {KERNEL_INFO: "max", ROUTING_INFO: "max", WORKER_INFO: "all", WORKERS_REPORTING: "sum",
+               WARMUP_SECONDS: "all", WARMUP_SHAPES: "all"}  # how each gauge combines over workers
 JIT_FAMILIES = {  # Triton event kind (kernels.plugin.jit_monitor) -> (family, help)
     "compile": (JIT_COMPILES, "Triton JIT compilations in the vLLM workers, per kernel, phase "
                 "(warmup|serving) and TP rank (sum over rank for the server)"),
@@ -48,6 +62,35 @@ def enable_multiprocess(path: str) -> None:
     fresh MultiProcessValue also drops files an earlier value class had opened elsewhere)."""
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
     values.ValueClass = values.MultiProcessValue()
+
+
+def ensure_runtime_dir(path: str) -> bool:
+    """True if `path` is a directory on this node, created if missing (a worker on another node
+    than the API process: its files there reach the API process through ``worker_report``)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return False
+    return True
+
+
+def worker_report(runtime_dir: str, server_id: str) -> dict[str, Any] | None:
+    """This worker's moe_serve_* series for an API process that cannot read its files: None
+    when `runtime_dir` is that API process's (its SERVER_ID_FILE holds `server_id`), else
+    {"node": host name, "pid": pid, "families": [{"name", "type", "help", "samples":
+    [[sample name, labels, value], ...]}, ...]} (prometheus-client's merge of this pid's files)."""
+    try:
+        with open(os.path.join(runtime_dir, SERVER_ID_FILE)) as f:
+            if f.read().strip() == server_id:
+                return None
+    except OSError:
+        pass  # no id file: not the API process's node
+    pid = os.getpid()
+    files = glob.glob(os.path.join(glob.escape(runtime_dir), f"*_{pid}.db"))
+    families = [{"name": fam.name, "type": fam.type, "help": fam.documentation,
+                 "samples": [[s.name, dict(s.labels), s.value] for s in fam.samples]}
+                for fam in MultiProcessCollector.merge(files, accumulate=True) if fam.name.startswith(PREFIX)]
+    return {"node": socket.gethostname(), "pid": pid, "families": families}
 
 
 class PluginMetrics:
@@ -69,23 +112,26 @@ class PluginMetrics:
                                   "not support them, by reason", ["reason"], registry=registry)
         self._kernel_info = Gauge(KERNEL_INFO, "MoE kernel setup reported by the vLLM workers "
                                   "(value 1)", list(KERNEL_INFO_LABELS), registry=registry,
-                                  multiprocess_mode="max")
+                                  multiprocess_mode=GAUGE_MODES[KERNEL_INFO])
         self._routing = Gauge(ROUTING_INFO, "Backend per M range for each MoE layer shape, from "
                               "the measured routing table (ours = moe-serve kernel, vllm = vLLM's), "
-                              "value 1", ["shape", "routing"], registry=registry, multiprocess_mode="max")
+                              "value 1", ["shape", "routing"], registry=registry,
+                              multiprocess_mode=GAUGE_MODES[ROUTING_INFO])
         self._worker = Gauge(WORKER_INFO, "One series per vLLM worker process that loaded the "
                              "moe-serve plugin (value 1)", list(WORKER_INFO_LABELS), registry=registry,
-                             multiprocess_mode="all")
+                             multiprocess_mode=GAUGE_MODES[WORKER_INFO])
         self._reporting = Gauge(WORKERS_REPORTING, "vLLM worker processes whose plugin reports, "
-                                "by phase", ["phase"], registry=registry, multiprocess_mode="sum")
+                                "by phase", ["phase"], registry=registry,
+                                multiprocess_mode=GAUGE_MODES[WORKERS_REPORTING])
         self._failures = Counter(WARMUP_FAILURES, "Plugin warm-up steps that raised (the worker "
                                  "serves anyway; serving may then compile)", ["rank"],
                                  registry=registry).labels(self.rank)
         self._failures.inc(0)
-        self._warm_s = Gauge(WARMUP_SECONDS, "Seconds the plugin spent warming MoE kernels up",
-                             ["rank"], registry=registry, multiprocess_mode="all").labels(self.rank)
+        self._warm_s = Gauge(WARMUP_SECONDS, "Seconds the plugin spent warming MoE kernels up", ["rank"],
+                             registry=registry, multiprocess_mode=GAUGE_MODES[WARMUP_SECONDS]).labels(self.rank)
         self._warm_shapes = Gauge(WARMUP_SHAPES, "MoE layer shapes the plugin warmed up", ["rank"],
-                                  registry=registry, multiprocess_mode="all").labels(self.rank)
+                                  registry=registry,
+                                  multiprocess_mode=GAUGE_MODES[WARMUP_SHAPES]).labels(self.rank)
         self._labels: dict[str, tuple[str, ...]] = {}
 
     def jit(self, kernel: str, phase: str, kind: str, n: int = 1) -> None:

@@ -7,7 +7,9 @@ process, the engine core and every worker (docs/architecture.md). The plugin the
    ``MOE_SERVE_MOE_KERNELS=optimized`` the MoE hook on TritonExperts.apply (kernels/plugin/moe_hook.py).
 2. worker init (workers only): reads rank and scheduler limits (vllm_compat.worker_facts),
    switches this process's metrics to prometheus multiprocess files in the runtime dir
-   (kernels/plugin/plugin_metrics.py) and wraps the worker's compile_or_warm_up_model.
+   (kernels/plugin/plugin_metrics.py), gives the worker the method through which the API process
+   asks a worker on another node for them (``REPORT_METHOD``, over vLLM's collective_rpc) and
+   wraps the worker's compile_or_warm_up_model.
 3. kernel warm-up, before and after vLLM's own warm-up / CUDA-graph capture: every MoE layer
    shape seen gets its kernel variants compiled (kernels/plugin/layer_warmup.py). A failure is logged
    and counted (moe_serve_plugin_warmup_failures_total); it never stops the worker.
@@ -24,6 +26,7 @@ MOE_SERVE_MOE_ROUTING (kernels/moe/routing.py), MOE_SERVE_VLLM_WARMUP_MAX_CALLS
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -33,7 +36,8 @@ from kernels.plugin import jit_monitor
 from kernels.plugin import vllm_compat as vc
 from kernels.plugin.layer_warmup import LayerWarmup
 from kernels.plugin.moe_hook import MoeHook
-from kernels.plugin.plugin_metrics import RUNTIME_DIR_ENV, PluginMetrics, enable_multiprocess
+from kernels.plugin.plugin_metrics import (REPORT_METHOD, RUNTIME_DIR_ENV, PluginMetrics, enable_multiprocess,
+                                           ensure_runtime_dir, worker_report)
 
 MODE_ENV = "MOE_SERVE_MOE_KERNELS"
 JIT_PHASE_RPC = "moe_serve_set_jit_phase"  # a worker method: collective_rpc(JIT_PHASE_RPC, args=(phase,))
@@ -111,11 +115,12 @@ class MoePlugin:
     # -- 2. worker init ---------------------------------------------------------------------
     def on_worker_init(self, worker: Any) -> None:
         self.facts = vc.worker_facts(worker)
-        if self.runtime_dir and os.path.isdir(self.runtime_dir):
+        if self.runtime_dir and ensure_runtime_dir(self.runtime_dir):  # set by the API process
             enable_multiprocess(self.runtime_dir)
             self.metrics = PluginMetrics(self.facts.rank, self.mode)
             for (kernel, phase, kind), n in jit_monitor.snapshot().items():
                 self.metrics.jit(kernel, phase, kind, n)  # compiles before this point
+            setattr(worker, REPORT_METHOD, functools.partial(worker_report, self.runtime_dir))
         self._report_state()
         if vc.wrap_method(type(worker), vc.WARMUP_METHOD, self._around_vllm_warmup):
             self.hooks.append(f"{type(worker).__qualname__}.{vc.WARMUP_METHOD}")
