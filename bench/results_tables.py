@@ -83,6 +83,7 @@ NOW_KERNELS = (*B2, T3 + "validation.json")   # later files replace earlier ones
 NOW_TUNE = (K1 + "kernels_session_b/tune_bf16.log", K1 + "kernels_session_b/tune_fp8.log", T3 + "tune.log")
 REGISTRY: dict[str, Entry] = {
     "serve-ab-cpu-embedded": Entry(("2026-12-02/serve_ab_cpu_embedded",), sr.results_table),
+    "serve-ab": Entry(("2026-12-02/session7_serve_ab",), sr.results_table),
     "readme-headline": Entry((NOW_FP8, NOW_BF16, *NOW_KERNELS), rn.headline),
     "now-decode-ab": Entry((NOW_FP8, NOW_FP8, NOW_BF16), rn.decode_ab_summary,
                            ((("moe-serve", "stock"), ("moe-serve", "vllm-triton"), ("moe-serve", "stock")),)),

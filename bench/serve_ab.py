@@ -14,7 +14,10 @@ weights and the Mixtral tokenizer, `--model embedded`, or `--model-dir` any loca
 identical engine flags (bench/serve_servers.py). Round r runs the variants in rotated order (for
 three variants, every second cycle of rotations reversed, so each variant takes each position
 and precedes each other one equally often). Each server gets closed-loop streaming loads at
-every `--concurrency` c: a warm-up, then `--requests-per-level` requests with exactly c in flight,
+every `--concurrency` c: first an untimed pass over every level (one-time compiles of a fresh
+server, e.g. vLLM's fused_moe_kernel for each new batch size, stalled streams 1-2 s on the H200;
+`--no-warmup-pass` keeps them in), then per level a warm-up and `--requests-per-level` requests
+with exactly c in flight,
 fixed prompt and output lengths (bench/serve_load.py). Ratios, intervals and the roofline come
 from bench/serve_stats.py, the table from bench/serve_render.py.
 
@@ -76,6 +79,11 @@ def warmup_count(c: int) -> int:
     return c * -(-4 // c)
 
 
+def warmup_pass_count(c: int) -> int:
+    """Requests per level of the warm-up pass: at least 16, two waves of c or more."""
+    return c * max(2, -(-16 // c))
+
+
 def requests_at(c: int, per_level: int | None) -> int:
     return per_level if per_level else max(2 * c, 32)
 
@@ -107,7 +115,7 @@ def on_gpu() -> bool:
 
 def workload_of(a: argparse.Namespace, name: str, cfg: dict[str, Any], flags: EngineFlags) -> dict[str, Any]:
     return {"model": name, "config_sha256": config_sha(cfg), "levels": a.levels, "prompt_tokens": a.prompt_tokens,
-            "output_tokens": a.output_tokens, "engine": flags.as_dict()}
+            "output_tokens": a.output_tokens, "engine": flags.as_dict(), "warmup_pass": a.warmup_pass}
 
 
 def roofline_bytes(cfg: dict[str, Any], tp: int, levels: list[int]) -> dict[str, float] | None:
@@ -136,6 +144,9 @@ async def drive(base_url: str, a: argparse.Namespace, vocab: int, pdir: Path, pr
     """The timed levels, then (profile) the profiled bursts; every request into requests.jsonl."""
     client = LoadClient(base_url, SERVED_NAME, a.prompt_tokens, vocab, pdir / "requests.jsonl")
     try:
+        if a.warmup_pass:   # every level once before any is timed: one-time compiles and
+            for stage, c in enumerate(a.levels):   # allocations of every batch size land here
+                await client.level(stage, c, warmup_pass_count(c), 0, a.output_tokens)
         for stage, c in enumerate(a.levels):
             recs = await client.level(stage, c, warmup_count(c), requests_at(c, a.requests_per_level), a.output_tokens)
             measured = [asdict(r) for r in recs if r.phase == "measured"]
@@ -280,6 +291,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--concurrency", dest="levels", type=ints, default=[1, 8, 32, 64])
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--no-warmup-pass", dest="warmup_pass", action="store_false",
+                   help="skip the untimed pass over every level before the timed one (then a fresh "
+                        "server's one-time JIT compiles and allocations fall into the timed levels)")
     p.add_argument("--requests-per-level", type=int, default=None, help="default max(2c, 32)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=256)

@@ -29,7 +29,8 @@ from typing import Any
 from bench.decode_stats import ratio_ci
 
 COMPLETE = "complete"
-WORKLOAD_KEYS = ("model", "config_sha256", "levels", "prompt_tokens", "output_tokens", "engine")
+WORKLOAD_KEYS = ("model", "config_sha256", "levels", "prompt_tokens", "output_tokens", "engine",
+                 "warmup_pass")
 
 
 @dataclass
@@ -46,7 +47,7 @@ class Process:
 
 
 def workload(meta: dict[str, Any]) -> dict[str, Any]:
-    return {k: meta["workload"][k] for k in WORKLOAD_KEYS}
+    return {k: meta["workload"].get(k, False) for k in WORKLOAD_KEYS}   # older runs: no warm-up pass
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

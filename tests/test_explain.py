@@ -82,15 +82,15 @@ def test_tables_of_another_triton_are_refused_and_defaults_shown(tmp_path, capsy
 
 def test_block_fp8_layers_are_selected_as_their_format(tmp_path, capsys) -> None:
     """A block-FP8 checkpoint's layers are named by their format and follow selection's route
-    (the default rule: ours on the decode buckets), as the hook, which accepts a block call
-    with vLLM's scale layouts, serves them."""
+    (untuned: vLLM at every M, since the format has no default rule), and the hook accepts a
+    block call with vLLM's scale layouts for where a tuned table routes them to ours."""
     model = _model(tmp_path, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
     assert explain.main(["--model", model, "--m", "1,64"]) == 0
     out = capsys.readouterr().out
     rows = _rows(out)
     assert "fp8_w8a8,block_shape=[128,128]" in out and explain.SCHEME_FALLBACKS == {}
     assert not any("unsupported by ours" in r for r in rows.values())
-    assert rows[1].split()[1] == "ours" and rows[64].split()[1] == "vllm"
+    assert rows[1].split()[1] == "vllm" and rows[64].split()[1] == "vllm"
     E, N, K, M, fp8 = 4, 128, 256, 2, torch.float8_e4m3fn
     quant = SimpleNamespace(use_fp8_w8a8=True, quant_dtype=fp8, block_shape=[128, 128],
                             per_act_token_quant=False, gemm1_clamp_limit=None, gemm1_alpha=None,

@@ -55,7 +55,7 @@ def decode_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
     for fp8, the up kernel) splits its reduction where its tiles leave most SMs idle
     (decode_split): on the H200 (bench/results/2026-12-02/session7_kernels/decode_split.json)
     splitting won where a kernel had <= ~64 programs and lost where it already had ~128, and
-    splitting the bf16 up kernel lost in 8 of 10 shapes at M = 1. Not the default until the
+    splitting the bf16 up kernel lost in 6 of the 8 shapes where it was split. Not the default until the
     routing table's untuned-shape cells are measured with it. Block FP8: BLOCK_K = the
     activation group (128) in both kernels, so one more stage each keeps about as many weight
     bytes in flight (untimed: a starting point for the tuner)."""

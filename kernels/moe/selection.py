@@ -135,14 +135,26 @@ def _table_entry(E: int, N: int, K: int, dtype: str, device: str,
     return entry, ""
 
 
+# Formats whose untuned decode path beat vLLM where measured, so the default rule may route
+# their unmeasured shapes to ours. Block-scaled and per-token FP8 did not (0.50-0.96x at M = 1
+# and 4 on three shapes: bench/results/2026-12-02/session7_fp8): they run ours only where a
+# tuned routing table measured it faster.
+DEFAULT_RULE_DTYPES = ("bf16", "fp16", "fp32", "fp8")
+
+
+def _default_ranges(E: int, N: int, K: int, dtype: str, topk: int | None) -> list[dict]:
+    """The default rule's ranges for a shape no table names ([] = all vLLM)."""
+    return routing.default_ranges(E, N, K, topk) if topk and dtype in DEFAULT_RULE_DTYPES else []
+
+
 def ranges(E: int, N: int, K: int, dtype: str, device: str | None = None, topk: int | None = None,
            triton_version: str | None = None) -> list[dict]:
-    """The M ranges for a shape: its routing entry's, else the default rule's (needs topk),
-    else [] (all vLLM)."""
+    """The M ranges for a shape: its routing entry's, else the default rule's (needs topk and a
+    dtype in DEFAULT_RULE_DTYPES), else [] (all vLLM)."""
     entry, _ = _table_entry(E, N, K, dtype, device or configs.device_name(), triton_version)
     if entry:
         return list(entry.get("ranges", []))
-    return routing.default_ranges(E, N, K, topk) if topk else []
+    return _default_ranges(E, N, K, dtype, topk)
 
 
 def route_choice(E: int, N: int, K: int, dtype: str, M: int, device: str | None = None,
@@ -156,6 +168,9 @@ def route_choice(E: int, N: int, K: int, dtype: str, M: int, device: str | None 
     if entry is None:
         if not topk:
             return RouteChoice(routing.VLLM, no_entry, None, None, "top-k unknown: vLLM")
+        if dtype not in DEFAULT_RULE_DTYPES:
+            return RouteChoice(routing.VLLM, no_entry, None, None,
+                               f"{dtype}: untuned, ours only where a tuned table measured it faster")
         backend = routing.route_in(routing.default_ranges(E, N, K, topk), M)
         why = ("the decode path is the default at this M" if backend == routing.OURS
                else "the decode path is not the default at this M")

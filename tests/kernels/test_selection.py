@@ -87,3 +87,18 @@ def test_env_policy_and_unsupported_layers(env_dir, monkeypatch):
     monkeypatch.setenv(routing.ROUTING_ENV, "ours")
     blocked = selection.choose(*MIXTRAL, 1, **H200, unsupported="fp8_block")
     assert blocked.path == selection.VLLM and blocked.fallback == "unsupported by ours: fp8_block"
+
+
+def test_untuned_block_and_per_token_fp8_route_to_vllm():
+    """Block-scaled and per-token FP8 have no default rule (their untuned decode path measured
+    slower than vLLM's): a shape no table names goes to vLLM at every M, saying why; per-tensor
+    fp8 and bf16 keep the default rule."""
+    from kernels.moe import quant_format, selection
+
+    for fmt in (quant_format.block_key(128, 128), "fp8_w8a8,per_token"):
+        for M in (1, 4, 64):
+            choice = selection.route_choice(3, 256, 512, fmt, M, "NVIDIA_H200", topk=2)
+            assert choice.backend == "vllm" and "untuned" in choice.why
+        assert selection.ranges(3, 256, 512, fmt, "NVIDIA_H200", topk=2) == []
+    for dt in ("bf16", "fp8"):
+        assert selection.route(3, 256, 512, dt, 1, "NVIDIA_H200", topk=1) == "ours"
