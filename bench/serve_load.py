@@ -24,7 +24,7 @@ import httpx
 
 from loadtest.records import Record, RecordWriter, make_record
 from loadtest.scenarios import RequestSpec
-from loadtest.stream import StreamTimer, error_message, request_body
+from loadtest.stream import StreamTimer, request_body, stream_into
 
 FIRST_PROMPT_ID = 1000            # prompt ids are drawn from [FIRST_PROMPT_ID, vocab)
 MAX_PROMPT_VOCAB = 32000          # the Mixtral tokenizer the dummy models carry
@@ -91,15 +91,8 @@ class LoadClient:
         path, body = request_body("completions", self.model, ids, output_tokens)  # type: ignore[arg-type]
         timer = TokenTimer(self.clock())
         try:
-            async with self.http.stream("POST", self.base_url + path, json=body,
-                                        headers={"Accept": "text/event-stream"}) as resp:
-                if resp.status_code != 200:
-                    timer.error = error_message(resp.status_code, await resp.aread())
-                else:
-                    done = False
-                    async for line in resp.aiter_lines():
-                        if not done:
-                            done = timer.line(line, self.clock())
+            await stream_into(timer, self.http, self.base_url + path, body,
+                              {"Accept": "text/event-stream"}, self.clock)
         except Exception as exc:  # noqa: BLE001 - a broken connection is a failed request
             timer.error = timer.error or f"{type(exc).__name__}: {exc}"
         timer.finish(self.clock())

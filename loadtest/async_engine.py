@@ -15,7 +15,7 @@ import httpx
 
 from loadtest.records import RecordWriter, make_record
 from loadtest.scenarios import Scenario
-from loadtest.stream import StreamTimer, error_message, request_body
+from loadtest.stream import StreamTimer, request_body, stream_into
 
 
 class AsyncRunner:
@@ -43,14 +43,7 @@ class AsyncRunner:
         stage = self.sc.stage_index(timer.t_send)
         status = "cancelled"
         try:
-            async with client.stream("POST", self.host + path, json=body, headers=self.headers) as resp:
-                if resp.status_code != 200:
-                    timer.error = error_message(resp.status_code, await resp.aread())
-                else:
-                    done = False
-                    async for line in resp.aiter_lines():
-                        if not done:
-                            done = timer.line(line, self.clock())
+            await stream_into(timer, client, self.host + path, body, self.headers, self.clock)
             timer.finish(self.clock())
             status = "error" if timer.error else "ok"
         except asyncio.CancelledError:

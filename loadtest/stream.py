@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any, Callable
 
 
 def request_body(endpoint: str, model: str, prompt: str, max_tokens: int) -> tuple[str, dict]:
@@ -19,6 +20,20 @@ def request_body(endpoint: str, model: str, prompt: str, max_tokens: int) -> tup
         return "/v1/chat/completions", body
     body["prompt"] = prompt
     return "/v1/completions", body
+
+
+async def stream_into(timer: StreamTimer, client: Any, url: str, body: dict, headers: dict,
+                      clock: Callable[[], float]) -> None:
+    """POST body to url as a stream (httpx.AsyncClient), feeding every SSE line to `timer`
+    (until it has seen the end); a non-200 answer becomes timer.error. Transport errors raise."""
+    async with client.stream("POST", url, json=body, headers=headers) as resp:
+        if resp.status_code != 200:
+            timer.error = error_message(resp.status_code, await resp.aread())
+            return
+        done = False
+        async for line in resp.aiter_lines():
+            if not done:
+                done = timer.line(line, clock())
 
 
 def error_message(status: int, body: bytes | str) -> str:
