@@ -63,7 +63,7 @@ async def _configure_grammar_checker(state: ServerState) -> None:
     try:
         info = await asyncio.to_thread(tokenizer_info_json, engine.tokenizer,
                                        engine.engine.model_config.get_vocab_size())
-        await state.grammar_checker.configure(info, state.runtime_dir)
+        await state.grammar_checker.configure(info)
     except Exception:  # noqa: BLE001 - serve anyway: structured-output requests get 503 until it runs
         logger.exception("the structured-output checker did not start")
 

@@ -15,7 +15,9 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import sys
+import tempfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -82,10 +84,13 @@ class GrammarChecker:
                   "max_parallel": self.max_parallel}
         self._proc.stdin.write((json.dumps(config) + "\n").encode())
 
-    async def configure(self, info_json: str | None, runtime_dir: Path, timeout_s: float = 300.0) -> None:
-        """Hand the checker the model's vocabulary and wait until it answers checks."""
+    async def configure(self, info_json: str | None, timeout_s: float = 300.0) -> None:
+        """Hand the checker the model's vocabulary (through a temp file of its own, removed by
+        close) and wait until it answers checks."""
         if info_json is not None:
-            self._info_path = runtime_dir / "xgrammar-tokenizer-info.json"
+            fd, name = tempfile.mkstemp(prefix="moe-serve-xgrammar-", suffix=".json")
+            os.close(fd)
+            self._info_path = Path(name)
             await asyncio.to_thread(self._info_path.write_text, info_json, "utf-8")
         self._configured = True
         self._send_config()
@@ -169,3 +174,5 @@ class GrammarChecker:
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
+        if self._info_path is not None:
+            self._info_path.unlink(missing_ok=True)
