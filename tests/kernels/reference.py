@@ -1,9 +1,13 @@
 """Float64 torch reference of the whole MoE layer and random-input helpers for the tests."""
 from __future__ import annotations
 
+import os
+from typing import Callable
+
 import torch
 
 FP8 = torch.float8_e4m3fn
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def moe_reference(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_w: torch.Tensor,
@@ -11,13 +15,16 @@ def moe_reference(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_w: t
                   w2_scale: torch.Tensor | None = None, a1_scale: torch.Tensor | None = None,
                   on_input: bool = False, quant_acts: str | None = None,
                   a2_scale: torch.Tensor | None = None,
-                  block_shape: tuple[int, int] | None = None) -> torch.Tensor:
+                  block_shape: tuple[int, int] | None = None,
+                  act_round: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """out[m] = sum_j w_mj * W2[e] (silu(W1g[e] x) * W1u[e] x) in float64. FP8 weights are
     dequantized with their (per-tensor [E], per-channel, or with block_shape (bn, bk) per-block
     [E, cdiv(R, bn), cdiv(C, bk)]) scales; fp8 x uses a1_scale (scalar, per token [M(, 1)], or
     per token group [M, cdiv(K, bk)]). quant_acts='static'|'dynamic'|'group' also rounds x and
     the SiLU output through fp8 the way the kernel does (static: a1/a2 scale; dynamic:
-    per-token absmax / 448; group: per token and bk columns). Experts < 0 contribute nothing."""
+    per-token absmax / 448; group: per token and bk columns); act_round rounds the SiLU output
+    first, as where the kernel stores it in the output dtype and GEMM2 quantizes it on load
+    (as_kernel_bf16). Experts < 0 contribute nothing."""
     E = w1.shape[0]
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -47,10 +54,22 @@ def moe_reference(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_w: t
             W1, W2 = expert(ids[m][j])
             xq = _fake_quant(X[m], quant_acts, a1_scale, group)
             h = W1 @ (xq * tw[m, j] if on_input else xq)           # [2N]
-            a = _fake_quant(torch.nn.functional.silu(h[:N]) * h[N:], quant_acts, a2_scale, group)
+            a = torch.nn.functional.silu(h[:N]) * h[N:]                     # [N]
+            if act_round is not None:
+                a = act_round(a)
+            a = _fake_quant(a, quant_acts, a2_scale, group)
             y = W2 @ a                                             # [K]
             out[m] += y if on_input else tw[m, j] * y
     return out
+
+
+def as_kernel_bf16(v: torch.Tensor) -> torch.Tensor:
+    """v rounded to bf16 the way a kernel's cast does, back in v's dtype: to nearest even on the
+    GPU; Triton's interpreter truncates (drops the low 16 bits of the fp32)."""
+    if not INTERPRET:
+        return v.to(torch.bfloat16).to(v.dtype)
+    bits = v.float().view(torch.int32) & -65536                      # 0xFFFF0000
+    return bits.view(torch.float32).to(v.dtype)
 
 
 def _weight_scale(s: torch.Tensor, E: int, shape: torch.Size,
