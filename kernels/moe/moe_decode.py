@@ -48,12 +48,12 @@ from kernels.moe.moe_tiles import (_a_scale, _dequant, _group_quant_cols, _mma, 
 
 
 @triton.jit
-def _arrive_last(cnt_ptr, SPLIT_K: tl.constexpr):
+def _arrive_last(cnt_ptr, arrivals):
     """Count this program's arrival at its tile (after its partial sums were added); True for
-    the last of the SPLIT_K programs, which also resets the counter for the next call."""
+    the last of the `arrivals` programs, which also resets the counter for the next call."""
     tl.debug_barrier()                      # every thread's partial atomics precede the count
     done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-    last = done == SPLIT_K - 1
+    last = done == arrivals - 1
     if last:
         tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
     tl.debug_barrier()

@@ -1,0 +1,156 @@
+"""The MoE router at decode in one launch: gate GEMV, scoring, top-k and renormalisation.
+
+For x [M, K] and the gate's weight w [E, K]:
+
+    logits[m, e] = sum_k x[m, k] * w[e, k]                       (fp32)
+    score        = softmax(logits[m]) | sigmoid(logits[m])
+    ids[m]       = the topk experts of score (+ bias[e], where the model has a correction bias)
+    weights[m]   = score[ids] (/ their sum if renormalize) * scaling
+
+router_topk_kernel   grid (M, cdiv(E, BLOCK_E), SPLIT_K)
+    Program (m, e-block, s) reduces its share of K for BLOCK_E experts. With one program per
+    token (BLOCK_E covers E, SPLIT_K 1) it goes straight to the top-k. Else it adds its fp32
+    partial logits into a workspace row with atomics, and the program that arrives last at the
+    token (kernels.moe.moe_decode's arrival counter) reads the row back while zeroing it and
+    runs the top-k: the workspace is zero again after every call, so no memset launch, and the
+    one launch replaces vLLM's gate GEMM and top-k kernels under CUDA graphs.
+
+Top-k is TOPK rounds of argmax over the E_P2 scores (ties to the lower expert id, as
+torch.topk's order on equal values is unspecified). Not covered (the caller keeps vLLM's
+router): grouped top-k, scoring functions other than softmax and sigmoid.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.moe.launch import jit, launch
+from kernels.moe.moe_decode import _arrive_last
+from kernels.moe.moe_decode_launch import split_workspace
+
+SOFTMAX, SIGMOID = 0, 1
+SCORING = {"softmax": SOFTMAX, "sigmoid": SIGMOID}
+MAX_EXPERTS = 1024          # E_P2 scores live in one program's registers
+TARGET_PROGRAMS = 128       # per call at small M: enough loads in flight to stream the gate
+TILE = 4096                 # gate elements a program loads per K step (BLOCK_E x BLOCK_K)
+
+
+@jit(do_not_specialize=["M", "K", "E"])
+def router_topk_kernel(
+    # pointers (ws_ptr [>= M * E_P2] fp32 and cnt_ptr [>= M] int32: the split workspace, zero
+    # between calls; unused with one program per token)
+    x_ptr, w_ptr, bias_ptr, topk_w_ptr, topk_ids_ptr, ws_ptr, cnt_ptr,
+    # sizes and strides (elements); scaling: routed scaling factor
+    M, K, E, stride_xm, stride_we, scaling,
+    # meta
+    TOPK: tl.constexpr, TOPK_P2: tl.constexpr, SCORING_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    RENORMALIZE: tl.constexpr, E_P2: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, ONE_PROGRAM: tl.constexpr,
+):
+    m = tl.program_id(0)
+    pid_e = tl.program_id(1)
+    s = tl.program_id(2)
+    offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_mask = offs_e < E
+    k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K       # K columns of split s
+    acc = tl.zeros((BLOCK_E,), dtype=tl.float32)                   # [BLOCK_E]
+    for k0 in range(s * k_span, tl.minimum(s * k_span + k_span, K), BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        xv = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        wv = tl.load(w_ptr + offs_e[:, None] * stride_we + offs_k[None, :],
+                     mask=e_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(wv * xv[None, :], axis=1)
+    offs = tl.arange(0, E_P2)
+    mask = offs < E
+    if ONE_PROGRAM:
+        logits = acc                                               # BLOCK_E == E_P2
+    else:
+        row = ws_ptr + m * E_P2
+        tl.atomic_add(row + offs_e, acc, mask=e_mask, sem="relaxed", scope="gpu")
+        if not _arrive_last(cnt_ptr + m, tl.num_programs(1) * SPLIT_K):
+            return
+        zero = tl.zeros((E_P2,), dtype=tl.float32)
+        logits = tl.atomic_add(row + offs, zero, mask=mask, sem="relaxed", scope="gpu")  # at L2
+        tl.store(row + offs, zero, mask=mask)
+    if SCORING_FN == 0:
+        lg = tl.where(mask, logits, float("-inf"))
+        p = tl.exp(lg - tl.max(lg, axis=0))
+        score = p / tl.sum(p, axis=0)
+    else:
+        score = tl.sigmoid(logits)
+    sel = score
+    if HAS_BIAS:
+        sel += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    sel = tl.where(mask, sel, float("-inf"))
+    slot = tl.arange(0, TOPK_P2)
+    top_w = tl.zeros((TOPK_P2,), dtype=tl.float32)
+    top_id = tl.zeros((TOPK_P2,), dtype=tl.int32)
+    for j in tl.static_range(TOPK):
+        best = tl.argmax(sel, axis=0, tie_break_left=True)
+        top_w = tl.where(slot == j, tl.sum(tl.where(offs == best, score, 0.0), axis=0), top_w)
+        top_id = tl.where(slot == j, best, top_id)
+        sel = tl.where(offs == best, float("-inf"), sel)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, axis=0)
+    out = m * TOPK + slot
+    tl.store(topk_w_ptr + out, top_w * scaling, mask=slot < TOPK)
+    tl.store(topk_ids_ptr + out, top_id, mask=slot < TOPK)
+
+
+def launch_plan(M: int, E: int, K: int) -> tuple[int, int, int]:
+    """(BLOCK_E, BLOCK_K, SPLIT_K) for M tokens: about TARGET_PROGRAMS programs in all, so a
+    one-token call streams the gate from many SMs; one program per token where M alone fills
+    the GPU or E and K are too small to split."""
+    e_p2 = triton.next_power_of_2(E)
+    block_e = min(e_p2, 32)
+    block_k = min(128, max(16, triton.next_power_of_2(K)))
+    e_blocks = triton.cdiv(E, block_e)
+    split = max(1, min(triton.cdiv(K, block_k), TARGET_PROGRAMS // max(1, M * e_blocks)))
+    if e_blocks * split == 1 or M >= TARGET_PROGRAMS:
+        return e_p2, max(16, min(block_k, TILE // e_p2)), 1
+    return block_e, block_k, split
+
+
+def router_topk(x: torch.Tensor, gate_w: torch.Tensor, topk: int, scoring: str = "softmax",
+                renormalize: bool = True, bias: torch.Tensor | None = None, scaling: float = 1.0,
+                out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights fp32 [M, topk], topk_ids int32 [M, topk]) for hidden states x [M, K] and
+    the gate's weight gate_w [E, K] (see the module doc); bias: [E] correction added for the
+    choice only; out: that pair to write into (else fresh tensors). No host sync: CUDA-graph
+    capturable."""
+    if x.dim() != 2 or gate_w.dim() != 2 or x.shape[1] != gate_w.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} and gate_w {tuple(gate_w.shape)} must be [M, K] and [E, K]")
+    M, K = x.shape
+    E = gate_w.shape[0]
+    if scoring not in SCORING:
+        raise ValueError(f"scoring {scoring!r} not in {sorted(SCORING)}")
+    if not 1 <= topk <= E or E > MAX_EXPERTS:
+        raise ValueError(f"need 1 <= topk ({topk}) <= E ({E}) <= {MAX_EXPERTS}")
+    if bias is not None and tuple(bias.shape) != (E,):
+        raise ValueError(f"bias {tuple(bias.shape)} must be [E={E}]")
+    if x.stride(1) != 1 or gate_w.stride(1) != 1:
+        raise ValueError("x and gate_w need unit stride along K")
+    if out is None:
+        out = (torch.empty((M, topk), dtype=torch.float32, device=x.device),
+               torch.empty((M, topk), dtype=torch.int32, device=x.device))
+    topk_w, topk_ids = out
+    if (tuple(topk_w.shape), topk_w.dtype, tuple(topk_ids.shape), topk_ids.dtype) != \
+            ((M, topk), torch.float32, (M, topk), torch.int32) or not (
+            topk_w.is_contiguous() and topk_ids.is_contiguous()):
+        raise ValueError(f"out must be contiguous fp32 and int32 [M={M}, topk={topk}]")
+    if M == 0:
+        return topk_w, topk_ids
+    e_p2 = triton.next_power_of_2(E)
+    block_e, block_k, split = launch_plan(M, E, K)
+    one = block_e == e_p2 and split == 1
+    ws, cnt = (topk_w, topk_ids) if one else split_workspace(x.device, M * e_p2, M)
+    launch(router_topk_kernel, (M, triton.cdiv(E, block_e), split),
+           x, gate_w, bias if bias is not None else topk_w, topk_w, topk_ids, ws, cnt,
+           M, K, E, x.stride(0), gate_w.stride(0), float(scaling),
+           TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), SCORING_FN=SCORING[scoring],
+           HAS_BIAS=bias is not None, RENORMALIZE=renormalize, E_P2=e_p2, BLOCK_E=block_e,
+           BLOCK_K=block_k, SPLIT_K=split, ONE_PROGRAM=one, num_warps=4)
+    return topk_w, topk_ids
