@@ -43,6 +43,7 @@ class Settings:
     cpu_kv_cache_bytes: int = 512 * 1024 * 1024
     max_num_seqs: int | None = None
     moe_kernels: MoeKernels = "optimized"
+    fused_router: bool = False  # kernels/plugin/router_hook.py, in every worker (optimized mode)
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = ()
