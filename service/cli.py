@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=e("max_num_seqs"))
     p.add_argument("--moe-kernels", choices=["optimized", "vllm"], default=e("moe_kernels", "optimized"),
                    help="optimized: moe-serve's Triton MoE kernels; vllm: stock vLLM (for A/B)")
+    p.add_argument("--fused-router", action="store_true", default=e("fused_router", "0") in ("1", "true"),
+                   help="with --moe-kernels optimized: a MoE layer's gate GEMM + top-k at decode in one launch "
+                   "of ours, where vLLM's runner holds the gate (Qwen3-MoE style); default off until measured")
     p.add_argument("--host", default=e("host", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(e("port", 8000)))
     p.add_argument("--api-key", action="append", default=None,
@@ -146,7 +149,8 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
         max_model_len=opt_int(args.max_model_len), quantization=args.quantization,
         gpu_memory_utilization=opt_float(args.gpu_memory_utilization),
         max_num_seqs=opt_int(args.max_num_seqs),
-        moe_kernels=args.moe_kernels, host=args.host, port=args.port, api_keys=tuple(keys),
+        moe_kernels=args.moe_kernels, fused_router=args.fused_router, host=args.host, port=args.port,
+        api_keys=tuple(keys),
         metrics_api_key=args.metrics_api_key, engine_args=dict(args.engine_arg),
         max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
         max_prompt_tokens_in_flight=opt_int(args.max_prompt_tokens_in_flight),

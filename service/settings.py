@@ -43,6 +43,7 @@ class Settings:
     cpu_kv_cache_bytes: int = 512 * 1024 * 1024
     max_num_seqs: int | None = None
     moe_kernels: MoeKernels = "optimized"
+    fused_router: bool = False  # kernels/plugin/router_hook.py, in every worker (optimized mode)
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = ()
@@ -123,6 +124,8 @@ class Settings:
             raise SettingsError("--max-model-len must be >= 16")
         if self.moe_kernels not in ("optimized", "vllm"):
             raise SettingsError(f"--moe-kernels must be 'optimized' or 'vllm', got {self.moe_kernels!r}")
+        if self.fused_router and self.moe_kernels != "optimized":
+            raise SettingsError("--fused-router runs moe-serve's router: it needs --moe-kernels optimized")
         for name in ("max_concurrent_requests", "max_queued_requests", "max_request_bytes", "max_n",
                      "max_stop_sequences", "max_batch_prompts", "max_messages", "max_structured_output_bytes",
                      "max_structured_output_choices", "structured_output_checkers", "max_header_bytes"):

@@ -10,7 +10,8 @@ from service.settings import Settings, SettingsError
 
 @pytest.fixture(autouse=True)
 def _no_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("REQUEST_TIMEOUT", "ENABLE_DOCS", "FORWARDED_ALLOW_IPS", "MODEL", "SERVED_MODEL_NAME"):
+    for name in ("REQUEST_TIMEOUT", "ENABLE_DOCS", "FORWARDED_ALLOW_IPS", "MODEL", "SERVED_MODEL_NAME",
+                 "FUSED_ROUTER", "MOE_KERNELS"):
         monkeypatch.delenv("MOE_SERVE_" + name, raising=False)
 
 
@@ -36,6 +37,15 @@ def test_docs_and_proxy_headers_are_off_unless_asked_for(monkeypatch: pytest.Mon
     assert on.enable_docs and on.forwarded_allow_ips == "10.0.0.1,10.0.0.2"
     monkeypatch.setenv("MOE_SERVE_ENABLE_DOCS", "1")
     assert settings_from_args([]).enable_docs
+
+
+def test_fused_router_is_off_by_default_and_needs_our_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not settings_from_args([]).fused_router
+    assert settings_from_args(["--fused-router"]).fused_router
+    monkeypatch.setenv("MOE_SERVE_FUSED_ROUTER", "1")
+    assert settings_from_args([]).fused_router
+    with pytest.raises(SettingsError, match="--moe-kernels optimized"):
+        settings_from_args(["--moe-kernels", "vllm"])
 
 
 def test_served_model_name_is_never_a_path(tmp_path) -> None:

@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe.launch import jit, launch
+from kernels.moe.aot import compile_launches
+from kernels.moe.launch import jit, launch, record_launches
 from kernels.moe.moe_decode import _arrive_last
 from kernels.moe.moe_decode_launch import split_workspace
 
@@ -34,6 +35,7 @@ SCORING = {"softmax": SOFTMAX, "sigmoid": SIGMOID}
 MAX_EXPERTS = 1024          # E_P2 scores live in one program's registers
 TARGET_PROGRAMS = 128       # per call at small M: enough loads in flight to stream the gate
 TILE = 4096                 # gate elements a program loads per K step (BLOCK_E x BLOCK_K)
+MAX_M = 16                  # the serving path's largest M (kernels.plugin.router_hook)
 
 
 @jit(do_not_specialize=["M", "K", "E"])
@@ -108,6 +110,7 @@ def launch_plan(M: int, E: int, K: int) -> tuple[int, int, int]:
     block_k = min(128, max(16, triton.next_power_of_2(K)))
     e_blocks = triton.cdiv(E, block_e)
     split = max(1, min(triton.cdiv(K, block_k), TARGET_PROGRAMS // max(1, M * e_blocks)))
+    split = 1 << (split.bit_length() - 1)                          # powers of two: few variants
     if e_blocks * split == 1 or M >= TARGET_PROGRAMS:
         return e_p2, max(16, min(block_k, TILE // e_p2)), 1
     return block_e, block_k, split
@@ -154,3 +157,26 @@ def router_topk(x: torch.Tensor, gate_w: torch.Tensor, topk: int, scoring: str =
            HAS_BIAS=bias is not None, RENORMALIZE=renormalize, E_P2=e_p2, BLOCK_E=block_e,
            BLOCK_K=block_k, SPLIT_K=split, ONE_PROGRAM=one, num_warps=4)
     return topk_w, topk_ids
+
+
+def warm_router_variants(gate_w: torch.Tensor, topk: int, scoring: str, has_bias: bool,
+                         max_m: int = MAX_M, compile_only: bool = False) -> int:
+    """Compile every variant router_topk launches for this gate at M = 1..max_m: run it on zero
+    hidden states (or, compile_only, record the launches and compile them for sm_90 with
+    kernels.moe.aot, no GPU needed). Returns the number of distinct variants."""
+    E, K = gate_w.shape
+    bias = torch.zeros(E, dtype=torch.float32, device=gate_w.device) if has_bias else None
+    seen: set[tuple] = set()
+    for M in range(1, max_m + 1):
+        x = torch.zeros((M, K), dtype=gate_w.dtype, device=gate_w.device)
+        with record_launches() as launches:
+            router_topk(x, gate_w, topk, scoring, bias=bias)
+        key = tuple(sorted(launches[0][3].items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        if compile_only:
+            compile_launches(launches)
+        else:
+            router_topk(x, gate_w, topk, scoring, bias=bias)
+    return len(seen)

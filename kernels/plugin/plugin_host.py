@@ -1,4 +1,5 @@
-"""What the plugin's parts (kernels/plugin/moe_hook.py, kernels/plugin/layer_warmup.py) need from the plugin
+"""What the plugin's parts (kernels/plugin/moe_hook.py, kernels/plugin/layer_warmup.py,
+kernels/plugin/router_hook.py) need from the plugin
 object (kernels.plugin.vllm_plugin.MoePlugin), as a Protocol: the parts import nothing above them."""
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ class PluginHost(Protocol):
     def count_launch(self, path: str) -> None: ...
 
     def count_fallback(self, reason: str) -> None: ...
+
+    def count_router(self) -> None: ...
 
     def log_once(self, kind: str, message: str, *args: Any) -> None: ...
 

@@ -35,6 +35,7 @@ JIT_COMPILES = "moe_serve_triton_jit_compiles"
 JIT_CACHE_LOADS = "moe_serve_triton_jit_cache_loads"
 LAUNCHES = "moe_serve_moe_kernel_launches"
 FALLBACKS = "moe_serve_moe_kernel_fallbacks"
+FUSED_ROUTER = "moe_serve_fused_router_calls"
 KERNEL_INFO = "moe_serve_moe_kernel_info"
 ROUTING_INFO = "moe_serve_moe_routing_info"
 WORKER_INFO = "moe_serve_vllm_worker_info"
@@ -108,6 +109,9 @@ class PluginMetrics:
                            "where the routing table measured it faster, fallback = vLLM's for a "
                            "case ours does not support", ["path"], registry=registry)
         self._launch = {p: launches.labels(p) for p in LAUNCH_PATHS}
+        self._router = Counter(FUSED_ROUTER, "MoE router calls (gate GEMM + top-k) served by "
+                               "moe-serve's one-launch router (MOE_SERVE_FUSED_ROUTER=1; eager calls "
+                               "and CUDA-graph captures)", registry=registry)
         self._fallbacks = Counter(FALLBACKS, "MoE calls served by vLLM's kernel because ours does "
                                   "not support them, by reason", ["reason"], registry=registry)
         self._kernel_info = Gauge(KERNEL_INFO, "MoE kernel setup reported by the vLLM workers "
@@ -140,6 +144,9 @@ class PluginMetrics:
 
     def launch(self, path: str) -> None:
         self._launch[path].inc()
+
+    def router_call(self) -> None:
+        self._router.inc()
 
     def fallback(self, reason: str) -> None:
         self._launch["fallback"].inc()

@@ -44,6 +44,11 @@ from kernels.moe import vllm_kernels as vk
 EXPERTS = ("vllm.model_executor.layers.fused_moe.experts.triton_moe", "TritonExperts")
 MODULAR = ("vllm.model_executor.layers.fused_moe.modular_kernel", "FusedMoEExpertsModular")
 WORKER_BASE = ("vllm.v1.worker.worker_base", "WorkerBase")
+MOE_RUNNER = ("vllm.model_executor.layers.fused_moe.runner.moe_runner", "MoERunner")
+ROUTERS = (("vllm.model_executor.layers.fused_moe.router.fused_topk_router", "FusedTopKRouter"),
+           ("vllm.model_executor.layers.fused_moe.router.fused_topk_bias_router", "FusedTopKBiasRouter"))
+FORWARD_IMPL_PARAMS = ("self", "hidden_states", "router_logits", "shared_experts_input", "input_ids")
+COMPUTE_ROUTING_PARAMS = ("self", "hidden_states", "router_logits", "indices_type", "input_ids")
 GPU_WORKER = ("vllm.v1.worker.gpu_worker", "Worker")
 WARMUP_METHOD = "compile_or_warm_up_model"
 APPLY_PARAMS = ("self", "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids",
@@ -201,6 +206,22 @@ def pin_apply() -> str:
     return "TritonExperts.apply parameters and return"
 
 
+def pin_router() -> str:
+    """What kernels.plugin.router_hook wraps and reads: the runner's entry point and the two
+    routers' routing step, with the attributes router_spec reads."""
+    assert _params(load(MOE_RUNNER)._forward_impl) == FORWARD_IMPL_PARAMS
+    src = inspect.getsource(inspect.unwrap(load(MOE_RUNNER)._forward_impl))
+    assert "self.gate(hidden_states)" in src, "the runner no longer calls its gate that way"
+    for where in ROUTERS:
+        cls = load(where)
+        assert _params(cls._compute_routing) == COMPUTE_ROUTING_PARAMS, where
+        init = set(_params(cls.__init__))
+        assert {"top_k", "global_num_experts", "renormalize"} <= init, where
+    assert {"e_score_correction_bias", "routed_scaling_factor", "hash_indices_table",
+            "num_fused_shared_experts"} <= set(_params(load(ROUTERS[1]).__init__))
+    return "MoERunner._forward_impl, FusedTopKRouter/FusedTopKBiasRouter._compute_routing"
+
+
 def pin_worker() -> str:
     base = load(WORKER_BASE)
     assert {"vllm_config", "local_rank", "rank"} <= set(_params(base.__init__))
@@ -265,4 +286,4 @@ def pin_fp8_layout() -> str:
 
 PINS: tuple[Callable[[], str], ...] = (pin_version, pin_apply, pin_worker, pin_config_fields,
                                        pin_config_chooser, pin_workspace_views,
-                                       pin_kernel_baselines, pin_fp8_layout)
+                                       pin_kernel_baselines, pin_fp8_layout, pin_router)

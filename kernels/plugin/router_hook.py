@@ -1,0 +1,187 @@
+"""The plugin's router hook: at decode, the gate GEMM and the top-k of a MoE layer become one
+launch of ours (kernels.moe.router_topk) where vLLM's runner holds the gate.
+
+vLLM's MoERunner._forward_impl computes ``router_logits, _ = self.gate(hidden_states)`` and
+later, through ``router.select_experts``, calls the router's ``_compute_routing(hidden_states,
+router_logits, ...)``. For a call of M <= router_topk.MAX_M tokens of an eligible layer, the
+wrapped _forward_impl marks the call; the gate's forward (wrapped on the gate instance) then
+returns hidden_states itself in place of logits, skipping the GEMM; the wrapped _compute_routing
+recognises that marker and runs router_topk on hidden_states and the gate's weight. vLLM's EPLB
+mapping, routed-expert capture and index dtype still apply to what it returns.
+
+Eligible (checked once per runner, `eligibility`): a gate inside the runner (Qwen3-MoE style;
+Mixtral computes its gate in the model, so its layers keep vLLM's), unquantized, without bias,
+[E, K] for E = the router's experts; a plain softmax / sigmoid top-k router, or a sigmoid one
+with a correction bias (no hash table, no fused shared experts); no gate fused with a shared
+expert's, no dispatch of the logits (naive DP/EP, prefill context parallel), a modular (not
+monolithic) expert method. On by env MOE_SERVE_FUSED_ROUTER=1 (optimized mode), off by default
+until the serving A/B shows it faster.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from kernels.moe.router_topk import MAX_M, router_topk, warm_router_variants
+from kernels.plugin.plugin_host import PluginHost
+
+ENV = "MOE_SERVE_FUSED_ROUTER"
+BIAS_ROUTER = "FusedTopKBiasRouter"
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """What router_topk needs of one layer's router, read from vLLM's router object."""
+
+    topk: int
+    scoring: str                # 'softmax' | 'sigmoid'
+    renormalize: bool
+    scaling: float              # routed_scaling_factor (bias routers), else 1
+    bias: torch.Tensor | None   # e_score_correction_bias [E] (choice only)
+
+
+def router_spec(router: Any, E: int) -> RouterSpec | str:
+    """The spec, or why this router is not ours to run (vLLM's FusedTopKRouter /
+    FusedTopKBiasRouter attributes)."""
+    scoring = getattr(router, "scoring_func", None)
+    if getattr(router, "global_num_experts", None) != E:
+        return "experts"
+    if type(router).__name__ == BIAS_ROUTER:
+        bias = getattr(router, "e_score_correction_bias", None)
+        if scoring != "sigmoid" or bias is None or tuple(bias.shape) != (E,):
+            return f"bias router:{scoring}"
+        if getattr(router, "_hash_indices_table", None) is not None:
+            return "hash routing"
+        if getattr(router, "num_fused_shared_experts", 0):
+            return "fused shared experts"
+        return RouterSpec(router.top_k, scoring, bool(router.renormalize),
+                          float(getattr(router, "routed_scaling_factor", 1.0)), bias.data)
+    if scoring not in ("softmax", "sigmoid"):
+        return f"scoring:{scoring}"
+    return RouterSpec(router.top_k, scoring, bool(router.renormalize), 1.0, None)
+
+
+def eligibility(runner: Any, router_classes: tuple[type, ...]) -> RouterSpec | str:
+    """The layer's RouterSpec when its runner's gate and router can be ours, else the reason."""
+    gate, router = getattr(runner, "gate", None), getattr(runner, "router", None)
+    if gate is None:
+        return "gate outside the runner"
+    if type(router) not in router_classes:
+        return f"router:{type(router).__name__}"
+    if getattr(runner, "_fse_fuse_gate", False):
+        return "gate fused with the shared expert's"
+    if getattr(runner, "do_naive_dispatch_combine", False) or getattr(runner.moe_config, "pcp_size", 1) != 1:
+        return "logits dispatched"
+    if getattr(runner.routed_experts.quant_method, "is_monolithic", True):
+        return "monolithic experts"
+    w = getattr(gate, "weight", None)
+    qm = type(getattr(gate, "quant_method", None)).__name__
+    if qm not in ("UnquantizedLinearMethod", "NoneType"):
+        return f"gate:{qm}"
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.is_meta:
+        return "gate weight not an [E, K] tensor"
+    if w.dtype not in (torch.bfloat16, torch.float16, torch.float32) or getattr(gate, "bias", None) is not None:
+        return "gate dtype or bias"
+    return router_spec(router, w.shape[0])
+
+
+class RouterHook:
+    """The wrappers (install on vLLM's classes once), the per-runner decisions, and the gates
+    seen for warm-up. require_cuda: our kernel runs on CUDA tensors only."""
+
+    require_cuda = True
+
+    def __init__(self, plugin: PluginHost, router_classes: tuple[type, ...], max_m: int = MAX_M) -> None:
+        self.plugin = plugin
+        self.router_classes = router_classes
+        self.max_m = max_m
+        self._state = threading.local()               # .pending: (hidden_states, gate) or None
+        self._specs: dict[int, RouterSpec | str] = {}  # id(runner) -> spec or reason
+        self._pending_warm: dict[tuple, tuple[torch.Tensor, RouterSpec]] = {}
+        self._warmed: set[tuple] = set()
+
+    # -- the three wrappers ---------------------------------------------------------------
+    def forward_impl(self, orig: Callable) -> Callable:
+        """make() for MoERunner._forward_impl."""
+        def _forward_impl(runner: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            spec = self._spec(runner)
+            if (isinstance(spec, str) or hidden_states.size(0) > self.max_m
+                    or (self.require_cuda and not hidden_states.is_cuda)):
+                return orig(runner, hidden_states, *args, **kwargs)
+            self._state.pending = (hidden_states, runner.gate)
+            try:
+                return orig(runner, hidden_states, *args, **kwargs)
+            finally:
+                self._state.pending = None
+        return _forward_impl
+
+    def compute_routing(self, orig: Callable) -> Callable:
+        """make() for the routers' _compute_routing."""
+        def _compute_routing(router: Any, hidden_states: torch.Tensor, router_logits: torch.Tensor,
+                             *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            pending = getattr(self._state, "pending", None)
+            if pending is None or router_logits is not pending[0]:
+                return orig(router, hidden_states, router_logits, *args, **kwargs)
+            gate = pending[1]
+            spec = router_spec(router, gate.weight.shape[0])
+            if isinstance(spec, str):   # eligibility said otherwise: a vLLM change; never guess
+                raise RuntimeError(f"moe-serve router hook: {spec} after the gate was skipped")
+            self.plugin.count_router()
+            return self.run_ours(router, hidden_states, gate.weight, spec)
+        return _compute_routing
+
+    def _gate_forward(self, gate: Any) -> None:
+        """Wrap this gate's forward (an instance attribute): the marked call's hidden states come
+        back as its 'logits', with no GEMM."""
+        orig = gate.forward
+
+        def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            pending = getattr(self._state, "pending", None)
+            if pending is not None and pending[0] is x and pending[1] is gate:
+                return x, None
+            return orig(x, *args, **kwargs)
+        gate.forward = forward
+
+    # -- decisions, running, warm-up --------------------------------------------------------
+    def _spec(self, runner: Any) -> RouterSpec | str:
+        key = id(runner)
+        if key not in self._specs:
+            try:
+                spec = eligibility(runner, self.router_classes)
+            except Exception as exc:  # noqa: BLE001 - a vLLM we do not know: keep vLLM's router
+                spec = f"error:{type(exc).__name__}"
+            self._specs[key] = spec
+            if isinstance(spec, RouterSpec):
+                self._gate_forward(runner.gate)
+                w = runner.gate.weight
+                shape = (tuple(w.shape), w.dtype, spec.topk, spec.scoring, spec.bias is not None)
+                if shape not in self._warmed:
+                    self._pending_warm.setdefault(shape, (w, spec))
+            else:
+                self.plugin.logger.info("moe-serve router hook: layer keeps vLLM's router (%s)", spec)
+        return self._specs[key]
+
+    def run_ours(self, router: Any, hidden_states: torch.Tensor, gate_w: torch.Tensor,
+                 spec: RouterSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_weights fp32, topk_ids int32) [M, topk] from our one launch (router: vLLM's
+        router object, whose spec this is)."""
+        return router_topk(hidden_states, gate_w, spec.topk, spec.scoring, spec.renormalize,
+                           bias=spec.bias, scaling=spec.scaling)
+
+    def warm_pending(self, compile_only: bool = False) -> int:
+        """Compile the router variants of every eligible gate shape seen and not yet warmed
+        (M = 1..max_m); returns how many shapes were warmed."""
+        done = 0
+        for shape, (w, spec) in list(self._pending_warm.items()):
+            n = warm_router_variants(w, spec.topk, spec.scoring, spec.bias is not None, self.max_m,
+                                     compile_only=compile_only)
+            self.plugin.logger.info("moe-serve router hook: gate %s %s top-%d %s warmed, %d variants "
+                                    "for M = 1..%d", list(w.shape), w.dtype, spec.topk, spec.scoring, n,
+                                    self.max_m)
+            self._warmed.add(shape)
+            del self._pending_warm[shape]
+            done += 1
+        return done

@@ -1,0 +1,117 @@
+"""The router hook (kernels/plugin/router_hook.py) on the real CPU engine and vLLM's real classes.
+
+A tiny Qwen3-MoE (its gate inside vLLM's MoE runner, dummy weights) served with --fused-router
+and the test plugin's CPU switches (tests/vllm_test_plugin): every decode
+MoE call of M <= router_topk.MAX_M skips the gate GEMM and goes through our router path (our
+kernel compiled for sm_90; vLLM's CPU router computes from the gate's logits), every router
+variant compiled at warm-up, none while serving. Plus the eligibility rules on vLLM's routers.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import torch
+
+from kernels.moe.router_topk import MAX_M, launch_plan
+from kernels.plugin import vllm_compat as vc
+from kernels.plugin.router_hook import RouterSpec, eligibility, router_spec
+from loadtest.server_proc import ServerProcess, start_server
+from tests.monitoring_helpers import scrape, value
+from tests.plugin_env import plugin_server_env
+
+NAME = "tiny-qwen3-moe"
+TINY_QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 256,
+    "intermediate_size": 512, "moe_intermediate_size": 128, "num_experts": 16, "num_experts_per_tok": 4,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "hidden_act": "silu",
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "vocab_size": 32000,
+    "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "attention_bias": False, "sliding_window": None, "use_sliding_window": False,
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    from service.embedded_model import _write_tokenizer
+
+    tmp = tmp_path_factory.mktemp("router")
+    model = tmp / NAME
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_QWEN3_MOE))
+    _write_tokenizer(model)
+    env = {**plugin_server_env(cpu_moe="1"), "MOE_SERVE_MOE_ROUTING": "ours",
+           "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp / "triton-cache"),
+           "MOE_SERVE_RUNTIME_DIR": str(tmp / "runtime")}
+    srv = start_server(tmp, "--model", str(model), "--served-model-name", NAME, "--fused-router",
+                       "--engine-arg", "load_format=dummy", "--engine-arg", "enforce_eager=true", env=env,
+                       ready_timeout=400)
+    try:
+        for prompts, tokens in ((1, 3), (2, 9)):     # decode at M = 1, then 2
+            r = httpx.post(srv.base_url + "/v1/completions", timeout=180,
+                           json={"model": NAME, "prompt": ["Hello there"] * prompts, "max_tokens": tokens,
+                                 "ignore_eos": True})
+            assert r.status_code == 200, r.text
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_decode_router_calls_take_our_path_and_compile_nothing_while_serving(server: ServerProcess) -> None:
+    log = server.log()
+    assert "MoERunner._forward_impl" in log and "keeps vLLM's router" not in log, server.tail(60)
+    plans = {launch_plan(M, TINY_QWEN3_MOE["num_experts"], TINY_QWEN3_MOE["hidden_size"]) for M in range(1, MAX_M + 1)}
+    warmed = re.findall(r"gate \[16, 256\] torch.bfloat16 top-4 softmax warmed, (\d+) variants", log)
+    assert warmed == [str(len(plans))], (warmed, plans)      # once, before serving, every variant
+    m = scrape(server.base_url)
+    calls = value(m, "moe_serve_fused_router_calls_total")
+    assert calls >= 2 * (2 + 8), calls     # 2 layers x the decode steps of the fixture's requests
+    assert value(m, "moe_serve_triton_jit_compiles_total", kernel="router_topk_kernel", phase="serving") == 0
+    before = calls
+    r = httpx.post(server.base_url + "/v1/completions", timeout=180,
+                   json={"model": NAME, "prompt": "Once more", "max_tokens": 4, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    # 2 layers x (the prefill of a few tokens, also M <= MAX_M, and 3 decode steps)
+    assert value(scrape(server.base_url), "moe_serve_fused_router_calls_total") == before + 2 * 4
+
+
+# -- eligibility on vLLM's own router classes ----------------------------------------------------
+def _runner(router: object, gate_w: torch.Tensor | None, **extra: object) -> SimpleNamespace:
+    gate = None if gate_w is None else SimpleNamespace(weight=gate_w, bias=None, quant_method=None)
+    experts = SimpleNamespace(quant_method=SimpleNamespace(is_monolithic=False))
+    return SimpleNamespace(gate=gate, router=router, _fse_fuse_gate=False, do_naive_dispatch_combine=False,
+                           moe_config=SimpleNamespace(pcp_size=1), routed_experts=experts, **extra)
+
+
+def test_eligibility_follows_vllms_routers() -> None:
+    plain_cls, bias_cls = (vc.load(w) for w in vc.ROUTERS)
+    classes = (plain_cls, bias_cls)
+    w = torch.zeros(16, 64, dtype=torch.bfloat16)
+    plain = plain_cls(top_k=4, global_num_experts=16, scoring_func="softmax", renormalize=False)
+    assert eligibility(_runner(plain, w), classes) == RouterSpec(4, "softmax", False, 1.0, None)
+    assert eligibility(_runner(plain, None), classes) == "gate outside the runner"
+    assert eligibility(_runner(plain, torch.zeros(8, 64)), classes) == "experts"
+    fused = _runner(plain, w)
+    fused._fse_fuse_gate = True
+    assert "shared expert" in eligibility(fused, classes)
+    mono = _runner(plain, w)
+    mono.routed_experts.quant_method.is_monolithic = True
+    assert eligibility(mono, classes) == "monolithic experts"
+    bias = torch.zeros(16)
+    biased = bias_cls(top_k=4, global_num_experts=16, e_score_correction_bias=bias, renormalize=True,
+                      routed_scaling_factor=2.5, scoring_func="sigmoid")
+    spec = eligibility(_runner(biased, w), classes)
+    assert isinstance(spec, RouterSpec) and (spec.scoring, spec.scaling) == ("sigmoid", 2.5)
+    assert spec.bias is not None and spec.bias.shape == (16,)
+    shared = bias_cls(top_k=4, global_num_experts=16, e_score_correction_bias=bias, scoring_func="sigmoid",
+                      num_fused_shared_experts=1)
+    assert router_spec(shared, 16) == "fused shared experts"
+    soft_bias = bias_cls(top_k=4, global_num_experts=16, e_score_correction_bias=bias, scoring_func="softmax")
+    assert router_spec(soft_bias, 16) == "bias router:softmax"
+    assert eligibility(_runner(object(), w), classes) == "router:object"
