@@ -13,6 +13,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from openai.types.responses import ResponseOutputMessage
 
 from service import vllm_compat as compat
 from service.errors import APIError, from_vllm_error
@@ -89,6 +90,22 @@ def _check_response_tools(body: compat.ResponsesRequest, frontend: compat.Fronte
                                 f"(only function and custom tools)", param=f"tools.{i}.type", code="not_supported")
 
 
+def _check_response_input(body: compat.ResponsesRequest) -> None:
+    """vLLM turns an assistant output message of the input into chat text from its first content
+    part's text (`vllm serve` answers 500 to one without): it needs an output_text part first."""
+    if not isinstance(body.input, list):
+        return
+    for i, item in enumerate(body.input):
+        if not isinstance(item, ResponseOutputMessage):
+            continue
+        if not item.content:
+            raise APIError(400, "an assistant message input item needs at least one content part",
+                           param=f"input.{i}.content", code="invalid_value")
+        if getattr(item.content[0], "type", None) != "output_text":
+            raise APIError(400, "the first content part of an assistant message input item must be output_text",
+                           param=f"input.{i}.content.0.type", code="invalid_value")
+
+
 class _JSONModel:
     """A vLLM answer whose `model_dump()` is the JSON form `vllm serve` sends (by alias, JSON mode)."""
 
@@ -131,6 +148,7 @@ async def create_response(body: compat.ResponsesRequest, request: Request) -> Re
         raise APIError(400, f"at most {state.settings.max_messages} input items per request, got {len(body.input)}",
                        param="input", code="invalid_value")
     _check_response_tools(body, frontend)
+    _check_response_input(body)
     cap_output(body, ("max_output_tokens",), state.settings)
     return await serve(request, state, 1, lambda: _create_response(frontend, body, request))
 

@@ -83,6 +83,22 @@ def test_built_in_tools_without_a_tool_server_are_a_400_naming_them(client: open
         client.responses.create(model=model, input="x", max_output_tokens=4, extra_body={"x_unknown": 1})
 
 
+def test_assistant_input_messages_need_an_output_text_part(http: httpx.Client, model: str) -> None:
+    """vLLM reads an assistant input message's first content part as text (a 500 in `vllm serve`
+    for none, or a refusal first): here a 400 naming the part."""
+    item = {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed", "content": []}
+    r = http.post("/v1/responses", json={"model": model, "input": [item], "max_output_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input.0.content", r.text
+    refusal = {**item, "content": [{"type": "refusal", "refusal": "no"}]}
+    r = http.post("/v1/responses", json={"model": model, "input": [{"role": "user", "content": "hi"}, refusal],
+                                         "max_output_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input.1.content.0.type", r.text
+    text = {**item, "content": [{"type": "output_text", "text": "earlier answer", "annotations": []}]}
+    r = http.post("/v1/responses", json={"model": model, "input": [text, {"role": "user", "content": "and?"}],
+                                         "max_output_tokens": 4})
+    assert r.status_code == 200, r.text
+
+
 def test_load_counts_running_sequences_and_ping_takes_post(server, http: httpx.Client, model: str) -> None:
     assert httpx.post(server.base_url + "/ping").status_code == 200  # public, as GET /ping
     assert httpx.get(server.base_url + "/load").status_code == 401  # behind the key like every other route
