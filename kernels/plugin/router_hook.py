@@ -88,6 +88,17 @@ def eligibility(runner: Any, router_classes: tuple[type, ...]) -> RouterSpec | s
     return router_spec(router, w.shape[0])
 
 
+@dataclass(frozen=True)
+class _Marked:
+    """The call _forward_impl marked: its hidden states (which stand for the logits), and the
+    runner's gate, router and the RouterSpec eligibility gave it."""
+
+    hidden_states: torch.Tensor
+    gate: Any
+    router: Any
+    spec: RouterSpec
+
+
 class RouterHook:
     """The wrappers (install on vLLM's classes once), the per-runner decisions, and the gates
     seen for warm-up. require_cuda: our kernel runs on CUDA tensors only."""
@@ -98,7 +109,7 @@ class RouterHook:
         self.plugin = plugin
         self.router_classes = router_classes
         self.max_m = max_m
-        self._state = threading.local()               # .pending: (hidden_states, gate) or None
+        self._state = threading.local()               # .pending: _Marked or None
         self._specs: dict[int, RouterSpec | str] = {}  # id(runner) -> spec or reason
         self._pending_warm: dict[tuple, tuple[torch.Tensor, RouterSpec]] = {}
         self._warmed: set[tuple] = set()
@@ -111,7 +122,7 @@ class RouterHook:
             if (isinstance(spec, str) or hidden_states.size(0) > self.max_m
                     or (self.require_cuda and not hidden_states.is_cuda)):
                 return orig(runner, hidden_states, *args, **kwargs)
-            self._state.pending = (hidden_states, runner.gate)
+            self._state.pending = _Marked(hidden_states, runner.gate, runner.router, spec)
             try:
                 return orig(runner, hidden_states, *args, **kwargs)
             finally:
@@ -123,14 +134,13 @@ class RouterHook:
         def _compute_routing(router: Any, hidden_states: torch.Tensor, router_logits: torch.Tensor,
                              *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
             pending = getattr(self._state, "pending", None)
-            if pending is None or router_logits is not pending[0]:
+            if pending is None or router_logits is not pending.hidden_states:
                 return orig(router, hidden_states, router_logits, *args, **kwargs)
-            gate = pending[1]
-            spec = router_spec(router, gate.weight.shape[0])
-            if isinstance(spec, str):   # eligibility said otherwise: a vLLM change; never guess
-                raise RuntimeError(f"moe-serve router hook: {spec} after the gate was skipped")
+            if router is not pending.router:   # not the router eligibility read: a vLLM change; never guess
+                raise RuntimeError("moe-serve router hook: another router than the runner's after the gate "
+                                   "was skipped")
             self.plugin.count_router()
-            return self.run_ours(router, hidden_states, gate.weight, spec)
+            return self.run_ours(router, hidden_states, pending.gate.weight, pending.spec)
         return _compute_routing
 
     def _gate_forward(self, gate: Any) -> None:
@@ -140,7 +150,7 @@ class RouterHook:
 
         def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             pending = getattr(self._state, "pending", None)
-            if pending is not None and pending[0] is x and pending[1] is gate:
+            if pending is not None and pending.hidden_states is x and pending.gate is gate:
                 return x, None
             return orig(x, *args, **kwargs)
         gate.forward = forward
