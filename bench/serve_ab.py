@@ -23,7 +23,9 @@ from bench/serve_stats.py, the table from bench/serve_render.py.
 
 Files: DIR/<variant>/r<round>/ meta.json (host, GPU, commit and dirty flag, versions, flags,
 start/ready/end times, copy ceiling, roofline bytes), requests.jsonl (one line per request, as it
-finishes), server.log, profile.json (with --profile) and `complete` once the process finished.
+finishes), server.log, version.json and moe_metrics.txt (what the server reports it ran: its
+/version, its moe_serve_* counters after the loads), profile.json (with --profile) and `complete`
+once the process finished.
 A process with a `complete` marker is never run again; an unfinished one is redone from scratch.
 `--budget-s` stops before a process the budget cannot hold (the longest of the variant's last two
 processes on this host, or `--expect-process-s`): run the same command again to go on.
@@ -174,6 +176,24 @@ async def drive(base_url: str, a: argparse.Namespace, vocab: int, pdir: Path, pr
         await client.close()
 
 
+def snapshot(base_url: str, pdir: Path) -> None:
+    """What the server says it ran, after its loads: /version (JSON) into version.json and its
+    moe_serve_* Prometheus samples (kernel launches by path, fallbacks, fused-router calls, JIT
+    compiles) into moe_metrics.txt. `vllm serve` has no moe_serve_* samples: the file is empty."""
+    import httpx
+
+    for route, name in (("/version", "version.json"), ("/metrics", "moe_metrics.txt")):
+        try:
+            r = httpx.get(base_url + route, timeout=10.0)
+            r.raise_for_status()
+        except httpx.HTTPError as e:
+            log(f"  {route}: {type(e).__name__}: {e}")
+            continue
+        text = r.text if route == "/version" else "".join(
+            line + "\n" for line in r.text.splitlines() if line.startswith("moe_serve_"))
+        (pdir / name).write_text(text)
+
+
 def run_process(a: argparse.Namespace, variant: str, rnd: int, model: tuple[Path, dict[str, Any]],
                 flags: EngineFlags, meta0: dict[str, Any], profile: bool) -> float:
     """One server start, its loads, its stop; returns wall seconds. Raises on failure (files kept)."""
@@ -196,6 +216,7 @@ def run_process(a: argparse.Namespace, variant: str, rnd: int, model: tuple[Path
         log(f"  ready in {meta['ready_s']:.0f} s")
         write()
         asyncio.run(drive(server.base_url, a, cfg["vocab_size"], pdir, profile))
+        snapshot(server.base_url, pdir)
     except BaseException as e:
         meta["error"] = f"{type(e).__name__}: {e}"[:2000]
         raise

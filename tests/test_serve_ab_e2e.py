@@ -48,6 +48,13 @@ def test_every_variant_ran_once_with_its_files(run_dir: Path) -> None:
         assert meta["workload"]["engine"]["kv_cache_memory_bytes"] == 512 * 1024 ** 2
         assert set(meta["roofline_bytes"]) == {"1", "2"} and meta["roofline_bytes"]["2"] > meta["roofline_bytes"]["1"]
     argv = {v: json.loads((run_dir / v / "r0" / "meta.json").read_text())["argv"] for v in VARIANTS}
+    versions = {v: json.loads((run_dir / v / "r0" / "version.json").read_text()) for v in VARIANTS}
+    assert all(versions[v]["version"] for v in VARIANTS)
+    counters = {v: (run_dir / v / "r0" / "moe_metrics.txt").read_text() for v in VARIANTS}
+    assert counters[BASELINE] == ""                  # vllm serve exports no moe_serve_* samples
+    for v in (FRONTEND, OURS):
+        lines = counters[v].splitlines()
+        assert lines and all(line.startswith("moe_serve_") for line in lines), counters[v][:500]
     assert argv[BASELINE][0] == "vllm.entrypoints.openai.api_server"
     assert "--kv-cache-memory-bytes" in argv[BASELINE] and "--gpu-memory-utilization" not in argv[BASELINE]
     assert argv[FRONTEND][:1] == argv[OURS][:1] == ["service"]
