@@ -26,9 +26,11 @@ from typing import Any
 from loadtest.server_proc import ServerProcess
 
 BASELINE, FRONTEND, OURS = "vllm-serve", "moe-serve-vllm-kernels", "moe-serve"
-FUSED_ROUTER = "moe-serve-fused-router"
+FUSED_ROUTER = "moe-serve-fused-router"       # --fused-router spelled out (OURS runs it by default)
+NO_ROUTER = "moe-serve-no-fused-router"        # --no-fused-router: what the one-launch router adds
 VARIANTS = (BASELINE, FRONTEND, OURS)          # the yardstick's default run
-ALL_VARIANTS = (*VARIANTS, FUSED_ROUTER)       # what --variants may name, and the table shows
+ALL_VARIANTS = (*VARIANTS, FUSED_ROUTER, NO_ROUTER)   # what --variants may name, and the table shows
+ROUTER_FLAG = {FUSED_ROUTER: ["--fused-router"], NO_ROUTER: ["--no-fused-router"]}
 SERVED_NAME = "yardstick"
 CPU_KV_CACHE_BYTES = 512 * 1024 ** 2
 
@@ -91,9 +93,10 @@ def command(variant: str, model_dir: Path, flags: EngineFlags,
     if variant == BASELINE:            # stock vLLM: no plugin, not even moe-serve's installed one
         return "vllm.entrypoints.openai.api_server", vllm_serve_argv(model_dir, flags, trace_dir), \
             {"VLLM_PLUGINS": ""}
-    kernels = {FRONTEND: "vllm", OURS: "optimized", FUSED_ROUTER: "optimized"}[variant]
-    argv = moe_serve_argv(model_dir, flags, trace_dir, kernels)
-    return "service", argv + (["--fused-router"] if variant == FUSED_ROUTER else []), {}
+    if variant not in ALL_VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; known: {', '.join(ALL_VARIANTS)}")
+    argv = moe_serve_argv(model_dir, flags, trace_dir, "vllm" if variant == FRONTEND else "optimized")
+    return "service", argv + ROUTER_FLAG.get(variant, []), {}
 
 
 def group_members(pgid: int) -> list[int]:

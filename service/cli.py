@@ -36,6 +36,18 @@ def _timeout(text: str | float | None) -> float | None:
     return None if value == 0 else value
 
 
+def _env_bool(text: str | None, name: str = "MOE_SERVE_FUSED_ROUTER") -> bool | None:
+    """An on/off environment value (1/true/yes/on, 0/false/no/off); None when unset."""
+    if text is None:
+        return None
+    word = text.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise SettingsError(f"{name} must be 1/true/yes/on or 0/false/no/off, got {text!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     e = env_default
     p = argparse.ArgumentParser(prog="moe-serve", description="OpenAI-compatible server for MoE models on vLLM. "
@@ -58,9 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=e("max_num_seqs"))
     p.add_argument("--moe-kernels", choices=["optimized", "vllm"], default=e("moe_kernels", "optimized"),
                    help="optimized: moe-serve's Triton MoE kernels; vllm: stock vLLM (for A/B)")
-    p.add_argument("--fused-router", action="store_true", default=e("fused_router", "0") in ("1", "true"),
-                   help="with --moe-kernels optimized: a MoE layer's gate GEMM + top-k at decode in one launch "
-                   "of ours, where vLLM's runner holds the gate (Qwen3-MoE style); default off until measured")
+    p.add_argument("--fused-router", action=argparse.BooleanOptionalAction, default=_env_bool(e("fused_router")),
+                   help="a MoE layer's gate GEMM + top-k at small decode batches in one launch of ours, where "
+                   "vLLM's runner holds the gate (Qwen3-MoE style); default on with --moe-kernels optimized")
     p.add_argument("--host", default=e("host", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(e("port", 8000)))
     p.add_argument("--api-key", action="append", default=None,

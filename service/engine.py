@@ -128,7 +128,7 @@ class EngineHandle:
 
         began = time.perf_counter()
         os.environ["MOE_SERVE_MOE_KERNELS"] = self.settings.moe_kernels  # read by the plugin in every worker
-        os.environ["MOE_SERVE_FUSED_ROUTER"] = "1" if self.settings.fused_router else "0"
+        os.environ["MOE_SERVE_FUSED_ROUTER"] = "1" if self.settings.uses_fused_router else "0"
         try:
             from service import vllm_compat
             from service.engine_client import ObservedEngineClient

@@ -43,7 +43,7 @@ class Settings:
     cpu_kv_cache_bytes: int = 512 * 1024 * 1024
     max_num_seqs: int | None = None
     moe_kernels: MoeKernels = "optimized"
-    fused_router: bool = False  # kernels/plugin/router_hook.py, in every worker (optimized mode)
+    fused_router: bool | None = None  # kernels/plugin/router_hook.py in every worker; None: on with optimized
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = ()
@@ -102,6 +102,12 @@ class Settings:
             return os.path.basename(os.path.abspath(os.path.expanduser(self.model))) or EMBEDDED_MODEL_NAME
         return self.model
 
+    @property
+    def uses_fused_router(self) -> bool:
+        """The workers run moe-serve's one-launch router where a layer is eligible: with our
+        kernels, unless turned off (--no-fused-router)."""
+        return self.moe_kernels == "optimized" and self.fused_router is not False
+
     def validated(self) -> "Settings":
         """Return self if every field is in range, else raise SettingsError."""
         tp = self.tensor_parallel_size
@@ -124,7 +130,7 @@ class Settings:
             raise SettingsError("--max-model-len must be >= 16")
         if self.moe_kernels not in ("optimized", "vllm"):
             raise SettingsError(f"--moe-kernels must be 'optimized' or 'vllm', got {self.moe_kernels!r}")
-        if self.fused_router and self.moe_kernels != "optimized":
+        if self.fused_router is True and self.moe_kernels != "optimized":
             raise SettingsError("--fused-router runs moe-serve's router: it needs --moe-kernels optimized")
         for name in ("max_concurrent_requests", "max_queued_requests", "max_request_bytes", "max_n",
                      "max_stop_sequences", "max_batch_prompts", "max_messages", "max_structured_output_bytes",

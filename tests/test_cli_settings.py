@@ -39,13 +39,19 @@ def test_docs_and_proxy_headers_are_off_unless_asked_for(monkeypatch: pytest.Mon
     assert settings_from_args([]).enable_docs
 
 
-def test_fused_router_is_off_by_default_and_needs_our_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert not settings_from_args([]).fused_router
-    assert settings_from_args(["--fused-router"]).fused_router
-    monkeypatch.setenv("MOE_SERVE_FUSED_ROUTER", "1")
-    assert settings_from_args([]).fused_router
+def test_fused_router_is_on_with_our_kernels_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert settings_from_args([]).uses_fused_router
+    assert not settings_from_args(["--moe-kernels", "vllm"]).uses_fused_router   # off, not refused
+    assert not settings_from_args(["--no-fused-router"]).uses_fused_router
+    assert settings_from_args(["--fused-router"]).uses_fused_router
     with pytest.raises(SettingsError, match="--moe-kernels optimized"):
-        settings_from_args(["--moe-kernels", "vllm"])
+        settings_from_args(["--fused-router", "--moe-kernels", "vllm"])
+    monkeypatch.setenv("MOE_SERVE_FUSED_ROUTER", "0")
+    assert not settings_from_args([]).uses_fused_router
+    assert settings_from_args(["--fused-router"]).uses_fused_router              # the flag wins
+    monkeypatch.setenv("MOE_SERVE_FUSED_ROUTER", "maybe")
+    with pytest.raises(SettingsError, match="MOE_SERVE_FUSED_ROUTER"):
+        settings_from_args([])
 
 
 def test_served_model_name_is_never_a_path(tmp_path) -> None:

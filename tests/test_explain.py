@@ -68,6 +68,13 @@ def test_shipped_tables_per_m(tmp_path, capsys) -> None:
         assert (s.fallback or s.route.why) in row
     assert any(r.split()[1] == "vllm" and "routed to vLLM" in r for r in rows.values())
     assert "E=8 N=1792 K=4096 topk=2 bf16, 32 layers" in out and "vLLM MoE backend: triton" in out
+    assert "router: ours (gate GEMM + top-k in one launch) at M <= 16, vLLM's above" in out   # 8 x 4096
+
+
+def test_the_router_line_follows_the_measured_token_limit() -> None:
+    assert "at M <= 8, vLLM's above" in explain.router_line(128, 2048)             # Qwen3-30B-A3B
+    assert "at M <= 4, vLLM's above" in explain.router_line(128, 4096)             # Qwen3-235B, GLM-4.5-Air
+    assert "at every M" in explain.router_line(1024, 8192)
 
 
 def test_tables_of_another_triton_are_refused_and_defaults_shown(tmp_path, capsys) -> None:

@@ -94,7 +94,7 @@ def test_eligibility_follows_vllms_routers() -> None:
     classes = (plain_cls, bias_cls)
     w = torch.zeros(16, 64, dtype=torch.bfloat16)
     plain = plain_cls(top_k=4, global_num_experts=16, scoring_func="softmax", renormalize=False)
-    assert eligibility(_runner(plain, w), classes) == RouterSpec(4, "softmax", False, 1.0, None)
+    assert eligibility(_runner(plain, w), classes) == RouterSpec(4, "softmax", False, 1.0, None, MAX_M)
     assert eligibility(_runner(plain, None), classes) == "gate outside the runner"
     assert eligibility(_runner(plain, torch.zeros(8, 64)), classes) == "experts"
     fused = _runner(plain, w)
@@ -111,7 +111,21 @@ def test_eligibility_follows_vllms_routers() -> None:
     assert spec.bias is not None and spec.bias.shape == (16,)
     shared = bias_cls(top_k=4, global_num_experts=16, e_score_correction_bias=bias, scoring_func="sigmoid",
                       num_fused_shared_experts=1)
-    assert router_spec(shared, 16) == "fused shared experts"
+    assert router_spec(shared, 16, 64) == "fused shared experts"
     soft_bias = bias_cls(top_k=4, global_num_experts=16, e_score_correction_bias=bias, scoring_func="softmax")
-    assert router_spec(soft_bias, 16) == "bias router:softmax"
+    assert router_spec(soft_bias, 16, 64) == "bias router:softmax"
     assert eligibility(_runner(object(), w), classes) == "router:object"
+
+
+def test_each_layer_takes_our_router_only_up_to_its_measured_token_limit() -> None:
+    """router_topk.max_tokens (M * E * K <= 2^21, from bench/bench_router.py on the H200) per gate
+    shape: Qwen3-30B-A3B's [128, 2048] up to M = 8, Qwen3-235B / GLM-4.5-Air's [128, 4096] up to 4,
+    small gates up to MAX_M, a gate too large for one launch never."""
+    plain_cls = vc.load(vc.ROUTERS[0])
+    limits = {}
+    for E, K in ((128, 2048), (128, 4096), (8, 4096), (256, 7168), (1024, 8192)):
+        router = plain_cls(top_k=2, global_num_experts=E, scoring_func="softmax", renormalize=True)
+        spec = eligibility(_runner(router, torch.zeros(E, K, dtype=torch.bfloat16)), (plain_cls,))
+        limits[(E, K)] = spec.max_m if isinstance(spec, RouterSpec) else spec
+    assert limits == {(128, 2048): 8, (128, 4096): 4, (8, 4096): MAX_M, (256, 7168): 1,
+                      (1024, 8192): "gate [1024, 8192] too large for one launch"}

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from bench import decode_profile, roofline, serve_ab, serve_render, serve_stats
-from bench.serve_servers import BASELINE, FRONTEND, FUSED_ROUTER, OURS, VARIANTS, EngineFlags, command
+from bench.serve_servers import (BASELINE, FRONTEND, FUSED_ROUTER, NO_ROUTER, OURS, VARIANTS, EngineFlags,
+                                 command)
 
 MODELS = Path(__file__).resolve().parents[1] / "bench" / "models"
 
@@ -113,8 +114,9 @@ def test_every_variant_gets_the_same_engine_flags_in_its_own_spelling(tmp_path: 
     assert argv[argv.index("--moe-kernels") + 1] == "vllm"
     assert "kv_cache_memory_bytes=536870912" in argv and "--gpu-memory-utilization" not in argv
     assert command(OURS, tmp_path, gpu)[1][5] == "optimized"
-    ours, fused = command(OURS, tmp_path, gpu)[1], command(FUSED_ROUTER, tmp_path, gpu)[1]
-    assert fused == ours + ["--fused-router"] and "--fused-router" not in ours
+    ours, fused, unfused = (command(v, tmp_path, gpu)[1] for v in (OURS, FUSED_ROUTER, NO_ROUTER))
+    assert fused == ours + ["--fused-router"] and unfused == ours + ["--no-fused-router"]
+    assert not any("fused-router" in a for a in ours)          # the default: on with our kernels
 
 
 # --- statistics ----------------------------------------------------------------------------------

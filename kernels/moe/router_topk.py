@@ -36,6 +36,15 @@ MAX_EXPERTS = 1024          # E_P2 scores live in one program's registers
 TARGET_PROGRAMS = 128       # per call at small M: enough loads in flight to stream the gate
 TILE = 4096                 # gate elements a program loads per K step (BLOCK_E x BLOCK_K)
 MAX_M = 16                  # the serving path's largest M (kernels.plugin.router_hook)
+MAX_WORK = 1 << 21          # gate multiply-adds (M * E * K) up to which one launch beats vLLM's two
+
+
+def max_tokens(E: int, K: int) -> int:
+    """The largest M (<= MAX_M) at which one launch of ours serves a router with E experts over
+    hidden size K: M * E * K <= MAX_WORK. Past it the split GEMV loses to vLLM's cuBLAS gate plus
+    fused top-k (H200, bench/bench_router.py: ours 1.03-2.37x at or under it, 0.55-0.90x over it,
+    on four router shapes, M = 1..16). 0: never ours."""
+    return min(MAX_M, MAX_WORK // (E * K))
 
 
 @jit(do_not_specialize=["M", "K", "E"])

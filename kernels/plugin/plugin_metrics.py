@@ -110,7 +110,7 @@ class PluginMetrics:
                            "case ours does not support", ["path"], registry=registry)
         self._launch = {p: launches.labels(p) for p in LAUNCH_PATHS}
         self._router = Counter(FUSED_ROUTER, "MoE router calls (gate GEMM + top-k) served by "
-                               "moe-serve's one-launch router (MOE_SERVE_FUSED_ROUTER=1; eager calls "
+                               "moe-serve's one-launch router (on unless --no-fused-router; eager calls "
                                "and CUDA-graph captures)", registry=registry)
         self._fallbacks = Counter(FALLBACKS, "MoE calls served by vLLM's kernel because ours does "
                                   "not support them, by reason", ["reason"], registry=registry)

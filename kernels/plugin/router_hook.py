@@ -3,8 +3,9 @@ launch of ours (kernels.moe.router_topk) where vLLM's runner holds the gate.
 
 vLLM's MoERunner._forward_impl computes ``router_logits, _ = self.gate(hidden_states)`` and
 later, through ``router.select_experts``, calls the router's ``_compute_routing(hidden_states,
-router_logits, ...)``. For a call of M <= router_topk.MAX_M tokens of an eligible layer, the
-wrapped _forward_impl marks the call; the gate's forward (wrapped on the gate instance) then
+router_logits, ...)``. For a call of an eligible layer with M <= its RouterSpec.max_m tokens
+(router_topk.max_tokens: where one launch beats vLLM's two), the wrapped _forward_impl marks
+the call; the gate's forward (wrapped on the gate instance) then
 returns hidden_states itself in place of logits, skipping the GEMM; the wrapped _compute_routing
 recognises that marker and runs router_topk on hidden_states and the gate's weight. vLLM's EPLB
 mapping, routed-expert capture and index dtype still apply to what it returns.
@@ -14,8 +15,8 @@ Mixtral computes its gate in the model, so its layers keep vLLM's), unquantized,
 [E, K] for E = the router's experts; a plain softmax / sigmoid top-k router, or a sigmoid one
 with a correction bias (no hash table, no fused shared experts); no gate fused with a shared
 expert's, no dispatch of the logits (naive DP/EP, prefill context parallel), a modular (not
-monolithic) expert method. On by env MOE_SERVE_FUSED_ROUTER=1 (optimized mode), off by default
-until the serving A/B shows it faster.
+monolithic) expert method. On in optimized mode unless env MOE_SERVE_FUSED_ROUTER=0
+(`moe-serve --no-fused-router`).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from kernels.moe.router_topk import MAX_M, router_topk, warm_router_variants
+from kernels.moe.router_topk import max_tokens, router_topk, warm_router_variants
 from kernels.plugin.plugin_host import PluginHost
 
 ENV = "MOE_SERVE_FUSED_ROUTER"
@@ -41,14 +42,18 @@ class RouterSpec:
     renormalize: bool
     scaling: float              # routed_scaling_factor (bias routers), else 1
     bias: torch.Tensor | None   # e_score_correction_bias [E] (choice only)
+    max_m: int                  # the largest call (tokens) ours serves: router_topk.max_tokens(E, K)
 
 
-def router_spec(router: Any, E: int) -> RouterSpec | str:
-    """The spec, or why this router is not ours to run (vLLM's FusedTopKRouter /
-    FusedTopKBiasRouter attributes)."""
+def router_spec(router: Any, E: int, K: int) -> RouterSpec | str:
+    """The spec for a gate of E experts over hidden size K, or why this router is not ours to run
+    (vLLM's FusedTopKRouter / FusedTopKBiasRouter attributes)."""
     scoring = getattr(router, "scoring_func", None)
     if getattr(router, "global_num_experts", None) != E:
         return "experts"
+    max_m = max_tokens(E, K)
+    if max_m < 1:
+        return f"gate [{E}, {K}] too large for one launch"
     if type(router).__name__ == BIAS_ROUTER:
         bias = getattr(router, "e_score_correction_bias", None)
         if scoring != "sigmoid" or bias is None or tuple(bias.shape) != (E,):
@@ -58,10 +63,10 @@ def router_spec(router: Any, E: int) -> RouterSpec | str:
         if getattr(router, "num_fused_shared_experts", 0):
             return "fused shared experts"
         return RouterSpec(router.top_k, scoring, bool(router.renormalize),
-                          float(getattr(router, "routed_scaling_factor", 1.0)), bias.data)
+                          float(getattr(router, "routed_scaling_factor", 1.0)), bias.data, max_m)
     if scoring not in ("softmax", "sigmoid"):
         return f"scoring:{scoring}"
-    return RouterSpec(router.top_k, scoring, bool(router.renormalize), 1.0, None)
+    return RouterSpec(router.top_k, scoring, bool(router.renormalize), 1.0, None, max_m)
 
 
 def eligibility(runner: Any, router_classes: tuple[type, ...]) -> RouterSpec | str:
@@ -85,7 +90,7 @@ def eligibility(runner: Any, router_classes: tuple[type, ...]) -> RouterSpec | s
         return "gate weight not an [E, K] tensor"
     if w.dtype not in (torch.bfloat16, torch.float16, torch.float32) or getattr(gate, "bias", None) is not None:
         return "gate dtype or bias"
-    return router_spec(router, w.shape[0])
+    return router_spec(router, *w.shape)
 
 
 @dataclass(frozen=True)
@@ -105,10 +110,9 @@ class RouterHook:
 
     require_cuda = True
 
-    def __init__(self, plugin: PluginHost, router_classes: tuple[type, ...], max_m: int = MAX_M) -> None:
+    def __init__(self, plugin: PluginHost, router_classes: tuple[type, ...]) -> None:
         self.plugin = plugin
         self.router_classes = router_classes
-        self.max_m = max_m
         self._state = threading.local()               # .pending: _Marked or None
         self._specs: dict[int, RouterSpec | str] = {}  # id(runner) -> spec or reason
         self._pending_warm: dict[tuple, tuple[torch.Tensor, RouterSpec]] = {}
@@ -119,7 +123,7 @@ class RouterHook:
         """make() for MoERunner._forward_impl."""
         def _forward_impl(runner: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             spec = self._spec(runner)
-            if (isinstance(spec, str) or hidden_states.size(0) > self.max_m
+            if (isinstance(spec, str) or hidden_states.size(0) > spec.max_m
                     or (self.require_cuda and not hidden_states.is_cuda)):
                 return orig(runner, hidden_states, *args, **kwargs)
             self._state.pending = _Marked(hidden_states, runner.gate, runner.router, spec)
@@ -183,14 +187,14 @@ class RouterHook:
 
     def warm_pending(self, compile_only: bool = False) -> int:
         """Compile the router variants of every eligible gate shape seen and not yet warmed
-        (M = 1..max_m); returns how many shapes were warmed."""
+        (M = 1..its spec's max_m); returns how many shapes were warmed."""
         done = 0
         for shape, (w, spec) in list(self._pending_warm.items()):
-            n = warm_router_variants(w, spec.topk, spec.scoring, spec.bias is not None, self.max_m,
+            n = warm_router_variants(w, spec.topk, spec.scoring, spec.bias is not None, spec.max_m,
                                      compile_only=compile_only)
             self.plugin.logger.info("moe-serve router hook: gate %s %s top-%d %s warmed, %d variants "
                                     "for M = 1..%d", list(w.shape), w.dtype, spec.topk, spec.scoring, n,
-                                    self.max_m)
+                                    spec.max_m)
             self._warmed.add(shape)
             del self._pending_warm[shape]
             done += 1

