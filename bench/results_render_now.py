@@ -179,3 +179,30 @@ def headline(fp8: tuple, bf16: tuple, *kernels: Path) -> list[str]:
     return [f"- Decode throughput, FP8 (`{PurePosixPath(f_run['model']).name}`): {decode(f_all, f_run)}; "
             f"bf16 (`{PurePosixPath(b_run['model']).name}`): {decode(b_all, b_run)}.",
             f"- The MoE layer alone, ours over vLLM's kernel, geomean M ≤ 64 on the tuned shapes: {kern}."]
+
+
+# --- the router at decode ------------------------------------------------------------------------
+def router_table(path: Path) -> list[str]:
+    """bench/bench_router.py's rows: per router shape, vLLM's gate GEMM + top-k over our one launch
+    at each M, and where the serving hook takes ours (kernels.moe.router_topk.max_tokens)."""
+    import json
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from kernels.moe.router_topk import max_tokens
+
+    rows = json.loads(path.read_text())["rows"]
+    ms = sorted({r["M"] for r in rows})
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    out = ["| router (E x K, top-k, scoring) | " + " | ".join(f"M = {m}" for m in ms) + " | ours served up to M |",
+           "|---|" + "---:|" * (len(ms) + 1)]
+    for name in shapes:
+        by_m = {r["M"]: r for r in rows if r["shape"] == name}
+        r0 = next(iter(by_m.values()))
+        cells = [f"{by_m[m]['vllm_us']:.2f} / {by_m[m]['ours_us']:.2f} = "
+                 + (f"**{by_m[m]['speedup']:.2f}**" if by_m[m]["speedup"] > 1 else f"{by_m[m]['speedup']:.2f}")
+                 if m in by_m else "" for m in ms]
+        out.append(f"| {name} ({r0['E']} x {r0['K']}, {r0['topk']}, {r0['scoring']}"
+                   + (" + bias" if r0["bias"] else "") + ") | " + " | ".join(cells)
+                   + f" | {max_tokens(r0['E'], r0['K'])} |")
+    return out + ["", f"Cells: vLLM µs / ours µs = vLLM's time over ours (**bold**: ours faster); CUDA-graph "
+                      f"replays, {rel(path)}."]

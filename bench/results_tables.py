@@ -77,13 +77,18 @@ S5 = K1 + "fp8_spread_session/decode_ab_fp8_spread"
 S6 = "2026-12-02/fp8_spread_session6/"
 S6AB = S6 + "decode_ab_fp8_spread"
 S6BF = "2026-12-02/bf16_spread_session6/decode_ab_bf16_spread"
+S9 = "2026-12-02/session9_serve_ab/"
+NOW_SERVE = (S9 + "qwen3-30b-a3b", S9 + "mixtral-8x7b")   # the whole-model yardstick behind the answer
 NOW_FP8 = (S5, S6AB)                       # the newest runs behind the current answer
 NOW_BF16 = (S4 + "decode_ab_bf16",)
 NOW_KERNELS = (*B2, T3 + "validation.json")   # later files replace earlier ones per shape
 NOW_TUNE = (K1 + "kernels_session_b/tune_bf16.log", K1 + "kernels_session_b/tune_fp8.log", T3 + "tune.log")
 REGISTRY: dict[str, Entry] = {
     "serve-ab-cpu-embedded": Entry(("2026-12-02/serve_ab_cpu_embedded",), sr.results_table),
-    "serve-ab": Entry(("2026-12-02/session7_serve_ab",), sr.results_table),
+    "serve-ab": Entry(NOW_SERVE, sr.results_table),
+    "serve-ab-headline": Entry(NOW_SERVE, sr.headline),
+    "serve-ab-session7": Entry(("2026-12-02/session7_serve_ab",), sr.results_table),
+    "router-kernel": Entry(("2026-12-02/session9_router/router.json",), rn.router_table),
     "readme-headline": Entry((NOW_FP8, NOW_BF16, *NOW_KERNELS), rn.headline),
     "now-decode-ab": Entry((NOW_FP8, NOW_FP8, NOW_BF16), rn.decode_ab_summary,
                            ((("moe-serve", "stock"), ("moe-serve", "vllm-triton"), ("moe-serve", "stock")),)),

@@ -102,3 +102,23 @@ def results_table(*dirs: Path) -> list[str]:
         out += ["Where a decode step goes (ms per step; GPU idle = step - GPU busy; kernels that overlap "
                 "count in each class):", ""] + prof + [""]
     return out[:-1]
+
+
+def headline(*dirs: Path) -> list[str]:
+    """One line per model and variant: the primary metrics against vllm-serve (c = 1 ITL p50
+    speedup, c = 32 output tok/s ratio, 95 % intervals; **bold** where the lower bound is above 1)
+    and the processes behind them."""
+    out = []
+    for model, procs in serve_stats.by_model(serve_stats.load(list(dirs))).items():
+        rows = {(r["level"], r["variant"]): r for r in serve_stats.pooled_rows(procs, BASELINE, ALL_VARIANTS)}
+        variants = [v for (_, v), r in rows.items() if v != BASELINE and r.get("itl_speedup")]
+        for v in dict.fromkeys(variants):
+            parts = []
+            for c, key, what in ((1, "itl_speedup", "c = 1 ITL p50 speedup"), (32, "tok_s_ratio", "c = 32 output tok/s")):
+                r, base = rows.get((c, v)), rows.get((c, BASELINE))
+                if r and r.get(key) and base:
+                    ratio = r[key]
+                    parts.append(f"{what} " + _bold(_ratio(ratio), ratio["lo"] is not None and ratio["lo"] > 1)
+                                 + f" ({r['n']} / {base['n']} processes)")
+            out.append(f"- `{model}`, `{v}` vs `vllm serve`: " + "; ".join(parts) + ".")
+    return out
