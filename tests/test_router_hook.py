@@ -129,3 +129,23 @@ def test_each_layer_takes_our_router_only_up_to_its_measured_token_limit() -> No
         limits[(E, K)] = spec.max_m if isinstance(spec, RouterSpec) else spec
     assert limits == {(128, 2048): 8, (128, 4096): 4, (8, 4096): MAX_M, (256, 7168): 1,
                       (1024, 8192): "gate [1024, 8192] too large for one launch"}
+
+
+def test_a_traced_runner_keeps_vllms_path_and_the_trace_has_no_break() -> None:
+    """Where torch.compile traces the runner (vLLM-CPU), the wrapped _forward_impl and
+    _compute_routing only call vLLM's: fullgraph tracing succeeds and decides nothing."""
+    from kernels.plugin.router_hook import RouterHook
+
+    hook = RouterHook(SimpleNamespace(logger=None, count_router=None), ())
+    forward = hook.forward_impl(lambda runner, x: x * 2)
+    routing = hook.compute_routing(lambda router, x, logits: (logits.softmax(-1), logits.argmax(-1)))
+    runner = torch.nn.Linear(4, 4)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def step(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (forward(runner, x), *routing(runner, x, x))
+
+    x = torch.randn(3, 4)
+    doubled, weights, ids = step(x)
+    assert torch.equal(doubled, x * 2) and torch.equal(ids, x.argmax(-1))
+    assert hook._specs == {}                      # no eligibility read, no log, under the trace

@@ -16,7 +16,9 @@ Mixtral computes its gate in the model, so its layers keep vLLM's), unquantized,
 with a correction bias (no hash table, no fused shared experts); no gate fused with a shared
 expert's, no dispatch of the logits (naive DP/EP, prefill context parallel), a modular (not
 monolithic) expert method. On in optimized mode unless env MOE_SERVE_FUSED_ROUTER=0
-(`moe-serve --no-fused-router`).
+(`moe-serve --no-fused-router`). The hook acts only where the runner runs eagerly (on CUDA,
+inside vLLM's opaque MoE custom op); in a region torch.compile traces, the wrappers call
+vLLM's code and nothing else.
 """
 from __future__ import annotations
 
@@ -122,6 +124,8 @@ class RouterHook:
     def forward_impl(self, orig: Callable) -> Callable:
         """make() for MoERunner._forward_impl."""
         def _forward_impl(runner: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():     # traced (vLLM-CPU compiles the runner): vLLM's router
+                return orig(runner, hidden_states, *args, **kwargs)
             spec = self._spec(runner)
             if (isinstance(spec, str) or hidden_states.size(0) > spec.max_m
                     or (self.require_cuda and not hidden_states.is_cuda)):
@@ -137,6 +141,8 @@ class RouterHook:
         """make() for the routers' _compute_routing."""
         def _compute_routing(router: Any, hidden_states: torch.Tensor, router_logits: torch.Tensor,
                              *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            if torch.compiler.is_compiling():
+                return orig(router, hidden_states, router_logits, *args, **kwargs)
             pending = getattr(self._state, "pending", None)
             if pending is None or router_logits is not pending.hidden_states:
                 return orig(router, hidden_states, router_logits, *args, **kwargs)
@@ -153,6 +159,8 @@ class RouterHook:
         orig = gate.forward
 
         def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():
+                return orig(x, *args, **kwargs)
             pending = getattr(self._state, "pending", None)
             if pending is not None and pending.hidden_states is x and pending.gate is gate:
                 return x, None
