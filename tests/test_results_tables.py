@@ -54,8 +54,11 @@ def test_every_block_is_registered_and_every_entry_used() -> None:
 def test_results_opens_with_the_current_answer_and_history_is_newest_first() -> None:
     results = (REPO / "bench" / "RESULTS.md").read_text()
     opening = results[:results.index("## Details")]
-    assert re.findall(r"<!-- results_tables: ([\w-]+) -->", opening) == ["serve-ab", "now-decode-ab",
-                                                                        "now-kernels", "now-tune-times"]
+    assert re.findall(r"<!-- results_tables: ([\w-]+) -->", opening) == [
+        "serve-ab-headline", "serve-ab", "router-kernel", "now-decode-ab", "now-kernels", "now-tune-times"]
+    readme = (REPO / "README.md").read_text()
+    first_screen = readme[:readme.index("## Talking to it")]
+    assert re.findall(r"<!-- results_tables: ([\w-]+) -->", first_screen) == ["serve-ab-headline", "readme-headline"]
     assert not re.search(r"(?m)^## \d{4}-", results)              # no dated section left in RESULTS.md
     dates = re.findall(r"(?m)^## (\d{4}-\d\d-\d\d)", (REPO / "bench" / "HISTORY.md").read_text())
     assert len(dates) > 10 and dates == sorted(dates, reverse=True)
