@@ -3,11 +3,13 @@ raw files: the decode A/B ratios with their intervals, ours vs vLLM's kernel vs 
 per MoE shape, and the tuner's wall times (bench/results_tables.py's registry calls these)."""
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path, PurePosixPath
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))   # kernels.moe.router_topk, for the router's limit
 import decode_stats  # noqa: E402
 from results_archive import RAW, ArchivePath  # noqa: E402
 from results_render_kernels import _geomean as _gm  # noqa: E402
@@ -185,10 +187,7 @@ def headline(fp8: tuple, bf16: tuple, *kernels: Path) -> list[str]:
 def router_table(path: Path) -> list[str]:
     """bench/bench_router.py's rows: per router shape, vLLM's gate GEMM + top-k over our one launch
     at each M, and where the serving hook takes ours (kernels.moe.router_topk.max_tokens)."""
-    import json
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from kernels.moe.router_topk import max_tokens
+    from kernels.moe.router_topk import max_tokens    # imports Triton: only this block needs it
 
     rows = json.loads(path.read_text())["rows"]
     ms = sorted({r["M"] for r in rows})

@@ -36,8 +36,9 @@ def _timeout(text: str | float | None) -> float | None:
     return None if value == 0 else value
 
 
-def _env_bool(text: str | None, name: str = "MOE_SERVE_FUSED_ROUTER") -> bool | None:
-    """An on/off environment value (1/true/yes/on, 0/false/no/off); None when unset."""
+def _env_switch(name: str) -> bool | None:
+    """MOE_SERVE_<NAME> as on (1/true/yes/on) or off (0/false/no/off); None when unset."""
+    text = env_default(name)
     if text is None:
         return None
     word = text.strip().lower()
@@ -45,7 +46,7 @@ def _env_bool(text: str | None, name: str = "MOE_SERVE_FUSED_ROUTER") -> bool | 
         return True
     if word in ("0", "false", "no", "off"):
         return False
-    raise SettingsError(f"{name} must be 1/true/yes/on or 0/false/no/off, got {text!r}")
+    raise SettingsError(f"MOE_SERVE_{name.upper()} must be 1/true/yes/on or 0/false/no/off, got {text!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=e("max_num_seqs"))
     p.add_argument("--moe-kernels", choices=["optimized", "vllm"], default=e("moe_kernels", "optimized"),
                    help="optimized: moe-serve's Triton MoE kernels; vllm: stock vLLM (for A/B)")
-    p.add_argument("--fused-router", action=argparse.BooleanOptionalAction, default=_env_bool(e("fused_router")),
+    p.add_argument("--fused-router", action=argparse.BooleanOptionalAction, default=_env_switch("fused_router"),
                    help="a MoE layer's gate GEMM + top-k at small decode batches in one launch of ours, where "
                    "vLLM's runner holds the gate (Qwen3-MoE style); default on with --moe-kernels optimized")
     p.add_argument("--host", default=e("host", "127.0.0.1"))
