@@ -3,6 +3,8 @@ exact same arguments can be compiled ahead of time (kernels.moe.aot) or counted 
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 from typing import Any, Callable, Iterator
 
 import triton
@@ -17,6 +19,20 @@ def jit(**options: Any) -> Callable:
         JIT_OPTIONS[fn.__name__] = options
         return triton.jit(**options)(fn)
     return deco
+
+
+@functools.cache
+def pdl_supported() -> bool:
+    """Whether kernels may be programmatic dependent launches (griddepcontrol, sm_90+): on a
+    Hopper or newer GPU, and where no CUDA device is visible (ahead-of-time compiles target
+    sm_90); never under TRITON_INTERPRET, which has no inline PTX."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    import torch
+
+    if not torch.cuda.is_available():
+        return True
+    return torch.cuda.get_device_capability()[0] >= 9
 
 
 def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:

@@ -26,8 +26,10 @@ quantized on load (BLOCK_K == GROUP_K). The down kernel takes 0-3, 5 and 6.
 W_SCALE: 0 none, 1 per-tensor ([E]), 2 per-channel ([E, rows of w]), 3 block
 ([E, cdiv(rows, GROUP_N), cdiv(cols, GROUP_K)], applied per K step with A_MODE 5/6).
 SWAP_AB: acc[BN, BM] += w[BN, BK] @ a^T[BK, BM], so weight rows fill wgmma's 64-row slot.
-USE_PDL (GPU): the down kernel is a programmatic dependent launch; it waits (gdc_wait) for
-the up kernel only before its first activation load.
+USE_PDL (sm_90+): both kernels are programmatic dependent launches. The up kernel waits
+(gdc_wait) for the kernel before it first thing, then lets the down kernel launch; so when the
+down kernel reads expert ids before its own gdc_wait (which covers only the up kernel's act),
+whatever wrote them has finished.
 
 SPLIT_K > 1 (either kernel; a shape with few programs per SM, e.g. one token): program_id of
 the split axis s reduces its share of the reduction (up: K tiles; down: the flat slot x N-chunk
@@ -89,8 +91,9 @@ def moe_decode_up_kernel(
     FP8_PREROUND: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
 ):
-    if USE_PDL:                        # let the down kernel's programs launch during our tail
-        tl.extra.cuda.gdc_launch_dependents()
+    if USE_PDL:                        # launched early: wait for the kernel before us (router,
+        tl.extra.cuda.gdc_wait()       # top-k or the quantize pass) before reading anything, then
+        tl.extra.cuda.gdc_launch_dependents()   # let the down kernel's programs launch
     s = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)                                   # [BM] slots

@@ -3,7 +3,9 @@ act [T, N], then GEMM2 + routed weight + top-k sum into out, either split-K or n
 fp32 workspace and arrival counters: split_workspace). With fp8 hidden states in floats and
 A_PREQUANT, one quantize-once launch comes first; act is quantized in the up kernel's epilogue
 where a tile holds what its scale needs (fp8_scales.gemm2_plan), else by the down kernel on load.
-No host sync, buffers sized from shapes only: CUDA-graph capturable."""
+With the config's PDL (sm_90+), both kernels are programmatic dependent launches: each waits
+for the kernel before it (gdc_wait) before its first dependent load, so its launch overlaps that
+kernel's tail. No host sync, buffers sized from shapes only: CUDA-graph capturable."""
 from __future__ import annotations
 
 from typing import Any
@@ -14,7 +16,7 @@ import triton
 from kernels.moe import configs, fp8_scales
 from kernels.moe.config_schema import prequant
 from kernels.moe.fp8_scales import FP8, INTERPRET, Fp8Scales, block_stride, scale_strides
-from kernels.moe.launch import launch
+from kernels.moe.launch import launch, pdl_supported
 from kernels.moe.moe_decode import moe_decode_down_kernel, moe_decode_up_kernel
 
 
@@ -68,7 +70,7 @@ def fused_moe_decode(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, tw: to
         a2s = torch.empty((T, triton.cdiv(N, fp8.group_k)), dtype=torch.float32, device=x.device)
     gn, gk = (fp8.group_n, fp8.group_k) if fp8 is not None else (0, 0)
     dummy = tw
-    pdl = bool(cfg.get("PDL")) and not INTERPRET
+    pdl = bool(cfg.get("PDL")) and pdl_supported()
     ws1 = w1s if w1s is not None else dummy
     se1, sn1, sk1 = block_stride(ws1, w1_mode)
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -96,6 +98,7 @@ def fused_moe_decode(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, tw: to
         BLOCK_K=bk, FP8_PREROUND=INTERPRET and (a_mode1 in (2, 3, 6) or c_quant > 0),
         USE_PDL=pdl, SPLIT_K=split1, GROUP_N=gn, GROUP_K=gk,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"launch_pdl": True} if pdl else {}),
     )
     ws2 = w2s if w2s is not None else dummy
     se2, sk2, sn2 = block_stride(ws2, w2_mode)

@@ -14,6 +14,9 @@ router_topk_kernel   grid (M, cdiv(E, BLOCK_E), SPLIT_K)
     token (kernels.moe.moe_decode's arrival counter) reads the row back while zeroing it and
     runs the top-k: the workspace is zero again after every call, so no memset launch, and the
     one launch replaces vLLM's gate GEMM and top-k kernels under CUDA graphs.
+    On sm_90+ it is a programmatic dependent launch (USE_PDL): it waits for the kernel before it
+    before touching memory and lets the next kernel (our decode path's up kernel, itself a
+    dependent launch that waits for us) launch during its tail.
 
 Top-k is TOPK rounds of argmax over the E_P2 scores (ties to the lower expert id, as
 torch.topk's order on equal values is unspecified). Not covered (the caller keeps vLLM's
@@ -26,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.moe.aot import compile_launches
-from kernels.moe.launch import jit, launch, record_launches
+from kernels.moe.launch import jit, launch, pdl_supported, record_launches
 from kernels.moe.moe_decode import _arrive_last
 from kernels.moe.moe_decode_launch import split_workspace
 
@@ -57,8 +60,11 @@ def router_topk_kernel(
     # meta
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, SCORING_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
     RENORMALIZE: tl.constexpr, E_P2: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, ONE_PROGRAM: tl.constexpr,
+    SPLIT_K: tl.constexpr, ONE_PROGRAM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:                        # launched early: let the MoE kernels after us launch, and
+        tl.extra.cuda.gdc_launch_dependents()   # wait for the kernel before us (the hidden
+        tl.extra.cuda.gdc_wait()       # states' norm) before reading or writing anything
     m = tl.program_id(0)
     pid_e = tl.program_id(1)
     s = tl.program_id(2)
@@ -158,13 +164,15 @@ def router_topk(x: torch.Tensor, gate_w: torch.Tensor, topk: int, scoring: str =
     e_p2 = triton.next_power_of_2(E)
     block_e, block_k, split = launch_plan(M, E, K)
     one = block_e == e_p2 and split == 1
+    pdl = pdl_supported()
     ws, cnt = (topk_w, topk_ids) if one else split_workspace(x.device, M * e_p2, M)
     launch(router_topk_kernel, (M, triton.cdiv(E, block_e), split),
            x, gate_w, bias if bias is not None else topk_w, topk_w, topk_ids, ws, cnt,
            M, K, E, x.stride(0), gate_w.stride(0), float(scaling),
            TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), SCORING_FN=SCORING[scoring],
            HAS_BIAS=bias is not None, RENORMALIZE=renormalize, E_P2=e_p2, BLOCK_E=block_e,
-           BLOCK_K=block_k, SPLIT_K=split, ONE_PROGRAM=one, num_warps=4)
+           BLOCK_K=block_k, SPLIT_K=split, ONE_PROGRAM=one, USE_PDL=pdl, num_warps=4,
+           **({"launch_pdl": True} if pdl else {}))
     return topk_w, topk_ids
 
 

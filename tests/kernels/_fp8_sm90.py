@@ -70,4 +70,6 @@ if __name__ == "__main__":
             print(json.dumps({"variant": name, "kernel": kname, "mma": aot.mma_kind(aot.sass(ck)),
                               "smem": int(ck.metadata.shared), "swap": kw.get("SWAP_AB"),
                               "a_mode": kw.get("A_MODE"), "w_scale": kw.get("W_SCALE"),
-                              "c_quant": kw.get("C_QUANT"), "scale": kw.get("SCALE")}), flush=True)
+                              "c_quant": kw.get("C_QUANT"), "scale": kw.get("SCALE"),
+                              "launch_pdl": bool(kw.get("launch_pdl")),
+                              "gdc_wait": "griddepcontrol.wait" in ck.asm["ptx"]}), flush=True)

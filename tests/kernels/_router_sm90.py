@@ -30,4 +30,7 @@ if __name__ == "__main__":
             router_topk(x, w, topk, scoring, bias=torch.zeros(E) if bias else None)
         for (kname, ck), (_, grid, _, kw) in zip(aot.compile_launches(launches, cache=cache), launches):
             print(json.dumps({"variant": name, "kernel": kname, "grid": list(grid),
-                              "one_program": kw["ONE_PROGRAM"], "smem": int(ck.metadata.shared)}), flush=True)
+                              "one_program": kw["ONE_PROGRAM"], "smem": int(ck.metadata.shared),
+                              "launch_pdl": bool(kw.get("launch_pdl")),
+                              "gdc": [i for i in ("griddepcontrol.launch_dependents", "griddepcontrol.wait")
+                                      if i in ck.asm["ptx"]]}), flush=True)

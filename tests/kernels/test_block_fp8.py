@@ -253,3 +253,6 @@ def test_variants_compile_for_sm90_with_wgmma_where_swapped():
     for want in ((6, 3, 0), (5, 3, 2), (5, 3, 0), (4, 2, 0), (3, 2, None)):
         assert want in modes, (want, modes)
     assert {r["scale"] for r in rows if r["kernel"] == "quant_fp8_kernel"} == {1, 2}
+    decode = [r for r in gemms if r["kernel"].startswith("moe_decode")]   # configs with PDL
+    assert decode and all(r["launch_pdl"] and r["gdc_wait"] for r in decode), decode
+    assert not any(r["launch_pdl"] or r["gdc_wait"] for r in rows if r not in decode)

@@ -123,3 +123,6 @@ def test_variants_compile_for_sm90():
     assert len(rows) == 5 and {r["kernel"] for r in rows} == {"router_topk_kernel"}
     assert {r["one_program"] for r in rows} == {True, False}
     assert all(r["grid"][0] * r["grid"][1] * r["grid"][2] >= 64 for r in rows if not r["one_program"])
+    # compiled for sm_90 (no CUDA device here), each is a programmatic dependent launch that
+    # waits for the kernel before it and lets the next one launch
+    assert all(r["launch_pdl"] and len(r["gdc"]) == 2 for r in rows), rows

@@ -1,0 +1,210 @@
+"""The whole MoE block at decode: hidden states -> router -> experts -> output, ours against vLLM's.
+
+    ours    router_topk (one launch) -> fused_moe (the served config: the decode path's two launches)
+    vLLM    the gate GEMM (F.linear, as the model runs it) -> vLLM's fused top-k -> fused_experts
+
+Per named shape and M, on random weights (one gate and one set of experts per "layer", N_LAYERS of
+them, called in order inside one CUDA graph, as a decode step calls its layers):
+1. checks: our routing against vLLM's (bench.bench_router.check: the same experts up to near-ties);
+   our experts against vLLM's fused_experts on our routing (relative error of the output);
+   the chain with programmatic dependent launch replayed from one CUDA graph REPLAY_CHECKS times
+   into poisoned outputs, every output compared with the eager one (a launch that read its inputs
+   before the kernel before it had written them would change it);
+2. timing: CUDA-graph replays of the N_LAYERS blocks, median us per block, for vLLM, ours and ours
+   with PDL off (the router and both decode kernels launched plainly), in alternating order.
+
+Needs a CUDA GPU and vLLM.
+
+    python bench/bench_moe_block.py [--shapes qwen3-30b-a3b,...] [--m 1,2,4,8] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_router import RouterShape, check, vllm_router  # noqa: E402
+from kernels.moe import router_topk as router_mod  # noqa: E402
+from kernels.moe import selection  # noqa: E402
+from kernels.moe.fused_moe import fused_moe  # noqa: E402
+from kernels.tuning.timing import time_graph  # noqa: E402
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """One MoE layer at one tensor-parallel rank: E experts of intermediate N over hidden K."""
+
+    E: int
+    N: int
+    K: int
+    router: RouterShape
+
+
+SHAPES = {
+    "qwen3-30b-a3b": BlockShape(128, 768, 2048, RouterShape(128, 2048, 8)),
+    "qwen3-235b-a22b-tp8": BlockShape(128, 192, 4096, RouterShape(128, 4096, 8)),
+    "glm-4.5-air-tp2": BlockShape(128, 704, 4096, RouterShape(128, 4096, 8, "sigmoid", True, True, 1.0)),
+}
+N_LAYERS = 8
+REPLAY_CHECKS = 50
+MAX_REL_ERR = 2e-2           # bf16 output, fp32 accumulation on both sides
+ROUNDS = 3                   # alternating timing rounds
+
+
+@contextlib.contextmanager
+def pdl_off() -> Iterator[None]:
+    """Our router launched plainly (kernels.moe.router_topk reads pdl_supported per call)."""
+    with mock.patch.object(router_mod, "pdl_supported", lambda: False):
+        yield
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def make_layers(shape: BlockShape, dtype: torch.dtype, g: torch.Generator) -> list[dict[str, Any]]:
+    E, N, K = shape.E, shape.N, shape.K
+    layers = []
+    for _ in range(N_LAYERS):
+        layers.append({
+            "gate": torch.randn(E, K, device="cuda", dtype=dtype, generator=g) / K ** 0.5,
+            "w1": (torch.randn(E, 2 * N, K, device="cuda", generator=g) / K ** 0.5).to(dtype),
+            "w2": (torch.randn(E, K, N, device="cuda", generator=g) / N ** 0.5).to(dtype),
+            "bias": torch.rand(E, device="cuda", generator=g) * 0.2 if shape.router.bias else None,
+        })
+    return layers
+
+
+def run_shape(name: str, shape: BlockShape, ms: list[int], dtype: torch.dtype) -> list[dict]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    layers = make_layers(shape, dtype, g)
+    r = shape.router
+    theirs_topk = vllm_router(r)
+    from kernels.moe import vllm_kernels
+
+    fx = vllm_kernels.fused_experts()
+    if fx is None:
+        raise RuntimeError("vLLM's fused_experts is not importable")
+    fused_experts = fx[0]
+    rows = []
+    for M in ms:
+        xs = [torch.randn(M, shape.K, device="cuda", dtype=dtype, generator=g) for _ in range(N_LAYERS)]
+        outs = [torch.empty(M, shape.K, device="cuda", dtype=dtype) for _ in range(N_LAYERS)]
+        cfg = selection.get_config(M, shape.E, shape.N, shape.K, r.topk, "bf16")
+        cfg_plain = {**cfg, "PDL": False}
+
+        def ours(i: int, config: dict | None = None) -> torch.Tensor:
+            L = layers[i]
+            tw, ids = router_mod.router_topk(xs[i], L["gate"], r.topk, r.scoring, r.renormalize,
+                                             bias=L["bias"], scaling=r.scaling)
+            return fused_moe(xs[i], L["w1"], L["w2"], tw, ids, out=outs[i], config=config or cfg)
+
+        def ours_plain(i: int) -> torch.Tensor:
+            with pdl_off():
+                return ours(i, cfg_plain)
+
+        def vllm(i: int) -> torch.Tensor:
+            L = layers[i]
+            logits = torch.nn.functional.linear(xs[i], L["gate"])
+            tw, ids = theirs_topk(xs[i], logits, L["bias"])
+            return fused_experts(xs[i], L["w1"], L["w2"], tw, ids)
+
+        checks = check_block(ours, layers, xs, r, fused_experts, outs)
+        times: dict[str, list[float]] = {"vllm": [], "ours": [], "ours_pdl_off": []}
+        fns: dict[str, Callable[[int], Any]] = {"vllm": vllm, "ours": ours, "ours_pdl_off": ours_plain}
+        order = list(fns)
+        for k in range(ROUNDS):
+            for v in (order if k % 2 == 0 else order[::-1]):
+                times[v].append(time_graph(fns[v], N_LAYERS))
+        med = {v: statistics.median(t) for v, t in times.items()}
+        rows.append({"shape": name, "E": shape.E, "N": shape.N, "K": shape.K, "topk": r.topk,
+                     "scoring": r.scoring, "M": M, "config": cfg,
+                     "experts_route": selection.route(shape.E, shape.N, shape.K, "bf16", M, topk=r.topk),
+                     "router_served_up_to_m": router_mod.max_tokens(r.E, r.K),
+                     **{f"{v}_us": round(t, 2) for v, t in med.items()},
+                     "speedup_vs_vllm": round(med["vllm"] / med["ours"], 3),
+                     "pdl_gain": round(med["ours_pdl_off"] / med["ours"], 3),
+                     "rounds_us": {v: [round(x, 2) for x in t] for v, t in times.items()}, **checks})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def check_block(ours: Callable, layers: list, xs: list, r: RouterShape, fused_experts: Callable,
+                outs: list) -> dict[str, Any]:
+    """The three checks of the module doc; raises on a failure, else returns their numbers."""
+    near_ties, w_diff, err = 0, 0.0, 0.0
+    eager = []
+    for i, L in enumerate(layers):
+        tw, ids = router_mod.router_topk(xs[i], L["gate"], r.topk, r.scoring, r.renormalize,
+                                         bias=L["bias"], scaling=r.scaling)
+        logits = torch.nn.functional.linear(xs[i], L["gate"])
+        agree = check(r, (tw, ids), vllm_router(r)(xs[i], logits, L["bias"]), logits, L["bias"])
+        near_ties += agree["rows_differing_at_near_ties"]
+        w_diff = max(w_diff, agree["max_weight_diff"])
+        mine = fused_moe(xs[i], L["w1"], L["w2"], tw, ids).clone()
+        ref = fused_experts(xs[i], L["w1"], L["w2"], tw, ids)
+        err = max(err, rel_err(mine, ref))
+        eager.append(ours(i).clone())
+    if err > MAX_REL_ERR:
+        raise AssertionError(f"experts differ from vLLM's on our routing: rel err {err:.3g}")
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(len(layers)):
+            ours(i)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        for i in range(len(layers)):
+            ours(i)
+    replay_err = 0.0
+    for _ in range(REPLAY_CHECKS):
+        for o in outs:
+            o.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        replay_err = max(replay_err, max(rel_err(o, e) for o, e in zip(outs, eager)))
+        if not replay_err <= MAX_REL_ERR:      # NaN included: an output never written
+            raise AssertionError(f"graph replay differs from the eager block: rel err {replay_err:.3g}")
+    del g
+    return {"routing_rows_at_near_ties": near_ties, "routing_max_weight_diff": round(w_diff, 5),
+            "experts_rel_err_vs_vllm": round(err, 5), "replay_rel_err_vs_eager": round(replay_err, 6),
+            "replays_checked": REPLAY_CHECKS}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {sorted(SHAPES)}")
+    ap.add_argument("--m", default="1,2,4,8", help="token counts, comma list")
+    ap.add_argument("--out", type=Path, help="write the rows as JSON here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_moe_block: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    unknown = sorted(set(args.shapes.split(",")) - set(SHAPES))
+    if unknown:
+        print(f"bench_moe_block: unknown shapes {unknown}; known: {sorted(SHAPES)}", file=sys.stderr)
+        return 2
+    ms = [int(m) for m in args.m.split(",")]
+    rows = []
+    for name in args.shapes.split(","):
+        rows += run_shape(name, SHAPES[name], ms, torch.bfloat16)
+        torch.cuda.empty_cache()
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
