@@ -1,17 +1,22 @@
 """The whole MoE block at decode: hidden states -> router -> experts -> output, ours against vLLM's.
 
-    ours    router_topk (one launch) -> fused_moe (the served config: the decode path's two launches)
-    vLLM    the gate GEMM (F.linear, as the model runs it) -> vLLM's fused top-k -> fused_experts
+    ours            router_topk (one launch) -> fused_moe (the served config: the decode path's
+                    two launches, the down kernel a programmatic dependent launch where the config
+                    has PDL), as served by default
+    ours_block_pdl  the same with the block chained (MOE_SERVE_BLOCK_PDL=1): the router and the up
+                    kernel programmatic dependent launches too
+    ours_pdl_off    no programmatic dependent launch at all
+    vLLM            the gate GEMM (F.linear, as the model runs it) -> vLLM's fused top-k -> fused_experts
 
 Per named shape and M, on random weights (one gate and one set of experts per "layer", N_LAYERS of
 them, called in order inside one CUDA graph, as a decode step calls its layers):
 1. checks: our routing against vLLM's (bench.bench_router.check: the same experts up to near-ties);
    our experts against vLLM's fused_experts on our routing (relative error of the output);
-   the chain with programmatic dependent launch replayed from one CUDA graph REPLAY_CHECKS times
-   into poisoned outputs, every output compared with the eager one (a launch that read its inputs
-   before the kernel before it had written them would change it);
-2. timing: CUDA-graph replays of the N_LAYERS blocks, median us per block, for vLLM, ours and ours
-   with PDL off (the router and both decode kernels launched plainly), in alternating order.
+   ours and ours_block_pdl each replayed from one CUDA graph REPLAY_CHECKS times into poisoned
+   outputs, every output compared with the eager one (a launch that read its inputs before the
+   kernel before it had written them would change it);
+2. timing: CUDA-graph replays of the N_LAYERS blocks, median us per block, for vLLM and the three
+   launch patterns of ours, in alternating order.
 
 Needs a CUDA GPU and vLLM.
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 from dataclasses import dataclass
@@ -37,6 +43,7 @@ from bench.bench_router import RouterShape, check, vllm_router  # noqa: E402
 from kernels.moe import router_topk as router_mod  # noqa: E402
 from kernels.moe import selection  # noqa: E402
 from kernels.moe.fused_moe import fused_moe  # noqa: E402
+from kernels.moe.launch import BLOCK_PDL_ENV  # noqa: E402
 from kernels.tuning.timing import time_graph  # noqa: E402
 
 
@@ -62,9 +69,10 @@ ROUNDS = 3                   # alternating timing rounds
 
 
 @contextlib.contextmanager
-def pdl_off() -> Iterator[None]:
-    """Our router launched plainly (kernels.moe.router_topk reads pdl_supported per call)."""
-    with mock.patch.object(router_mod, "pdl_supported", lambda: False):
+def block_pdl(on: bool) -> Iterator[None]:
+    """The MoE block chained by PDL (on) or not, whatever the environment says
+    (kernels.moe.launch.block_pdl reads MOE_SERVE_BLOCK_PDL per call)."""
+    with mock.patch.dict(os.environ, {BLOCK_PDL_ENV: "1" if on else "0"}):
         yield
 
 
@@ -103,15 +111,23 @@ def run_shape(name: str, shape: BlockShape, ms: list[int], dtype: torch.dtype) -
         cfg = selection.get_config(M, shape.E, shape.N, shape.K, r.topk, "bf16")
         cfg_plain = {**cfg, "PDL": False}
 
-        def ours(i: int, config: dict | None = None) -> torch.Tensor:
+        def block(i: int, config: dict) -> torch.Tensor:
             L = layers[i]
             tw, ids = router_mod.router_topk(xs[i], L["gate"], r.topk, r.scoring, r.renormalize,
                                              bias=L["bias"], scaling=r.scaling)
-            return fused_moe(xs[i], L["w1"], L["w2"], tw, ids, out=outs[i], config=config or cfg)
+            return fused_moe(xs[i], L["w1"], L["w2"], tw, ids, out=outs[i], config=config)
+
+        def ours(i: int) -> torch.Tensor:
+            with block_pdl(False):
+                return block(i, cfg)
+
+        def ours_chained(i: int) -> torch.Tensor:
+            with block_pdl(True):
+                return block(i, cfg)
 
         def ours_plain(i: int) -> torch.Tensor:
-            with pdl_off():
-                return ours(i, cfg_plain)
+            with block_pdl(False):
+                return block(i, cfg_plain)
 
         def vllm(i: int) -> torch.Tensor:
             L = layers[i]
@@ -120,8 +136,11 @@ def run_shape(name: str, shape: BlockShape, ms: list[int], dtype: torch.dtype) -
             return fused_experts(xs[i], L["w1"], L["w2"], tw, ids)
 
         checks = check_block(ours, layers, xs, r, fused_experts, outs)
-        times: dict[str, list[float]] = {"vllm": [], "ours": [], "ours_pdl_off": []}
-        fns: dict[str, Callable[[int], Any]] = {"vllm": vllm, "ours": ours, "ours_pdl_off": ours_plain}
+        eager = [ours(i).clone() for i in range(N_LAYERS)]       # the default pattern, eagerly
+        checks["replay_rel_err_block_pdl"] = check_replays(ours_chained, N_LAYERS, outs, eager)
+        fns: dict[str, Callable[[int], Any]] = {"vllm": vllm, "ours": ours, "ours_block_pdl": ours_chained,
+                                                "ours_pdl_off": ours_plain}
+        times: dict[str, list[float]] = {v: [] for v in fns}
         order = list(fns)
         for k in range(ROUNDS):
             for v in (order if k % 2 == 0 else order[::-1]):
@@ -134,6 +153,7 @@ def run_shape(name: str, shape: BlockShape, ms: list[int], dtype: torch.dtype) -
                      **{f"{v}_us": round(t, 2) for v, t in med.items()},
                      "speedup_vs_vllm": round(med["vllm"] / med["ours"], 3),
                      "pdl_gain": round(med["ours_pdl_off"] / med["ours"], 3),
+                     "block_pdl_gain": round(med["ours"] / med["ours_block_pdl"], 3),
                      "rounds_us": {v: [round(x, 2) for x in t] for v, t in times.items()}, **checks})
         print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -157,15 +177,25 @@ def check_block(ours: Callable, layers: list, xs: list, r: RouterShape, fused_ex
         eager.append(ours(i).clone())
     if err > MAX_REL_ERR:
         raise AssertionError(f"experts differ from vLLM's on our routing: rel err {err:.3g}")
+    return {"routing_rows_at_near_ties": near_ties, "routing_max_weight_diff": round(w_diff, 5),
+            "experts_rel_err_vs_vllm": round(err, 5),
+            "replay_rel_err_vs_eager": check_replays(ours, len(layers), outs, eager),
+            "replays_checked": REPLAY_CHECKS}
+
+
+def check_replays(ours: Callable, n_layers: int, outs: list, eager: list) -> float:
+    """Replay ours over the layers from one CUDA graph REPLAY_CHECKS times into NaN-poisoned
+    outputs; each replay must match `eager` (the default pattern's outputs, run eagerly).
+    Returns the worst relative error; raises beyond MAX_REL_ERR."""
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for i in range(len(layers)):
+        for i in range(n_layers):
             ours(i)
     torch.cuda.current_stream().wait_stream(s)
     with torch.cuda.graph(g):
-        for i in range(len(layers)):
+        for i in range(n_layers):
             ours(i)
     replay_err = 0.0
     for _ in range(REPLAY_CHECKS):
@@ -177,9 +207,7 @@ def check_block(ours: Callable, layers: list, xs: list, r: RouterShape, fused_ex
         if not replay_err <= MAX_REL_ERR:      # NaN included: an output never written
             raise AssertionError(f"graph replay differs from the eager block: rel err {replay_err:.3g}")
     del g
-    return {"routing_rows_at_near_ties": near_ties, "routing_max_weight_diff": round(w_diff, 5),
-            "experts_rel_err_vs_vllm": round(err, 5), "replay_rel_err_vs_eager": round(replay_err, 6),
-            "replays_checked": REPLAY_CHECKS}
+    return round(replay_err, 6)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,8 @@
 | `moe-serve-vllm-kernels` | `python -m service --moe-kernels vllm`: our frontend, vLLM's MoE kernels |
 | `moe-serve` | `python -m service`: our frontend and kernels |
 | `moe-serve-fused-router` | `python -m service --fused-router`: and the router at decode in one launch (on request: `--variants`) |
+| `moe-serve-no-fused-router` | `python -m service --no-fused-router`: vLLM's router, our experts (on request) |
+| `moe-serve-block-pdl` | `MOE_SERVE_BLOCK_PDL=1 python -m service`: the MoE block at decode chained by programmatic dependent launch (on request) |
 
 `EngineFlags` are the engine settings every variant gets, each in its own CLI's spelling. Servers
 run through loadtest/server_proc (own session, log file, /health readiness, CPU-engine core
@@ -28,9 +30,11 @@ from loadtest.server_proc import ServerProcess
 BASELINE, FRONTEND, OURS = "vllm-serve", "moe-serve-vllm-kernels", "moe-serve"
 FUSED_ROUTER = "moe-serve-fused-router"       # --fused-router spelled out (OURS runs it by default)
 NO_ROUTER = "moe-serve-no-fused-router"        # --no-fused-router: what the one-launch router adds
+BLOCK_PDL = "moe-serve-block-pdl"              # the block chained by PDL (kernels.moe.launch.block_pdl)
 VARIANTS = (BASELINE, FRONTEND, OURS)          # the yardstick's default run
-ALL_VARIANTS = (*VARIANTS, FUSED_ROUTER, NO_ROUTER)   # what --variants may name, and the table shows
+ALL_VARIANTS = (*VARIANTS, FUSED_ROUTER, NO_ROUTER, BLOCK_PDL)   # what --variants may name, and the table shows
 ROUTER_FLAG = {FUSED_ROUTER: ["--fused-router"], NO_ROUTER: ["--no-fused-router"]}
+BLOCK_PDL_ENV = "MOE_SERVE_BLOCK_PDL"           # set for every moe-serve variant, not inherited
 SERVED_NAME = "yardstick"
 CPU_KV_CACHE_BYTES = 512 * 1024 ** 2
 
@@ -96,7 +100,7 @@ def command(variant: str, model_dir: Path, flags: EngineFlags,
     if variant not in ALL_VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; known: {', '.join(ALL_VARIANTS)}")
     argv = moe_serve_argv(model_dir, flags, trace_dir, "vllm" if variant == FRONTEND else "optimized")
-    return "service", argv + ROUTER_FLAG.get(variant, []), {}
+    return "service", argv + ROUTER_FLAG.get(variant, []), {BLOCK_PDL_ENV: "1" if variant == BLOCK_PDL else "0"}
 
 
 def group_members(pgid: int) -> list[int]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench import decode_profile, roofline, serve_ab, serve_render, serve_stats
-from bench.serve_servers import (BASELINE, FRONTEND, FUSED_ROUTER, NO_ROUTER, OURS, VARIANTS, EngineFlags,
+from bench.serve_servers import (BASELINE, BLOCK_PDL, FRONTEND, FUSED_ROUTER, NO_ROUTER, OURS, VARIANTS, EngineFlags,
                                  command)
 
 MODELS = Path(__file__).resolve().parents[1] / "bench" / "models"
@@ -110,13 +110,15 @@ def test_every_variant_gets_the_same_engine_flags_in_its_own_spelling(tmp_path: 
         assert flag in text
     assert json.loads(argv[argv.index("--profiler-config") + 1])["profiler"] == "torch"
     module, argv, env = command(FRONTEND, tmp_path, EngineFlags(None, 512, 8, 1, None, 1 << 29))
-    assert module == "service" and env == {}
+    assert module == "service" and env == {"MOE_SERVE_BLOCK_PDL": "0"}     # never inherited
     assert argv[argv.index("--moe-kernels") + 1] == "vllm"
     assert "kv_cache_memory_bytes=536870912" in argv and "--gpu-memory-utilization" not in argv
     assert command(OURS, tmp_path, gpu)[1][5] == "optimized"
     ours, fused, unfused = (command(v, tmp_path, gpu)[1] for v in (OURS, FUSED_ROUTER, NO_ROUTER))
     assert fused == ours + ["--fused-router"] and unfused == ours + ["--no-fused-router"]
     assert not any("fused-router" in a for a in ours)          # the default: on with our kernels
+    assert command(BLOCK_PDL, tmp_path, gpu)[1:] == (ours, {"MOE_SERVE_BLOCK_PDL": "1"})
+    assert command(OURS, tmp_path, gpu)[2] == {"MOE_SERVE_BLOCK_PDL": "0"}
 
 
 # --- statistics ----------------------------------------------------------------------------------

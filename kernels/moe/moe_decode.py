@@ -26,10 +26,12 @@ quantized on load (BLOCK_K == GROUP_K). The down kernel takes 0-3, 5 and 6.
 W_SCALE: 0 none, 1 per-tensor ([E]), 2 per-channel ([E, rows of w]), 3 block
 ([E, cdiv(rows, GROUP_N), cdiv(cols, GROUP_K)], applied per K step with A_MODE 5/6).
 SWAP_AB: acc[BN, BM] += w[BN, BK] @ a^T[BK, BM], so weight rows fill wgmma's 64-row slot.
-USE_PDL (sm_90+): both kernels are programmatic dependent launches. The up kernel waits
-(gdc_wait) for the kernel before it first thing, then lets the down kernel launch; so when the
-down kernel reads expert ids before its own gdc_wait (which covers only the up kernel's act),
-whatever wrote them has finished.
+USE_PDL (sm_90+): the down kernel is a programmatic dependent launch, released by the up kernel
+first thing (gdc_launch_dependents); it waits (gdc_wait) for the up kernel only before its first
+act load. It reads expert ids before that wait: they are final, since the up kernel itself
+started only after whatever wrote them had finished, either launched plainly or, with PDL_WAIT
+(the block chained, kernels.moe.launch.block_pdl), launched early but waiting (gdc_wait) for the
+kernel before it before it releases the down kernel.
 
 SPLIT_K > 1 (either kernel; a shape with few programs per SM, e.g. one token): program_id of
 the split axis s reduces its share of the reduction (up: K tiles; down: the flat slot x N-chunk
@@ -88,12 +90,13 @@ def moe_decode_up_kernel(
     TOPK: tl.constexpr, MUL_ROUTED: tl.constexpr, A_MODE: tl.constexpr,
     W_SCALE: tl.constexpr, C_QUANT: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP8_PREROUND: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr,
-    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    FP8_PREROUND: tl.constexpr, USE_PDL: tl.constexpr, PDL_WAIT: tl.constexpr,
+    SPLIT_K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
 ):
-    if USE_PDL:                        # launched early: wait for the kernel before us (router,
-        tl.extra.cuda.gdc_wait()       # top-k or the quantize pass) before reading anything, then
-        tl.extra.cuda.gdc_launch_dependents()   # let the down kernel's programs launch
+    if PDL_WAIT:                       # launched early: wait for the kernel before us (router,
+        tl.extra.cuda.gdc_wait()       # top-k or the quantize pass) before reading anything
+    if USE_PDL:                        # let the down kernel's programs launch
+        tl.extra.cuda.gdc_launch_dependents()
     s = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)                                   # [BM] slots

@@ -3,9 +3,9 @@ act [T, N], then GEMM2 + routed weight + top-k sum into out, either split-K or n
 fp32 workspace and arrival counters: split_workspace). With fp8 hidden states in floats and
 A_PREQUANT, one quantize-once launch comes first; act is quantized in the up kernel's epilogue
 where a tile holds what its scale needs (fp8_scales.gemm2_plan), else by the down kernel on load.
-With the config's PDL (sm_90+), both kernels are programmatic dependent launches: each waits
-for the kernel before it (gdc_wait) before its first dependent load, so its launch overlaps that
-kernel's tail. No host sync, buffers sized from shapes only: CUDA-graph capturable."""
+With the config's PDL (sm_90+), the down kernel is a programmatic dependent launch: it waits for
+the up kernel (gdc_wait) only before its first act load, so its launch overlaps the up kernel;
+with kernels.moe.launch.block_pdl the up kernel is one too, waiting for the kernel before it. No host sync, buffers sized from shapes only: CUDA-graph capturable."""
 from __future__ import annotations
 
 from typing import Any
@@ -16,7 +16,7 @@ import triton
 from kernels.moe import configs, fp8_scales
 from kernels.moe.config_schema import prequant
 from kernels.moe.fp8_scales import FP8, INTERPRET, Fp8Scales, block_stride, scale_strides
-from kernels.moe.launch import launch, pdl_supported
+from kernels.moe.launch import block_pdl, launch, pdl_supported
 from kernels.moe.moe_decode import moe_decode_down_kernel, moe_decode_up_kernel
 
 
@@ -71,6 +71,7 @@ def fused_moe_decode(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, tw: to
     gn, gk = (fp8.group_n, fp8.group_k) if fp8 is not None else (0, 0)
     dummy = tw
     pdl = bool(cfg.get("PDL")) and pdl_supported()
+    chained = pdl and block_pdl()       # the up kernel a dependent launch too
     ws1 = w1s if w1s is not None else dummy
     se1, sn1, sk1 = block_stride(ws1, w1_mode)
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -96,9 +97,9 @@ def fused_moe_decode(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, tw: to
         TOPK=topk, MUL_ROUTED=on_input, A_MODE=a_mode1, W_SCALE=w1_mode, C_QUANT=c_quant,
         EVEN_K=K % bk == 0, SWAP_AB=cfg["SWAP_AB"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
         BLOCK_K=bk, FP8_PREROUND=INTERPRET and (a_mode1 in (2, 3, 6) or c_quant > 0),
-        USE_PDL=pdl, SPLIT_K=split1, GROUP_N=gn, GROUP_K=gk,
+        USE_PDL=pdl, PDL_WAIT=chained, SPLIT_K=split1, GROUP_N=gn, GROUP_K=gk,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **({"launch_pdl": True} if pdl else {}),
+        **({"launch_pdl": True} if chained else {}),
     )
     ws2 = w2s if w2s is not None else dummy
     se2, sk2, sn2 = block_stride(ws2, w2_mode)

@@ -14,9 +14,9 @@ router_topk_kernel   grid (M, cdiv(E, BLOCK_E), SPLIT_K)
     token (kernels.moe.moe_decode's arrival counter) reads the row back while zeroing it and
     runs the top-k: the workspace is zero again after every call, so no memset launch, and the
     one launch replaces vLLM's gate GEMM and top-k kernels under CUDA graphs.
-    On sm_90+ it is a programmatic dependent launch (USE_PDL): it waits for the kernel before it
-    before touching memory and lets the next kernel (our decode path's up kernel, itself a
-    dependent launch that waits for us) launch during its tail.
+    With kernels.moe.launch.block_pdl it is a programmatic dependent launch (USE_PDL): it waits
+    for the kernel before it before touching memory and lets the next kernel (our decode path's
+    up kernel, itself a dependent launch that waits for us) launch during its tail.
 
 Top-k is TOPK rounds of argmax over the E_P2 scores (ties to the lower expert id, as
 torch.topk's order on equal values is unspecified). Not covered (the caller keeps vLLM's
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.moe.aot import compile_launches
-from kernels.moe.launch import jit, launch, pdl_supported, record_launches
+from kernels.moe.launch import block_pdl, jit, launch, record_launches
 from kernels.moe.moe_decode import _arrive_last
 from kernels.moe.moe_decode_launch import split_workspace
 
@@ -164,7 +164,7 @@ def router_topk(x: torch.Tensor, gate_w: torch.Tensor, topk: int, scoring: str =
     e_p2 = triton.next_power_of_2(E)
     block_e, block_k, split = launch_plan(M, E, K)
     one = block_e == e_p2 and split == 1
-    pdl = pdl_supported()
+    pdl = block_pdl()
     ws, cnt = (topk_w, topk_ids) if one else split_workspace(x.device, M * e_p2, M)
     launch(router_topk_kernel, (M, triton.cdiv(E, block_e), split),
            x, gate_w, bias if bias is not None else topk_w, topk_w, topk_ids, ws, cnt,

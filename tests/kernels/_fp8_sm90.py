@@ -1,11 +1,14 @@
 """Subprocess helper (TRITON_INTERPRET=0): compile the block-FP8 and per-token FP8 variants of
 both paths for sm_90 on CPU (kernels.moe.aot) and print one JSON line per compiled kernel: the
-variant, kernel, its MMA instruction (SASS), shared memory and constexpr modes."""
+variant, kernel, its MMA instruction (SASS), shared memory, constexpr modes and PDL use. A
+variant named *-chained is launched with the block chained (MOE_SERVE_BLOCK_PDL=1)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -42,6 +45,7 @@ VARIANTS = {  # name: (format, x fp8 (as vLLM hands it over), config)
     "block-aligned-wide-inloop": ("block", False, _aligned(64, False, False)),
     "block-aligned-split": ("block", True, _aligned(64, True, True, split=2)),
     "token-decode": ("token", True, _decode(64, True, False, True)),
+    "token-decode-chained": ("token", True, _decode(64, True, False, True)),
     "token-aligned-prequant": ("token", False, _aligned(128, True, True)),
 }
 
@@ -65,11 +69,14 @@ def launches_of(fmt: str, x_fp8: bool, cfg: dict) -> list:
 if __name__ == "__main__":
     cache: dict = {}
     for name, (fmt, x_fp8, cfg) in VARIANTS.items():
-        launches = launches_of(fmt, x_fp8, cfg)
+        with mock.patch.dict(os.environ, {"MOE_SERVE_BLOCK_PDL": "1" if name.endswith("-chained") else "0"}):
+            launches = launches_of(fmt, x_fp8, cfg)
         for (kname, ck), (_, _, _, kw) in zip(aot.compile_launches(launches, cache=cache), launches):
             print(json.dumps({"variant": name, "kernel": kname, "mma": aot.mma_kind(aot.sass(ck)),
                               "smem": int(ck.metadata.shared), "swap": kw.get("SWAP_AB"),
                               "a_mode": kw.get("A_MODE"), "w_scale": kw.get("W_SCALE"),
                               "c_quant": kw.get("C_QUANT"), "scale": kw.get("SCALE"),
                               "launch_pdl": bool(kw.get("launch_pdl")),
-                              "gdc_wait": "griddepcontrol.wait" in ck.asm["ptx"]}), flush=True)
+                              "gdc_wait": "griddepcontrol.wait" in ck.asm["ptx"],
+                              "gdc_launch": "griddepcontrol.launch_dependents" in ck.asm["ptx"]}),
+                  flush=True)

@@ -246,13 +246,21 @@ def test_variants_compile_for_sm90_with_wgmma_where_swapped():
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     gemms = [r for r in rows if r["kernel"] in ("moe_gemm_kernel", "moe_decode_up_kernel",
                                                 "moe_decode_down_kernel")]
-    assert len({r["variant"] for r in rows}) == 7 and len(gemms) == 14
+    assert len({r["variant"] for r in rows}) == 8 and len(gemms) == 16
     assert all(r["mma"] == "QGMMA" for r in gemms if r["swap"]), gemms
     assert all(0 < r["smem"] <= 232448 for r in gemms)
     modes = {(r["a_mode"], r["w_scale"], r["c_quant"]) for r in gemms}
     for want in ((6, 3, 0), (5, 3, 2), (5, 3, 0), (4, 2, 0), (3, 2, None)):
         assert want in modes, (want, modes)
     assert {r["scale"] for r in rows if r["kernel"] == "quant_fp8_kernel"} == {1, 2}
-    decode = [r for r in gemms if r["kernel"].startswith("moe_decode")]   # configs with PDL
-    assert decode and all(r["launch_pdl"] and r["gdc_wait"] for r in decode), decode
-    assert not any(r["launch_pdl"] or r["gdc_wait"] for r in rows if r not in decode)
+    # decode configs have PDL: the up kernel releases the down kernel, a dependent launch that
+    # waits for it; chained, the up kernel is a dependent launch too and waits first
+    decode = [r for r in gemms if r["kernel"].startswith("moe_decode")]
+    up = [r for r in decode if r["kernel"] == "moe_decode_up_kernel"]
+    chained = [r for r in up if r["variant"].endswith("-chained")]
+    assert len(chained) == 1 and chained[0]["launch_pdl"] and chained[0]["gdc_wait"], chained
+    assert all(r["gdc_launch"] and not r["launch_pdl"] and not r["gdc_wait"]
+               for r in up if r not in chained), up
+    assert all(r["launch_pdl"] and r["gdc_wait"] and not r["gdc_launch"]
+               for r in decode if r not in up), decode
+    assert not any(r["launch_pdl"] or r["gdc_wait"] or r["gdc_launch"] for r in rows if r not in decode)

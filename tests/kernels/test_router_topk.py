@@ -115,14 +115,20 @@ def test_variants_compile_for_sm90():
     import sys
     from pathlib import Path
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, str(Path(__file__).with_name("_router_sm90.py"))], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    def compiled(block_pdl: str) -> list[dict]:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        res = subprocess.run([sys.executable, str(Path(__file__).with_name("_router_sm90.py"))],
+                             env={**env, "MOE_SERVE_BLOCK_PDL": block_pdl},
+                             capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+
+    rows = compiled("0")
     assert len(rows) == 5 and {r["kernel"] for r in rows} == {"router_topk_kernel"}
     assert {r["one_program"] for r in rows} == {True, False}
     assert all(r["grid"][0] * r["grid"][1] * r["grid"][2] >= 64 for r in rows if not r["one_program"])
-    # compiled for sm_90 (no CUDA device here), each is a programmatic dependent launch that
-    # waits for the kernel before it and lets the next one launch
-    assert all(r["launch_pdl"] and len(r["gdc"]) == 2 for r in rows), rows
+    assert not any(r["launch_pdl"] or r["gdc"] for r in rows), rows      # launched plainly
+    # with the block chained (sm_90 is the target here, no CUDA device), each is a programmatic
+    # dependent launch that waits for the kernel before it and lets the next one launch
+    chained = compiled("1")
+    assert len(chained) == 5 and all(r["launch_pdl"] and len(r["gdc"]) == 2 for r in chained), chained
