@@ -205,3 +205,30 @@ def router_table(path: Path) -> list[str]:
                    + f" | {max_tokens(r0['E'], r0['K'])} |")
     return out + ["", f"Cells: vLLM µs / ours µs = vLLM's time over ours (**bold**: ours faster); CUDA-graph "
                       f"replays, {rel(path)}."]
+
+
+def moe_block_table(path: Path) -> list[str]:
+    """bench/bench_moe_block.py's rows: per block shape and M, vLLM's router + fused_experts against
+    ours in each launch pattern the file timed (µs per MoE block, CUDA-graph replays) and the
+    checks behind them. Files from before the block PDL switch timed two patterns of ours:
+    `ours` (the block chained, served then) and `ours_pdl_off`; later files add the default (the
+    down kernel alone a dependent launch)."""
+    rows = json.loads(path.read_text())["rows"]
+    chained = "ours_block_pdl_us" if "ours_block_pdl_us" in rows[0] else "ours_us"
+    default = "ours_us" if chained != "ours_us" else None
+    cols = [("vllm_us", "vLLM")] + ([(default, "ours, default")] if default else []) \
+        + [(chained, "ours, block chained"), ("ours_pdl_off_us", "ours, no PDL")]
+    out = ["| block (E, N, K, top-k, scoring) | M | " + " | ".join(f"{t} µs" for _, t in cols)
+           + " | vLLM / ours as served | chained / no PDL | checks: experts rel err, replay rel err |",
+           "|---|---:|" + "---:|" * (len(cols) + 2) + "---|"]
+    for r in rows:
+        sp = r["vllm_us"] / r[default or chained]        # the pattern the file's commit served
+        gain = r["ours_pdl_off_us"] / r[chained]
+        out.append(f"| {r['shape']} ({r['E']}, {r['N']}, {r['K']}, {r['topk']}, {r['scoring']}) | {r['M']} | "
+                   + " | ".join(f"{r[k]:.2f}" for k, _ in cols)
+                   + f" | {'**' if sp > 1 else ''}{sp:.2f}{'**' if sp > 1 else ''} | {gain:.3f} | "
+                   f"{r['experts_rel_err_vs_vllm']:.4f}, {r['replay_rel_err_vs_eager']:.1e} |")
+    return out + ["", f"Medians of {len(rows[0]['rounds_us']['vllm'])} alternating rounds; every row first "
+                      f"checked: routing against vLLM's, experts against vLLM's fused_experts on our routing, "
+                      f"{rows[0]['replays_checked']} CUDA-graph replays into NaN-poisoned outputs against the "
+                      f"eager block; {rel(path)}."]
