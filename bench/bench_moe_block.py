@@ -24,7 +24,6 @@ Needs a CUDA GPU and vLLM.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -39,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_router import RouterShape, check, vllm_router  # noqa: E402
+from bench.bench_router import RouterShape, bench_main, check, vllm_router  # noqa: E402
 from kernels.moe import router_topk as router_mod  # noqa: E402
 from kernels.moe import selection  # noqa: E402
 from kernels.moe.fused_moe import fused_moe  # noqa: E402
@@ -210,28 +209,14 @@ def check_replays(ours: Callable, n_layers: int, outs: list, eager: list) -> flo
     return round(replay_err, 6)
 
 
+def run_and_free(name: str, shape: BlockShape, ms: list[int]) -> list[dict]:
+    rows = run_shape(name, shape, ms, torch.bfloat16)
+    torch.cuda.empty_cache()             # the next shape's layers in a clean allocator
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {sorted(SHAPES)}")
-    ap.add_argument("--m", default="1,2,4,8", help="token counts, comma list")
-    ap.add_argument("--out", type=Path, help="write the rows as JSON here")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_moe_block: needs a CUDA GPU", file=sys.stderr)
-        return 2
-    unknown = sorted(set(args.shapes.split(",")) - set(SHAPES))
-    if unknown:
-        print(f"bench_moe_block: unknown shapes {unknown}; known: {sorted(SHAPES)}", file=sys.stderr)
-        return 2
-    ms = [int(m) for m in args.m.split(",")]
-    rows = []
-    for name in args.shapes.split(","):
-        rows += run_shape(name, SHAPES[name], ms, torch.bfloat16)
-        torch.cuda.empty_cache()
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
-    return 0
+    return bench_main("bench_moe_block", __doc__, SHAPES, "1,2,4,8", run_and_free, argv)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -108,25 +109,33 @@ def run_shape(name: str, shape: RouterShape, ms: list[int], dtype: torch.dtype) 
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {sorted(SHAPES)}")
-    ap.add_argument("--m", default="1,2,4,8,16", help="token counts, comma list")
+def bench_main(prog: str, doc: str, shapes: dict[str, Any], default_m: str,
+               run: Callable[[str, Any, list[int]], list[dict]], argv: list[str] | None) -> int:
+    """The command line of a GPU bench over named shapes and token counts: --shapes, --m, --out
+    (the rows as JSON); 2 without a CUDA GPU or for an unknown shape."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    ap.add_argument("--shapes", default=",".join(shapes), help=f"comma list of {sorted(shapes)}")
+    ap.add_argument("--m", default=default_m, help="token counts, comma list")
     ap.add_argument("--out", type=Path, help="write the rows as JSON here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench_router: needs a CUDA GPU", file=sys.stderr)
+        print(f"{prog}: needs a CUDA GPU", file=sys.stderr)
         return 2
-    unknown = sorted(set(args.shapes.split(",")) - set(SHAPES))
+    unknown = sorted(set(args.shapes.split(",")) - set(shapes))
     if unknown:
-        print(f"bench_router: unknown shapes {unknown}; known: {sorted(SHAPES)}", file=sys.stderr)
+        print(f"{prog}: unknown shapes {unknown}; known: {sorted(shapes)}", file=sys.stderr)
         return 2
     ms = [int(m) for m in args.m.split(",")]
-    rows = [r for name in args.shapes.split(",") for r in run_shape(name, SHAPES[name], ms, torch.bfloat16)]
+    rows = [r for name in args.shapes.split(",") for r in run(name, shapes[name], ms)]
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("bench_router", __doc__, SHAPES, "1,2,4,8,16",
+                      lambda name, shape, ms: run_shape(name, shape, ms, torch.bfloat16), argv)
 
 
 if __name__ == "__main__":
