@@ -5,7 +5,8 @@ A_PREQUANT, one quantize-once launch comes first; act is quantized in the up ker
 where a tile holds what its scale needs (fp8_scales.gemm2_plan), else by the down kernel on load.
 With the config's PDL (sm_90+), the down kernel is a programmatic dependent launch: it waits for
 the up kernel (gdc_wait) only before its first act load, so its launch overlaps the up kernel;
-with kernels.moe.launch.block_pdl the up kernel is one too, waiting for the kernel before it. No host sync, buffers sized from shapes only: CUDA-graph capturable."""
+with kernels.moe.launch.block_pdl the up kernel is one too, waiting for the kernel before it.
+No host sync, buffers sized from shapes only: CUDA-graph capturable."""
 from __future__ import annotations
 
 from typing import Any

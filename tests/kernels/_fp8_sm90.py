@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 from kernels.moe import aot  # noqa: E402
 from kernels.moe.fused_moe import Fp8Scales, fused_moe  # noqa: E402
-from kernels.moe.launch import record_launches  # noqa: E402
+from kernels.moe.launch import BLOCK_PDL_ENV, record_launches  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 E, N, K, TOPK, M = 8, 256, 512, 8, 4
@@ -69,7 +69,7 @@ def launches_of(fmt: str, x_fp8: bool, cfg: dict) -> list:
 if __name__ == "__main__":
     cache: dict = {}
     for name, (fmt, x_fp8, cfg) in VARIANTS.items():
-        with mock.patch.dict(os.environ, {"MOE_SERVE_BLOCK_PDL": "1" if name.endswith("-chained") else "0"}):
+        with mock.patch.dict(os.environ, {BLOCK_PDL_ENV: "1" if name.endswith("-chained") else "0"}):
             launches = launches_of(fmt, x_fp8, cfg)
         for (kname, ck), (_, _, _, kw) in zip(aot.compile_launches(launches, cache=cache), launches):
             print(json.dumps({"variant": name, "kernel": kname, "mma": aot.mma_kind(aot.sass(ck)),
