@@ -8,6 +8,7 @@
 | `moe-serve-fused-router` | `python -m service --fused-router`: and the router at decode in one launch (on request: `--variants`) |
 | `moe-serve-no-fused-router` | `python -m service --no-fused-router`: vLLM's router, our experts (on request) |
 | `moe-serve-block-pdl` | `MOE_SERVE_BLOCK_PDL=1 python -m service`: the MoE block at decode chained by programmatic dependent launch (on request) |
+| `moe-serve-dense` | `python -m service --dense-decode`: and vLLM's unquantized linear layers at 1..4 tokens on our decode GEMV (on request) |
 | `moe-serve-triton-attn` | `python -m service --engine-arg attention_backend="TRITON_ATTN"`: vLLM's Triton attention instead of its default (FlashAttention 3 on Hopper) (on request) |
 
 `EngineFlags` are the engine settings every variant gets, each in its own CLI's spelling. Servers
@@ -33,9 +34,10 @@ FUSED_ROUTER = "moe-serve-fused-router"       # --fused-router spelled out (OURS
 NO_ROUTER = "moe-serve-no-fused-router"        # --no-fused-router: what the one-launch router adds
 BLOCK_PDL = "moe-serve-block-pdl"              # the block chained by PDL (kernels.moe.launch.block_pdl)
 TRITON_ATTN = "moe-serve-triton-attn"          # vLLM's Triton attention backend
+DENSE = "moe-serve-dense"                      # --dense-decode: kernels/plugin/dense_hook.py
 VARIANTS = (BASELINE, FRONTEND, OURS)          # the yardstick's default run
-ALL_VARIANTS = (*VARIANTS, FUSED_ROUTER, NO_ROUTER, BLOCK_PDL, TRITON_ATTN)   # what --variants may name
-EXTRA_ARGS = {FUSED_ROUTER: ["--fused-router"], NO_ROUTER: ["--no-fused-router"],
+ALL_VARIANTS = (*VARIANTS, FUSED_ROUTER, NO_ROUTER, BLOCK_PDL, DENSE, TRITON_ATTN)   # what --variants may name
+EXTRA_ARGS = {FUSED_ROUTER: ["--fused-router"], NO_ROUTER: ["--no-fused-router"], DENSE: ["--dense-decode"],
               TRITON_ATTN: ["--engine-arg", 'attention_backend="TRITON_ATTN"']}
 BLOCK_PDL_ENV = "MOE_SERVE_BLOCK_PDL"           # set for every moe-serve variant, not inherited
 SERVED_NAME = "yardstick"

@@ -1,0 +1,1 @@
+"""Dense (non-expert) layers at decode: kernels.dense.decode_linear."""
