@@ -110,19 +110,14 @@ def run_shape(name: str, shape: RouterShape, ms: list[int], dtype: torch.dtype) 
 
 
 def bench_main(prog: str, doc: str, shapes: dict[str, Any], default_m: str,
-               run: Callable[..., list[dict]], argv: list[str] | None,
-               switches: dict[str, str] | None = None) -> int:
+               run: Callable[[str, Any, list[int]], list[dict]], argv: list[str] | None) -> int:
     """The command line of a GPU bench over named shapes and token counts: --shapes, --m, --out
-    (the rows as JSON) and the bench's own on/off switches (name -> help), which reach
-    run(name, shape, ms, **{name: bool}); 2 without a CUDA GPU or for an unknown shape."""
+    (the rows as JSON); 2 without a CUDA GPU or for an unknown shape."""
     ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
     ap.add_argument("--shapes", default=",".join(shapes), help=f"comma list of {sorted(shapes)}")
     ap.add_argument("--m", default=default_m, help="token counts, comma list")
     ap.add_argument("--out", type=Path, help="write the rows as JSON here")
-    for name, text in (switches or {}).items():
-        ap.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=text)
     args = ap.parse_args(argv)
-    flags = {name: getattr(args, name) for name in switches or {}}
     if not torch.cuda.is_available():
         print(f"{prog}: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -131,7 +126,7 @@ def bench_main(prog: str, doc: str, shapes: dict[str, Any], default_m: str,
         print(f"{prog}: unknown shapes {unknown}; known: {sorted(shapes)}", file=sys.stderr)
         return 2
     ms = [int(m) for m in args.m.split(",")]
-    rows = [r for name in args.shapes.split(",") for r in run(name, shapes[name], ms, **flags)]
+    rows = [r for name in args.shapes.split(",") for r in run(name, shapes[name], ms)]
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))

@@ -8,8 +8,6 @@
 | `moe-serve-fused-router` | `python -m service --fused-router`: and the router at decode in one launch (on request: `--variants`) |
 | `moe-serve-no-fused-router` | `python -m service --no-fused-router`: vLLM's router, our experts (on request) |
 | `moe-serve-block-pdl` | `MOE_SERVE_BLOCK_PDL=1 python -m service`: the MoE block at decode chained by programmatic dependent launch (on request) |
-| `moe-serve-dense` | `python -m service --dense-decode`: and vLLM's unquantized linear layers at 1..4 tokens on our decode GEMV (on request) |
-| `moe-serve-triton-attn` | `python -m service --engine-arg attention_backend="TRITON_ATTN"`: vLLM's Triton attention instead of its default (FlashAttention 3 on Hopper) (on request) |
 
 `EngineFlags` are the engine settings every variant gets, each in its own CLI's spelling. Servers
 run through loadtest/server_proc (own session, log file, /health readiness, CPU-engine core
@@ -33,12 +31,9 @@ BASELINE, FRONTEND, OURS = "vllm-serve", "moe-serve-vllm-kernels", "moe-serve"
 FUSED_ROUTER = "moe-serve-fused-router"       # --fused-router spelled out (OURS runs it by default)
 NO_ROUTER = "moe-serve-no-fused-router"        # --no-fused-router: what the one-launch router adds
 BLOCK_PDL = "moe-serve-block-pdl"              # the block chained by PDL (kernels.moe.launch.block_pdl)
-TRITON_ATTN = "moe-serve-triton-attn"          # vLLM's Triton attention backend
-DENSE = "moe-serve-dense"                      # --dense-decode: kernels/plugin/dense_hook.py
 VARIANTS = (BASELINE, FRONTEND, OURS)          # the yardstick's default run
-ALL_VARIANTS = (*VARIANTS, FUSED_ROUTER, NO_ROUTER, BLOCK_PDL, DENSE, TRITON_ATTN)   # what --variants may name
-EXTRA_ARGS = {FUSED_ROUTER: ["--fused-router"], NO_ROUTER: ["--no-fused-router"], DENSE: ["--dense-decode"],
-              TRITON_ATTN: ["--engine-arg", 'attention_backend="TRITON_ATTN"']}
+ALL_VARIANTS = (*VARIANTS, FUSED_ROUTER, NO_ROUTER, BLOCK_PDL)   # what --variants may name, and the table shows
+ROUTER_FLAG = {FUSED_ROUTER: ["--fused-router"], NO_ROUTER: ["--no-fused-router"]}
 BLOCK_PDL_ENV = "MOE_SERVE_BLOCK_PDL"           # set for every moe-serve variant, not inherited
 SERVED_NAME = "yardstick"
 CPU_KV_CACHE_BYTES = 512 * 1024 ** 2
@@ -105,7 +100,7 @@ def command(variant: str, model_dir: Path, flags: EngineFlags,
     if variant not in ALL_VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; known: {', '.join(ALL_VARIANTS)}")
     argv = moe_serve_argv(model_dir, flags, trace_dir, "vllm" if variant == FRONTEND else "optimized")
-    return "service", argv + EXTRA_ARGS.get(variant, []), {BLOCK_PDL_ENV: "1" if variant == BLOCK_PDL else "0"}
+    return "service", argv + ROUTER_FLAG.get(variant, []), {BLOCK_PDL_ENV: "1" if variant == BLOCK_PDL else "0"}
 
 
 def group_members(pgid: int) -> list[int]:

@@ -74,9 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fused-router", action=argparse.BooleanOptionalAction, default=_env_switch("fused_router"),
                    help="a MoE layer's gate GEMM + top-k at small decode batches in one launch of ours, where "
                    "vLLM's runner holds the gate (Qwen3-MoE style); default on with --moe-kernels optimized")
-    p.add_argument("--dense-decode", action=argparse.BooleanOptionalAction, default=_env_switch("dense_decode"),
-                   help="vLLM's unquantized linear layers (attention projections, dense MLPs, gates computed in "
-                   "the model) at 1..4 tokens on moe-serve's decode GEMV; default off")
     p.add_argument("--host", default=e("host", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(e("port", 8000)))
     p.add_argument("--api-key", action="append", default=None,
@@ -165,8 +162,7 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
         max_model_len=opt_int(args.max_model_len), quantization=args.quantization,
         gpu_memory_utilization=opt_float(args.gpu_memory_utilization),
         max_num_seqs=opt_int(args.max_num_seqs),
-        moe_kernels=args.moe_kernels, fused_router=args.fused_router, dense_decode=args.dense_decode,
-        host=args.host, port=args.port,
+        moe_kernels=args.moe_kernels, fused_router=args.fused_router, host=args.host, port=args.port,
         api_keys=tuple(keys),
         metrics_api_key=args.metrics_api_key, engine_args=dict(args.engine_arg),
         max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,

@@ -26,7 +26,6 @@ logger = logging.getLogger(__name__)
 WORKER_EXIT_GRACE_S = 45
 ENGINE_EXIT_GRACE_S = 75.0
 JIT_PHASE_RPC_TIMEOUT_S = 30.0
-DENSE_DECODE_KEY = "moe_serve_dense_decode"  # in vLLM's additional_config: a compile-cache key of its own
 
 
 class EngineNotReady(RuntimeError):
@@ -76,10 +75,6 @@ def build_engine_args(settings: Settings, model_path: str) -> Any:
         from vllm.config import ProfilerConfig
 
         kwargs["profiler_config"] = ProfilerConfig(**kwargs["profiler_config"])
-    if settings.uses_dense_decode:
-        # The hook changes what torch.compile traces; vLLM's AOT compile cache keys on the config,
-        # not on the traced files, so without this a graph compiled without the hook would load.
-        kwargs["additional_config"] = {**(kwargs.get("additional_config") or {}), DENSE_DECODE_KEY: True}
     from kernels.plugin import backend_policy
 
     backend_policy.apply(kwargs, settings.moe_kernels, model_path)  # an explicit moe_backend wins
@@ -134,7 +129,6 @@ class EngineHandle:
         began = time.perf_counter()
         os.environ["MOE_SERVE_MOE_KERNELS"] = self.settings.moe_kernels  # read by the plugin in every worker
         os.environ["MOE_SERVE_FUSED_ROUTER"] = "1" if self.settings.uses_fused_router else "0"
-        os.environ["MOE_SERVE_DENSE_DECODE"] = "1" if self.settings.uses_dense_decode else "0"
         try:
             from service import vllm_compat
             from service.engine_client import ObservedEngineClient

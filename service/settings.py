@@ -44,7 +44,6 @@ class Settings:
     max_num_seqs: int | None = None
     moe_kernels: MoeKernels = "optimized"
     fused_router: bool | None = None  # kernels/plugin/router_hook.py in every worker; None: on with optimized
-    dense_decode: bool | None = None  # kernels/plugin/dense_hook.py in every worker; None: off
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = ()
@@ -109,12 +108,6 @@ class Settings:
         kernels, unless turned off (--no-fused-router)."""
         return self.moe_kernels == "optimized" and self.fused_router is not False
 
-    @property
-    def uses_dense_decode(self) -> bool:
-        """The workers run vLLM's unquantized linear layers on moe-serve's decode GEMV at 1..4
-        tokens: with our kernels, when asked for (--dense-decode)."""
-        return self.moe_kernels == "optimized" and self.dense_decode is True
-
     def validated(self) -> "Settings":
         """Return self if every field is in range, else raise SettingsError."""
         tp = self.tensor_parallel_size
@@ -139,8 +132,6 @@ class Settings:
             raise SettingsError(f"--moe-kernels must be 'optimized' or 'vllm', got {self.moe_kernels!r}")
         if self.fused_router is True and self.moe_kernels != "optimized":
             raise SettingsError("--fused-router runs moe-serve's router: it needs --moe-kernels optimized")
-        if self.dense_decode is True and self.moe_kernels != "optimized":
-            raise SettingsError("--dense-decode runs moe-serve's decode GEMV: it needs --moe-kernels optimized")
         for name in ("max_concurrent_requests", "max_queued_requests", "max_request_bytes", "max_n",
                      "max_stop_sequences", "max_batch_prompts", "max_messages", "max_structured_output_bytes",
                      "max_structured_output_choices", "structured_output_checkers", "max_header_bytes"):

@@ -54,30 +54,6 @@ def test_fused_router_is_on_with_our_kernels_unless_turned_off(monkeypatch: pyte
         settings_from_args([])
 
 
-def test_dense_decode_is_off_unless_asked_for_and_keys_its_own_compile_cache(
-        monkeypatch: pytest.MonkeyPatch, embedded_model_dir: str) -> None:
-    from service.engine import DENSE_DECODE_KEY, build_engine_args
-
-    monkeypatch.delenv("MOE_SERVE_DENSE_DECODE", raising=False)
-    assert not settings_from_args([]).uses_dense_decode
-    on = settings_from_args(["--dense-decode"])
-    assert on.uses_dense_decode
-    with pytest.raises(SettingsError, match="--moe-kernels optimized"):
-        settings_from_args(["--dense-decode", "--moe-kernels", "vllm"])
-    monkeypatch.setenv("MOE_SERVE_DENSE_DECODE", "1")
-    assert settings_from_args([]).uses_dense_decode
-    assert not settings_from_args(["--no-dense-decode"]).uses_dense_decode     # the flag wins
-    monkeypatch.setenv("MOE_SERVE_DENSE_DECODE", "perhaps")
-    with pytest.raises(SettingsError, match="MOE_SERVE_DENSE_DECODE"):
-        settings_from_args([])
-    monkeypatch.delenv("MOE_SERVE_DENSE_DECODE")
-    # vLLM's AOT compile cache keys on the config: a graph traced without the hook must not load
-    assert build_engine_args(on, embedded_model_dir).additional_config == {DENSE_DECODE_KEY: True}
-    assert not build_engine_args(settings_from_args([]), embedded_model_dir).additional_config
-    mine = settings_from_args(["--dense-decode", "--engine-arg", 'additional_config={"x": 1}'])
-    assert build_engine_args(mine, embedded_model_dir).additional_config == {"x": 1, DENSE_DECODE_KEY: True}
-
-
 def test_served_model_name_is_never_a_path(tmp_path) -> None:
     model_dir = tmp_path / "Mixtral-8x7B"
     model_dir.mkdir()

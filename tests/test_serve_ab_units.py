@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from bench import decode_profile, roofline, serve_ab, serve_render, serve_stats
-from bench.serve_servers import (BASELINE, BLOCK_PDL, DENSE, FRONTEND, FUSED_ROUTER, NO_ROUTER, OURS, TRITON_ATTN,
-                                 VARIANTS, EngineFlags, command)
+from bench.serve_servers import (BASELINE, BLOCK_PDL, FRONTEND, FUSED_ROUTER, NO_ROUTER, OURS, VARIANTS, EngineFlags,
+                                 command)
 
 MODELS = Path(__file__).resolve().parents[1] / "bench" / "models"
 
@@ -119,9 +119,6 @@ def test_every_variant_gets_the_same_engine_flags_in_its_own_spelling(tmp_path: 
     assert not any("fused-router" in a for a in ours)          # the default: on with our kernels
     assert command(BLOCK_PDL, tmp_path, gpu)[1:] == (ours, {"MOE_SERVE_BLOCK_PDL": "1"})
     assert command(OURS, tmp_path, gpu)[2] == {"MOE_SERVE_BLOCK_PDL": "0"}
-    assert command(DENSE, tmp_path, gpu)[1] == ours + ["--dense-decode"]
-    triton_attn = command(TRITON_ATTN, tmp_path, gpu)[1]
-    assert triton_attn == ours + ["--engine-arg", 'attention_backend="TRITON_ATTN"']
 
 
 # --- statistics ----------------------------------------------------------------------------------

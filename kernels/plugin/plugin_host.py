@@ -1,5 +1,5 @@
 """What the plugin's parts (kernels/plugin/moe_hook.py, kernels/plugin/layer_warmup.py,
-kernels/plugin/router_hook.py, kernels/plugin/dense_hook.py) need from the plugin
+kernels/plugin/router_hook.py) need from the plugin
 object (kernels.plugin.vllm_plugin.MoePlugin), as a Protocol: the parts import nothing above them."""
 from __future__ import annotations
 
@@ -24,8 +24,6 @@ class PluginHost(Protocol):
     def count_fallback(self, reason: str) -> None: ...
 
     def count_router(self) -> None: ...
-
-    def count_dense(self) -> None: ...
 
     def log_once(self, kind: str, message: str, *args: Any) -> None: ...
 

@@ -36,7 +36,6 @@ JIT_CACHE_LOADS = "moe_serve_triton_jit_cache_loads"
 LAUNCHES = "moe_serve_moe_kernel_launches"
 FALLBACKS = "moe_serve_moe_kernel_fallbacks"
 FUSED_ROUTER = "moe_serve_fused_router_calls"
-DENSE_DECODE = "moe_serve_dense_decode_calls"
 KERNEL_INFO = "moe_serve_moe_kernel_info"
 ROUTING_INFO = "moe_serve_moe_routing_info"
 WORKER_INFO = "moe_serve_vllm_worker_info"
@@ -113,9 +112,6 @@ class PluginMetrics:
         self._router = Counter(FUSED_ROUTER, "MoE router calls (gate GEMM + top-k) served by "
                                "moe-serve's one-launch router (on unless --no-fused-router; eager calls "
                                "and CUDA-graph captures)", registry=registry)
-        self._dense = Counter(DENSE_DECODE, "Dense linear-layer calls of 1..4 tokens served by "
-                              "moe-serve's decode GEMV (on with --dense-decode; eager calls and CUDA-graph "
-                              "captures)", registry=registry)
         self._fallbacks = Counter(FALLBACKS, "MoE calls served by vLLM's kernel because ours does "
                                   "not support them, by reason", ["reason"], registry=registry)
         self._kernel_info = Gauge(KERNEL_INFO, "MoE kernel setup reported by the vLLM workers "
@@ -151,9 +147,6 @@ class PluginMetrics:
 
     def router_call(self) -> None:
         self._router.inc()
-
-    def dense_call(self) -> None:
-        self._dense.inc()
 
     def fallback(self, reason: str) -> None:
         self._launch["fallback"].inc()

@@ -45,7 +45,6 @@ EXPERTS = ("vllm.model_executor.layers.fused_moe.experts.triton_moe", "TritonExp
 MODULAR = ("vllm.model_executor.layers.fused_moe.modular_kernel", "FusedMoEExpertsModular")
 WORKER_BASE = ("vllm.v1.worker.worker_base", "WorkerBase")
 MOE_RUNNER = ("vllm.model_executor.layers.fused_moe.runner.moe_runner", "MoERunner")
-LINEAR_METHOD = ("vllm.model_executor.layers.linear", "UnquantizedLinearMethod")
 ROUTERS = (("vllm.model_executor.layers.fused_moe.router.fused_topk_router", "FusedTopKRouter"),
            ("vllm.model_executor.layers.fused_moe.router.fused_topk_bias_router", "FusedTopKBiasRouter"))
 FORWARD_IMPL_PARAMS = ("self", "hidden_states", "router_logits", "shared_experts_input", "input_ids")

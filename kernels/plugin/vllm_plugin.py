@@ -5,9 +5,7 @@ process, the engine core and every worker (docs/architecture.md). The plugin the
 
 1. install (every process): the Triton JIT monitor, a hook on WorkerBase.__init__, and with
    ``MOE_SERVE_MOE_KERNELS=optimized`` the MoE hook on TritonExperts.apply (kernels/plugin/moe_hook.py)
-   and, unless ``MOE_SERVE_FUSED_ROUTER=0``, the router hook (kernels/plugin/router_hook.py); with
-   ``MOE_SERVE_DENSE_DECODE=1`` the dense hook on UnquantizedLinearMethod.apply
-   (kernels/plugin/dense_hook.py).
+   and, unless ``MOE_SERVE_FUSED_ROUTER=0``, the router hook (kernels/plugin/router_hook.py).
 2. worker init (workers only): reads rank and scheduler limits (vllm_compat.worker_facts),
    switches this process's metrics to prometheus multiprocess files in the runtime dir
    (kernels/plugin/plugin_metrics.py), gives the worker the method through which the API process
@@ -15,8 +13,7 @@ process, the engine core and every worker (docs/architecture.md). The plugin the
    wraps the worker's compile_or_warm_up_model.
 3. kernel warm-up, before and after vLLM's own warm-up / CUDA-graph capture: every MoE layer
    shape seen gets its kernel variants compiled (kernels/plugin/layer_warmup.py), every gate the
-   router hook serves its router variants (M = 1..its RouterSpec.max_m), every dense weight shape
-   the dense hook saw its decode GEMV (M = 1..4). A failure is logged
+   router hook serves its router variants (M = 1..its RouterSpec.max_m). A failure is logged
    and counted (moe_serve_plugin_warmup_failures_total); it never stops the worker.
 4. serve: the JIT phase turns to 'serving' in a ``finally``, whatever warm-up did, so a
    compile while serving is always counted as one (and logged with its cause). The API process
@@ -26,7 +23,6 @@ process, the engine core and every worker (docs/architecture.md). The plugin the
 
 On vLLM-CPU the MoE runs in vLLM's CPU experts: the hooks are installed and reported, but
 TritonExperts is never called. Env: MOE_SERVE_MOE_KERNELS (optimized|vllm), MOE_SERVE_FUSED_ROUTER,
-MOE_SERVE_DENSE_DECODE,
 MOE_SERVE_MOE_ROUTING (kernels/moe/routing.py), MOE_SERVE_VLLM_WARMUP_MAX_CALLS
 (kernels/plugin/layer_warmup.py), MOE_SERVE_RUNTIME_DIR (set by the API process).
 """
@@ -38,7 +34,7 @@ import os
 import threading
 from typing import Any, Callable
 
-from kernels.plugin import dense_hook, jit_monitor
+from kernels.plugin import jit_monitor
 from kernels.plugin import vllm_compat as vc
 from kernels.plugin.layer_warmup import LayerWarmup
 from kernels.plugin.moe_hook import MoeHook
@@ -76,7 +72,6 @@ class MoePlugin:
         self.layers = LayerWarmup(self)
         self.moe = MoeHook(self, self.layers)
         self.router: RouterHook | None = None  # installed in optimized mode unless MOE_SERVE_FUSED_ROUTER=0
-        self.dense: dense_hook.DenseHook | None = None  # installed in optimized mode with MOE_SERVE_DENSE_DECODE=1
         self.swap_ab = "n/a"
         self._last_spec: dict[str, dict[str, Any]] = {}
         self._logged: set[str] = set()
@@ -94,7 +89,6 @@ class MoePlugin:
             steps.append(("moe", self._install_moe_hook))
             if os.environ.get(ROUTER_ENV, "1").strip().lower() not in ("0", "false", "no", "off"):
                 steps.append(("router", self._install_router_hook))
-            steps.append(("dense", self._install_dense_hook))
         for name, step in steps:
             try:
                 step()
@@ -134,14 +128,6 @@ class MoePlugin:
             if vc.wrap_method(cls, "_compute_routing", hook.compute_routing):
                 self.hooks.append(f"{cls.__name__}._compute_routing")
         self.router = hook
-
-    def _install_dense_hook(self) -> None:
-        if not dense_hook.enabled():
-            return
-        hook = dense_hook.install(self)
-        if vc.wrap_method(vc.load(vc.LINEAR_METHOD), "apply", hook.apply):
-            self.hooks.append("UnquantizedLinearMethod.apply")
-        self.dense = hook
 
     # -- 2. worker init ---------------------------------------------------------------------
     def on_worker_init(self, worker: Any) -> None:
@@ -183,11 +169,6 @@ class MoePlugin:
                 self.router.warm_pending()
             except Exception as exc:  # noqa: BLE001
                 self.warmup_failed(f"router warm-up {when}", exc)
-        if self.dense is not None:
-            try:
-                self.dense.warm_pending()
-            except Exception as exc:  # noqa: BLE001
-                self.warmup_failed(f"dense warm-up {when}", exc)
 
     def warmup_failed(self, what: str, exc: BaseException, once: str | None = None) -> None:
         """Count a warm-up step that raised; log it (only the first of kind `once` if given)."""
@@ -242,10 +223,6 @@ class MoePlugin:
     def count_router(self) -> None:
         if self.metrics is not None:
             self.metrics.router_call()
-
-    def count_dense(self) -> None:
-        if self.metrics is not None:
-            self.metrics.dense_call()
 
     def count_fallback(self, reason: str) -> None:
         if self.metrics is not None:

@@ -1,1 +1,0 @@
-"""Dense (non-expert) layers at decode: kernels.dense.decode_linear."""
