@@ -232,3 +232,22 @@ def moe_block_table(path: Path) -> list[str]:
                       f"checked: routing against vLLM's, experts against vLLM's fused_experts on our routing, "
                       f"{rows[0]['replays_checked']} CUDA-graph replays into NaN-poisoned outputs against the "
                       f"eager block; {rel(path)}."]
+
+
+def attention_table(path: Path) -> list[str]:
+    """bench/bench_attention.py's rows: vLLM's two Hopper attention backends per layer (cache
+    write + attention, µs, CUDA-graph replays with L2 flushed), decode at batch B and context L,
+    and prefill of one L-token prompt."""
+    rows = json.loads(path.read_text())["rows"]
+    out = ["| attention (heads / KV heads) | phase | B | context | FA3 µs (vLLM's default) | FA3, one split µs "
+           "| Triton unified µs | FA3 / Triton |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        one = f"{r['fa3_1split_us']:.2f}" if "fa3_1split_us" in r else "—"
+        ratio = r["triton_over_fa3"]
+        out.append(f"| {r['shape']} ({r['heads']} / {r['kv_heads']}) | {r['phase']} | {r['B']} | {r['context']} | "
+                   f"{r['fa3_us']:.2f} | {one} | {r['triton_us']:.2f} | "
+                   f"{'**' if ratio > 1 else ''}{ratio:.2f}{'**' if ratio > 1 else ''} |")
+    worst = max(max(r["fa3_err"], r["triton_err"]) for r in rows)
+    return out + ["", f"Every row first checked: both backends' outputs, written into NaN-poisoned buffers, "
+                      f"against an fp32 reference (max abs error {worst:.4f}) and against each other; "
+                      f"{rel(path)}."]

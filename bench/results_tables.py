@@ -79,6 +79,7 @@ S6AB = S6 + "decode_ab_fp8_spread"
 S6BF = "2026-12-02/bf16_spread_session6/decode_ab_bf16_spread"
 S9 = "2026-12-02/session9_serve_ab/"
 S11 = "2026-12-03/session11/"
+S12 = "2026-12-03/session12/"
 NOW_SERVE = (S9 + "qwen3-30b-a3b", S11 + "serve_ab/qwen3-30b-a3b", S9 + "mixtral-8x7b",   # the whole-model
              S11 + "serve_ab/mixtral-8x7b", S11 + "serve_ab/mixtral-8x7b-round2")       # yardstick behind the answer
 NOW_FP8 = (S5, S6AB)                       # the newest runs behind the current answer
@@ -92,6 +93,8 @@ REGISTRY: dict[str, Entry] = {
     "serve-ab-session7": Entry(("2026-12-02/session7_serve_ab",), sr.results_table),
     "router-kernel": Entry(("2026-12-02/session9_router/router.json",), rn.router_table),
     "moe-block": Entry((S11 + "moe_block.json",), rn.moe_block_table),
+    "attention": Entry((S12 + "attention.json",), rn.attention_table),
+    "serve-ab-fp8-block": Entry((S12 + "serve_ab/qwen3-30b-a3b-fp8-block",), sr.results_table),
     "readme-headline": Entry((NOW_FP8, NOW_BF16, *NOW_KERNELS), rn.headline),
     "now-decode-ab": Entry((NOW_FP8, NOW_FP8, NOW_BF16), rn.decode_ab_summary,
                            ((("moe-serve", "stock"), ("moe-serve", "vllm-triton"), ("moe-serve", "stock")),)),
