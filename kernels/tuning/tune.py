@@ -4,7 +4,9 @@ Per M bucket two families compete, each starting from its default and walked one
 at a time (phases), every phase's new candidates compiled for sm_90 on the host CPU first
 (kernels.tuning.precompile), then timed:
   decode (buckets with M * topk <= 64, kernels.moe.moe_decode): up tile, up BLOCK_K, up stages,
-      down tile, down stages, up split-K, down split-K, PDL (fp8: and A_PREQUANT);
+      down tile, down stages, up split-K, down split-K, PDL (fp8: and A_PREQUANT); after the
+      aligned phases, two joint grids (up: split-K x stages x BLOCK_K; down: tile x BLOCK_K x
+      split-K x stages), where single-dimension walks cannot trade programs for occupancy;
   aligned (every bucket): A GEMM1 split/fuse, B GEMM1 tiles (fp8: and A_PREQUANT), C GEMM2;
   then D: each bucket tries its neighbours' winners (one-dimension walks stop at local
   optima). The faster family wins the bucket.
@@ -146,6 +148,26 @@ def decode_down_tiles(cur: dict) -> list[dict]:
             for bk in (64, 128, 256)]
 
 
+def decode_up_occupancy(cur: dict) -> list[dict]:
+    """The up kernel's split-K, stages and BLOCK_K jointly: more programs (split) that each hold
+    less shared memory (fewer stages, a shorter K tile), so a one-token call fills every SM with
+    more than one program. Walked one at a time each loses (a split alone overflows one wave,
+    fewer stages alone leave the same SMs idle: ncu, Qwen3-30B-A3B M = 1, 96 CTAs on 132 SMs)."""
+    return [{**cur, "SPLIT_K": sk, "num_stages": st, "BLOCK_K": bk}
+            for sk in (1, 2, 4) for st in (2, 3, 4) for bk in (64, 128)
+            if (sk, st, bk) != (cur.get("SPLIT_K", 1), cur["num_stages"], cur["BLOCK_K"])]
+
+
+def decode_down_occupancy(cur: dict) -> list[dict]:
+    """The down kernel's tile, K chunk, split-K and stages jointly: fewer, longer programs or more,
+    lighter ones (ncu: 128 CTAs of 6 weight tiles each reached 46 % of DRAM bandwidth)."""
+    d = cur["DOWN"]
+    widths = (64, 128) if d["SWAP_AB"] else (32, 64)
+    out = [{**cur, "DOWN": {**d, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_stages": st}}
+           for bn in widths for bk in (128, 256) for sk in (1, 2, 4, 8) for st in (2, 3, 4)]
+    return [c for c in out if c["DOWN"] != d]
+
+
 PHASES: list[tuple[str, str, Callable[..., list[dict]]]] = [  # (name, family, candidates)
     ("decode up tile", "decode", lambda c, s: decode_up_tiles(c)),
     ("decode up BLOCK_K", "decode", lambda c, s: _vary(c, "BLOCK_K", (64, 128, 256))),
@@ -160,6 +182,8 @@ PHASES: list[tuple[str, str, Callable[..., list[dict]]]] = [  # (name, family, c
     ("aligned A gate split/fuse", "aligned", lambda c, s: aligned_a(c, s["K"])),
     ("aligned B gate tiles", "aligned", lambda c, s: aligned_b(c, s["dtype"])),
     ("aligned C down", "aligned", lambda c, s: aligned_c(c, s["N"], s["dtype"])),
+    ("decode up occupancy", "decode", lambda c, s: decode_up_occupancy(c)),
+    ("decode down occupancy", "decode", lambda c, s: decode_down_occupancy(c)),
 ]
 
 

@@ -85,3 +85,31 @@ def test_block_fp8_is_tuned_as_its_own_format_with_block_k_the_group(monkeypatch
     path = tune.write_table(table, 256, 256, 7168, key, tmp_path, "dev")
     assert path.name == "E=256,N=256,K=7168,dtype=fp8_w8a8,block_shape=[128,128],device=dev.json"
 
+
+
+def test_joint_occupancy_phases_reach_what_one_dimension_walks_cannot(monkeypatch) -> None:
+    """The decode up kernel's best here needs split-K 2 with 3 stages and BLOCK_K 64 together
+    (each alone costs more), the down kernel's a wider tile with fewer splits and 2 stages: only
+    the joint phases offer them."""
+    start = configs.validate(heuristics.decode_config(1, E, N, K, TOPK, "bf16"))
+    up = {"SPLIT_K": 2, "num_stages": 3, "BLOCK_K": 64}
+    down = {"BLOCK_N": 128 if start["DOWN"]["SWAP_AB"] else 64, "BLOCK_K": 128, "SPLIT_K": 1, "num_stages": 2}
+
+    def cost(M: int, c: dict) -> float:
+        if not c.get("DECODE"):
+            return 9.0
+        hit_up = all(c.get(k, 1) == v for k, v in up.items())
+        hit_down = all(c["DOWN"].get(k, 1) == v for k, v in down.items())
+        return 5.0 - 2.0 * hit_up - 1.0 * hit_down
+
+    assert tune.legal({**start, **up}, N, K, TOPK, "bf16")
+    _stub(monkeypatch, cost)
+    table = tune.tune_shape(E, N, K, TOPK, "bf16", (1,), budget_s=600, device="cpu",
+                            log=lambda *a: None, parallel=False)
+    got = configs.validate(table[1])
+    assert all(got.get(k) == v for k, v in up.items()), got
+    assert all(got["DOWN"].get(k) == v for k, v in down.items()), got["DOWN"]
+    grid = tune.decode_up_occupancy(start)
+    assert start not in grid and len(grid) == len({str(sorted(c.items())) for c in grid})
+    assert all(c["DOWN"] == start["DOWN"] for c in grid)
+    assert all(c["DOWN"] != start["DOWN"] for c in tune.decode_down_occupancy(start))
