@@ -20,7 +20,7 @@ def load_driver():
 
 
 @pytest.mark.parametrize("name", ["mixtral-8x7b", "mixtral-8x7b-tp8-rank-at-tp2", "qwen3-30b-a3b",
-                                  "qwen3-30b-a3b-tp8-rank"])
+                                  "qwen3-30b-a3b-tp8-rank", "qwen3-30b-a3b-fp8-block", "qwen3-30b-a3b-fp8-dynamic"])
 def test_model_configs_use_the_mixtral_tokenizer_vocab(name: str) -> None:
     cfg = json.loads((REPO / "bench" / "models" / name / "config.json").read_text())
     assert cfg["vocab_size"] == 32000 and cfg["bos_token_id"] == 1 and cfg["eos_token_id"] == 2
@@ -143,3 +143,19 @@ def test_tp8_rank_models_run_one_tp8_rank_moe_shape(rank_model: str, whole: str,
         return shape.key
 
     assert key(rank_model, 1) == key(whole, 8) == TUNED[shard]
+
+
+@pytest.mark.parametrize("name,key", [("qwen3-30b-a3b-fp8-block", "fp8_w8a8,block_shape=[128,128]"),
+                                      ("qwen3-30b-a3b-fp8-dynamic", "fp8_w8a8,per_token")])
+def test_fp8_stand_ins_are_the_bf16_model_with_a_checkpoints_format(name: str, key: str) -> None:
+    """The FP8 bench models differ from qwen3-30b-a3b only by quantization_config, whose format our
+    tables key on, and keep every MoE gate unquantized as the published checkpoints do."""
+    from kernels.moe import quant_format
+
+    base = json.loads((REPO / "bench" / "models" / "qwen3-30b-a3b" / "config.json").read_text())
+    cfg = json.loads((REPO / "bench" / "models" / name / "config.json").read_text())
+    qc = cfg.pop("quantization_config")
+    assert cfg == base and quant_format.of_checkpoint(qc) == key
+    ignored = qc.get("modules_to_not_convert") or qc.get("ignore")
+    gates = [f"model.layers.{i}.mlp.gate" for i in range(base["num_hidden_layers"])]
+    assert set(gates) <= set(ignored) or "re:.*mlp.gate$" in ignored
