@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimized: moe-serve's Triton MoE kernels; vllm: stock vLLM (for A/B)")
     p.add_argument("--fused-router", action=argparse.BooleanOptionalAction, default=_env_switch("fused_router"),
                    help="a MoE layer's gate GEMM + top-k at small decode batches in one launch of ours, where "
-                   "vLLM's runner holds the gate (Qwen3-MoE style); default on with --moe-kernels optimized")
+                   "vLLM's runner holds the gate (Qwen3-MoE style; Mixtral's is moved there); default on with "
+                   "--moe-kernels optimized")
     p.add_argument("--host", default=e("host", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(e("port", 8000)))
     p.add_argument("--api-key", action="append", default=None,

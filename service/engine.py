@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 WORKER_EXIT_GRACE_S = 45
 ENGINE_EXIT_GRACE_S = 75.0
 JIT_PHASE_RPC_TIMEOUT_S = 30.0
+RUNNER_GATE_KEY = "moe_serve_runner_gate"  # in vLLM's additional_config: a compile-cache key of its own
 
 
 class EngineNotReady(RuntimeError):
@@ -75,6 +76,12 @@ def build_engine_args(settings: Settings, model_path: str) -> Any:
         from vllm.config import ProfilerConfig
 
         kwargs["profiler_config"] = ProfilerConfig(**kwargs["profiler_config"])
+    if settings.uses_fused_router:
+        # kernels/plugin/runner_gate.py changes what torch.compile traces (a Mixtral block's gate
+        # moves into vLLM's MoE op). vLLM's AOT compile cache keys on the config, not on the traced
+        # files: without a key of its own, a graph traced with or without the move could load in a
+        # server of the other kind.
+        kwargs["additional_config"] = {**(kwargs.get("additional_config") or {}), RUNNER_GATE_KEY: True}
     from kernels.plugin import backend_policy
 
     backend_policy.apply(kwargs, settings.moe_kernels, model_path)  # an explicit moe_backend wins

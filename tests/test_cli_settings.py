@@ -54,6 +54,19 @@ def test_fused_router_is_on_with_our_kernels_unless_turned_off(monkeypatch: pyte
         settings_from_args([])
 
 
+def test_the_router_hook_keys_its_own_compile_cache(embedded_model_dir: str) -> None:
+    """runner_gate changes the traced graph of Mixtral-style blocks; vLLM's AOT compile cache keys on
+    the config, so a server with the hook must not share compiled graphs with one without."""
+    from service.engine import RUNNER_GATE_KEY, build_engine_args
+
+    def extra(*flags: str) -> dict:
+        return build_engine_args(settings_from_args(list(flags)), embedded_model_dir).additional_config or {}
+
+    assert extra() == {RUNNER_GATE_KEY: True}
+    assert extra("--no-fused-router") == {} and extra("--moe-kernels", "vllm") == {}
+    assert extra("--engine-arg", 'additional_config={"x": 1}') == {"x": 1, RUNNER_GATE_KEY: True}
+
+
 def test_served_model_name_is_never_a_path(tmp_path) -> None:
     model_dir = tmp_path / "Mixtral-8x7B"
     model_dir.mkdir()

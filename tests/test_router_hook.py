@@ -1,7 +1,8 @@
 """The router hook (kernels/plugin/router_hook.py) on the real CPU engine and vLLM's real classes.
 
-A tiny Qwen3-MoE (its gate inside vLLM's MoE runner, dummy weights) served with --fused-router
-and the test plugin's CPU switches (tests/vllm_test_plugin): every decode
+A tiny Qwen3-MoE (its gate inside vLLM's MoE runner) and a tiny Mixtral (its gate computed in the
+model, moved into the runner by kernels/plugin/runner_gate.py), dummy weights, each served with
+--fused-router and the test plugin's CPU switches (tests/vllm_test_plugin): every decode
 MoE call of M <= router_topk.MAX_M skips the gate GEMM and goes through our router path (our
 kernel compiled for sm_90; vLLM's CPU router computes from the gate's logits), every router
 variant compiled at warm-up, none while serving. Plus the eligibility rules on vLLM's routers.
@@ -35,39 +36,55 @@ TINY_QWEN3_MOE = {
     "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     "attention_bias": False, "sliding_window": None, "use_sliding_window": False,
 }
+TINY_MIXTRAL = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 256,
+    "intermediate_size": 512, "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "silu", "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "vocab_size": 32000, "bos_token_id": 1, "eos_token_id": 2,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "sliding_window": None,
+}
+MODELS = {NAME: (TINY_QWEN3_MOE, 16, 4), "tiny-mixtral": (TINY_MIXTRAL, 8, 2)}   # config, experts, top-k
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+@pytest.fixture(scope="module", params=list(MODELS))
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[tuple[ServerProcess, str]]:
+    """(server, its model's name in MODELS), after decode requests at M = 1 and 2."""
     from service.embedded_model import _write_tokenizer
 
+    name = request.param
     tmp = tmp_path_factory.mktemp("router")
-    model = tmp / NAME
+    model = tmp / name
     model.mkdir()
-    (model / "config.json").write_text(json.dumps(TINY_QWEN3_MOE))
+    (model / "config.json").write_text(json.dumps(MODELS[name][0]))
     _write_tokenizer(model)
     env = {**plugin_server_env(cpu_moe="1"), "MOE_SERVE_MOE_ROUTING": "ours",
            "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp / "triton-cache"),
            "MOE_SERVE_RUNTIME_DIR": str(tmp / "runtime")}
-    srv = start_server(tmp, "--model", str(model), "--served-model-name", NAME, "--fused-router",
+    srv = start_server(tmp, "--model", str(model), "--served-model-name", name, "--fused-router",
                        "--engine-arg", "load_format=dummy", "--engine-arg", "enforce_eager=true", env=env,
                        ready_timeout=400)
     try:
         for prompts, tokens in ((1, 3), (2, 9)):     # decode at M = 1, then 2
             r = httpx.post(srv.base_url + "/v1/completions", timeout=180,
-                           json={"model": NAME, "prompt": ["Hello there"] * prompts, "max_tokens": tokens,
+                           json={"model": name, "prompt": ["Hello there"] * prompts, "max_tokens": tokens,
                                  "ignore_eos": True})
             assert r.status_code == 200, r.text
-        yield srv
+        yield srv, name
     finally:
         srv.stop()
 
 
-def test_decode_router_calls_take_our_path_and_compile_nothing_while_serving(server: ServerProcess) -> None:
+def test_decode_router_calls_take_our_path_and_compile_nothing_while_serving(
+        served: tuple[ServerProcess, str]) -> None:
+    server, name = served
     log = server.log()
     assert "MoERunner._forward_impl" in log and "keeps vLLM's router" not in log, server.tail(60)
-    plans = {launch_plan(M, TINY_QWEN3_MOE["num_experts"], TINY_QWEN3_MOE["hidden_size"]) for M in range(1, MAX_M + 1)}
-    warmed = re.findall(r"gate \[16, 256\] torch.bfloat16 top-4 softmax warmed, (\d+) variants", log)
+    config, experts, topk = MODELS[name]
+    if config["model_type"] == "mixtral":                     # its gate moved into the runner
+        assert "MixtralMoE.__init__" in log and "MixtralMoE.forward" in log, server.tail(60)
+    plans = {launch_plan(M, experts, config["hidden_size"]) for M in range(1, MAX_M + 1)}
+    warmed = re.findall(rf"gate \[{experts}, 256\] torch.bfloat16 top-{topk} softmax warmed, (\d+) variants", log)
     assert warmed == [str(len(plans))], (warmed, plans)      # once, before serving, every variant
     m = scrape(server.base_url)
     calls = value(m, "moe_serve_fused_router_calls_total")
@@ -75,7 +92,7 @@ def test_decode_router_calls_take_our_path_and_compile_nothing_while_serving(ser
     assert value(m, "moe_serve_triton_jit_compiles_total", kernel="router_topk_kernel", phase="serving") == 0
     before = calls
     r = httpx.post(server.base_url + "/v1/completions", timeout=180,
-                   json={"model": NAME, "prompt": "Once more", "max_tokens": 4, "ignore_eos": True})
+                   json={"model": name, "prompt": "Once more", "max_tokens": 4, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     # 2 layers x (the prefill of a few tokens, also M <= MAX_M, and 3 decode steps)
     assert value(scrape(server.base_url), "moe_serve_fused_router_calls_total") == before + 2 * 4

@@ -11,11 +11,11 @@ recognises that marker and runs router_topk on hidden_states and the gate's weig
 mapping, routed-expert capture and index dtype still apply to what it returns.
 
 Eligible (checked once per runner, `eligibility`): a gate inside the runner (Qwen3-MoE style;
-Mixtral computes its gate in the model, so its layers keep vLLM's), unquantized, without bias,
-[E, K] for E = the router's experts; a plain softmax / sigmoid top-k router, or a sigmoid one
-with a correction bias (no hash table, no fused shared experts); no gate fused with a shared
-expert's, no dispatch of the logits (naive DP/EP, prefill context parallel), a modular (not
-monolithic) expert method. On in optimized mode unless env MOE_SERVE_FUSED_ROUTER=0
+Mixtral's, which the model computes, is moved there by kernels/plugin/runner_gate.py),
+unquantized, without bias, [E, K] for E = the router's experts; a plain softmax / sigmoid top-k
+router, or a sigmoid one with a correction bias (no hash table, no fused shared experts); no gate
+fused with a shared expert's, no dispatch of the logits (naive DP/EP, prefill context parallel),
+a modular (not monolithic) expert method. On in optimized mode unless env MOE_SERVE_FUSED_ROUTER=0
 (`moe-serve --no-fused-router`). The hook acts only where the runner runs eagerly (on CUDA,
 inside vLLM's opaque MoE custom op); in a region torch.compile traces, the wrappers call
 vLLM's code and nothing else.

@@ -5,7 +5,9 @@ process, the engine core and every worker (docs/architecture.md). The plugin the
 
 1. install (every process): the Triton JIT monitor, a hook on WorkerBase.__init__, and with
    ``MOE_SERVE_MOE_KERNELS=optimized`` the MoE hook on TritonExperts.apply (kernels/plugin/moe_hook.py)
-   and, unless ``MOE_SERVE_FUSED_ROUTER=0``, the router hook (kernels/plugin/router_hook.py).
+   and, unless ``MOE_SERVE_FUSED_ROUTER=0``, the router hook (kernels/plugin/router_hook.py) with
+   the gate of blocks that compute it in the model moved into vLLM's runner
+   (kernels/plugin/runner_gate.py).
 2. worker init (workers only): reads rank and scheduler limits (vllm_compat.worker_facts),
    switches this process's metrics to prometheus multiprocess files in the runtime dir
    (kernels/plugin/plugin_metrics.py), gives the worker the method through which the API process
@@ -34,7 +36,7 @@ import os
 import threading
 from typing import Any, Callable
 
-from kernels.plugin import jit_monitor
+from kernels.plugin import jit_monitor, runner_gate
 from kernels.plugin import vllm_compat as vc
 from kernels.plugin.layer_warmup import LayerWarmup
 from kernels.plugin.moe_hook import MoeHook
@@ -89,6 +91,7 @@ class MoePlugin:
             steps.append(("moe", self._install_moe_hook))
             if os.environ.get(ROUTER_ENV, "1").strip().lower() not in ("0", "false", "no", "off"):
                 steps.append(("router", self._install_router_hook))
+                steps.append(("runner gate", self._install_runner_gate))
         for name, step in steps:
             try:
                 step()
@@ -128,6 +131,9 @@ class MoePlugin:
             if vc.wrap_method(cls, "_compute_routing", hook.compute_routing):
                 self.hooks.append(f"{cls.__name__}._compute_routing")
         self.router = hook
+
+    def _install_runner_gate(self) -> None:
+        self.hooks.extend(runner_gate.install())
 
     # -- 2. worker init ---------------------------------------------------------------------
     def on_worker_init(self, worker: Any) -> None:

@@ -83,7 +83,8 @@ def router_line(E: int, K: int) -> str:
     if limit < 1:
         return f"router: vLLM's gate GEMM + top-k at every M (an [{E}, {K}] gate is too large for our one launch)"
     return (f"router: ours (gate GEMM + top-k in one launch) at M <= {limit}, vLLM's above; only where vLLM's "
-            f"MoE runner holds the gate (Qwen3-MoE style; the worker log names a layer that keeps vLLM's), "
+            f"MoE runner holds the gate (Qwen3-MoE style, or Mixtral's moved there; the worker log names a layer "
+            f"that keeps vLLM's), "
             f"not with --no-fused-router")
 
 
