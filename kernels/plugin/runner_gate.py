@@ -22,8 +22,6 @@ import torch
 
 from kernels.plugin import vllm_compat as vc
 
-BLOCKS = (("vllm.model_executor.models.mixtral", "MixtralMoE"),)   # blocks that compute their gate
-
 
 def movable(block: Any) -> bool:
     """Whether the block's gate can go into its runner: a gate with a 2-D weight, a runner with
@@ -58,7 +56,7 @@ def wrap_forward(orig: Callable) -> Callable:
 def install() -> list[str]:
     """Wrap every known block class that imports; the wrapped methods' names."""
     done = []
-    for where in BLOCKS:
+    for where in vc.GATED_BLOCKS:
         cls = vc.load(where)
         for name, make in (("__init__", wrap_init), ("forward", wrap_forward)):
             if vc.wrap_method(cls, name, make):

@@ -19,6 +19,7 @@ difference is dispatched here on ``vllm_minor()``:
 | ``fp8_w8a8_moe_quant_config(..., per_act_token_quant=, block_shape=)`` | same  | same                        |
 | ``FusedMoEExperts.block_shape`` / ``.per_act_token_quant`` (its quant_config's) | same | same |
 | VllmConfig fields read by ``worker_facts``            | same            | same                        |
+| ``MixtralMoE`` computes its gate, then ``self.experts(h, logits)`` (models/mixtral) | same | same |
 
 The return of apply: our kernel writes the final [M, K] sum into ``output`` and returns
 ``OUTPUT_WRITTEN`` (None), which both versions read as "output is final" (0.32 also accepts an
@@ -45,6 +46,7 @@ EXPERTS = ("vllm.model_executor.layers.fused_moe.experts.triton_moe", "TritonExp
 MODULAR = ("vllm.model_executor.layers.fused_moe.modular_kernel", "FusedMoEExpertsModular")
 WORKER_BASE = ("vllm.v1.worker.worker_base", "WorkerBase")
 MOE_RUNNER = ("vllm.model_executor.layers.fused_moe.runner.moe_runner", "MoERunner")
+GATED_BLOCKS = (("vllm.model_executor.models.mixtral", "MixtralMoE"),)   # MoE blocks computing their gate
 ROUTERS = (("vllm.model_executor.layers.fused_moe.router.fused_topk_router", "FusedTopKRouter"),
            ("vllm.model_executor.layers.fused_moe.router.fused_topk_bias_router", "FusedTopKBiasRouter"))
 FORWARD_IMPL_PARAMS = ("self", "hidden_states", "router_logits", "shared_experts_input", "input_ids")
@@ -222,6 +224,22 @@ def pin_router() -> str:
     return "MoERunner._forward_impl, FusedTopKRouter/FusedTopKBiasRouter._compute_routing"
 
 
+def pin_runner_gate() -> str:
+    """What kernels.plugin.runner_gate replaces: each gated block's forward computes the gate in
+    the block and hands the logits to its runner, exactly as the replacement assumes, and its
+    __init__ registers the gate before the runner (so the gate keeps its checkpoint name)."""
+    for where in GATED_BLOCKS:
+        cls = load(where)
+        src = inspect.getsource(inspect.unwrap(cls.forward))
+        for line in ("hidden_states = hidden_states.view(-1, self.hidden_size)",
+                     "router_logits, _ = self.gate(hidden_states)", "self.experts(hidden_states, router_logits)",
+                     ".view(orig_shape)"):
+            assert line in src, (where, line)
+        init = inspect.getsource(inspect.unwrap(cls.__init__))
+        assert init.index("self.gate =") < init.index("self.experts ="), where
+    return ", ".join(f"{where[1]}.forward / __init__" for where in GATED_BLOCKS)
+
+
 def pin_worker() -> str:
     base = load(WORKER_BASE)
     assert {"vllm_config", "local_rank", "rank"} <= set(_params(base.__init__))
@@ -286,4 +304,4 @@ def pin_fp8_layout() -> str:
 
 PINS: tuple[Callable[[], str], ...] = (pin_version, pin_apply, pin_worker, pin_config_fields,
                                        pin_config_chooser, pin_workspace_views,
-                                       pin_kernel_baselines, pin_fp8_layout, pin_router)
+                                       pin_kernel_baselines, pin_fp8_layout, pin_router, pin_runner_gate)
