@@ -205,3 +205,37 @@ def moe_bound(shape: str, dtype: str, kernels: Path, *dirs: Path) -> list[str]:
             out.append(f"| {r['round']} | {row['B']} | {row['step_ms']:.3f} | {moe_ms:.3f} | "
                        f"{100 * share:.0f} % | {speedup:.3f} | {1 / (1 - share * (1 - 1 / speedup)):.3f} |")
     return out
+
+
+def fp8_aligned(path: Path) -> list[str]:
+    """bench_kernels --fp8-aligned: per shape, format and M, the aligned path forced on its untuned
+    config with activations quantized once (the default) and inside the K loop, against vLLM's
+    fused_experts (µs per MoE layer call, CUDA-graph replays); speedup = vLLM's / ours."""
+    rows = json.loads(path.read_text())["fp8-aligned"]
+    out = ["| shape | format | M | config | ours, quantized once µs | ours, in the K loop µs | "
+           "vLLM µs | speedup (once) | speedup (in loop) |", "|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['shape']} | {r['dtype']} | {r['M']} | {r['cfg']} | {_us(r.get('ours_once_us'))} | "
+                   f"{_us(r.get('ours_inloop_us'))} | {_us(r.get('vllm_us'))} | "
+                   f"{_ratio(r.get('vllm_us'), r.get('ours_once_us'))} | "
+                   f"{_ratio(r.get('vllm_us'), r.get('ours_inloop_us'))} |")
+    timed = [r for r in rows if r.get("vllm_us") and r.get("ours_once_us")]
+    below = [r for r in timed if r["vllm_us"] < r["ours_once_us"]]
+    out += ["", f"Quantized once, ours is at least as fast as vLLM in {len(timed) - len(below)} of "
+            f"{len(timed)} cells; below it: " + (", ".join(
+                f"{r['shape']} {r['dtype']} M = {r['M']} ({r['vllm_us'] / r['ours_once_us']:.2f}x)"
+                for r in below) or "none") + "."]
+    return out
+
+
+def tune_routing_points(key: str, path: Path) -> list[str]:
+    """The points one `moe-serve tune` routing file measured for one shape key: per M, ours (with
+    the new table) and vLLM's fused_experts in µs, one reading each, and the route it set."""
+    ent = json.loads(path.read_text())["shapes"][key]
+    ranges = ", ".join(f"{r['m_min']}-{r['m_max'] or ''}: {r['backend']}" for r in ent["ranges"])
+    out = [f"`{key}` ({ent['name']}, top-{ent['topk']}); routes {ranges}", "",
+           "| M | ours µs | vLLM µs | vLLM / ours | config |", "|---:|---:|---:|---:|---|"]
+    for m, p in sorted(ent["measured"].items(), key=lambda kv: int(kv[0])):
+        out.append(f"| {m} | {_us(p.get('ours_us'))} | {_us(p.get('vllm_us'))} | "
+                   f"{_ratio(p.get('vllm_us'), p.get('ours_us'))} | {p.get('cfg', '')} |")
+    return out

@@ -80,6 +80,8 @@ S6BF = "2026-12-02/bf16_spread_session6/decode_ab_bf16_spread"
 S9 = "2026-12-02/session9_serve_ab/"
 S11 = "2026-12-03/session11/"
 S12 = "2026-12-03/session12/"
+S13 = "2026-12-03/session13/"
+FP8_DYNAMIC_SERVE = (S13 + "serve_ab/qwen3-30b-a3b-fp8-dynamic", S13 + "serve_ab/qwen3-30b-a3b-fp8-dynamic-r2")
 NOW_SERVE = (S9 + "qwen3-30b-a3b", S11 + "serve_ab/qwen3-30b-a3b", S9 + "mixtral-8x7b",   # the whole-model
              S11 + "serve_ab/mixtral-8x7b", S11 + "serve_ab/mixtral-8x7b-round2")       # yardstick behind the answer
 NOW_FP8 = (S5, S6AB)                       # the newest runs behind the current answer
@@ -95,6 +97,11 @@ REGISTRY: dict[str, Entry] = {
     "moe-block": Entry((S11 + "moe_block.json",), rn.moe_block_table),
     "attention": Entry((S12 + "attention.json",), rn.attention_table),
     "serve-ab-fp8-block": Entry((S12 + "serve_ab/qwen3-30b-a3b-fp8-block",), sr.results_table),
+    "serve-ab-fp8-dynamic": Entry(FP8_DYNAMIC_SERVE, sr.results_table),
+    "serve-ab-fp8-dynamic-headline": Entry(FP8_DYNAMIC_SERVE, sr.headline),
+    "tune-fp8-dynamic": Entry((S13 + "tune_fp8dyn/routing,device=NVIDIA_H200.json",), rf.tune_routing_points,
+                              ("E=128,N=768,K=2048,dtype=fp8_w8a8,per_token",)),
+    "fp8-aligned": Entry((S13 + "kern/results.json",), rf.fp8_aligned),
     "readme-headline": Entry((NOW_FP8, NOW_BF16, *NOW_KERNELS), rn.headline),
     "now-decode-ab": Entry((NOW_FP8, NOW_FP8, NOW_BF16), rn.decode_ab_summary,
                            ((("moe-serve", "stock"), ("moe-serve", "vllm-triton"), ("moe-serve", "stock")),)),
