@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kernels.moe import heuristics, quant_format, smem, vllm_kernels
-from kernels.moe.config_schema import KEYS, Config, block_k_of, down_config, validate, with_block_k
+from kernels.moe.config_schema import (KEYS, Config, block_k_fits, block_k_of, down_config, validate,
+                                       with_block_k)
 
 M_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -175,6 +176,6 @@ def fit(cfg: Config, dtype: str, act_bytes: int = 2, topk: int = 8) -> Config:
     if bs:
         cfg = with_block_k(cfg, bs[1])
     cfg = smem.fit(cfg, quant_format.weight_dtype(dtype), act_bytes, topk)
-    if bs and block_k_of(cfg) != {bs[1]}:
+    if bs and not block_k_fits(cfg, bs[1]):
         raise ValueError(f"no shared-memory fit of {cfg} with BLOCK_K {bs[1]} (block FP8)")
     return cfg

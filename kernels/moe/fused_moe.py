@@ -1,6 +1,7 @@
 """Launcher of the fused MoE: align -> GEMM1 (+SiLU-and-mul) -> GEMM2 (+routed weight) -> top-k sum,
 or, for few tokens (a DECODE config), kernels.moe.moe_decode's two launches (split-K or not:
-kernels.moe.moe_decode_launch).
+kernels.moe.moe_decode_launch), or their CUDA-core GEMV form (a GEMV config:
+kernels.moe.moe_gemv_launch).
 
 Fused path (SPLIT_K 1, FUSE_GU): four launches (three when topk == 1).
 Split / un-fused path (decode: more programs streaming weights):
@@ -24,10 +25,11 @@ import triton
 
 from kernels.moe import configs, fp8_scales, selection, smem
 from kernels.moe.align import max_padded_len, moe_align
-from kernels.moe.config_schema import block_k_of, prequant
+from kernels.moe.config_schema import block_k_fits, block_k_of, prequant
 from kernels.moe.fp8_scales import FP8, INTERPRET, Fp8Scales, block_stride, scale_strides
 from kernels.moe.launch import launch
 from kernels.moe.moe_decode_launch import fused_moe_decode
+from kernels.moe.moe_gemv_launch import fused_moe_gemv
 from kernels.moe.moe_gemm import moe_gemm_kernel, topk_sum_kernel
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", FP8: "fp8"}
@@ -106,10 +108,13 @@ def num_programs(M: int, E: int, N: int, K: int, topk: int, cfg: dict[str, Any])
     """(GEMM1, GEMM2) programs of a config that do work when every (token, expert) pair is
     a distinct expert (decode worst case for the block count: min(T, E) hit experts)."""
     T = M * topk
-    if cfg.get("DECODE"):
-        return min(T, E) * -(-N // cfg["BLOCK_N"]), M * -(-K // configs.down_config(cfg)["BLOCK_N"])
-    blocks = -(-max_padded_len(T, E, cfg["BLOCK_M"]) // cfg["BLOCK_M"])
     down = configs.down_config(cfg)
+    if cfg.get("GEMV"):                 # one program per slot, both kernels split
+        return (T * -(-N // cfg["BLOCK_N"]) * int(cfg.get("SPLIT_K", 1)),
+                M * -(-K // down["BLOCK_N"]) * int(down.get("SPLIT_K", 1)))
+    if cfg.get("DECODE"):
+        return min(T, E) * -(-N // cfg["BLOCK_N"]), M * -(-K // down["BLOCK_N"])
+    blocks = -(-max_padded_len(T, E, cfg["BLOCK_M"]) // cfg["BLOCK_M"])
     rows1 = N if cfg.get("FUSE_GU", True) else 2 * N
     g1 = blocks * -(-rows1 // cfg["BLOCK_N"]) * int(cfg.get("SPLIT_K", 1))
     g2 = blocks * -(-K // down["BLOCK_N"]) * int(down.get("SPLIT_K", 1))
@@ -163,9 +168,13 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
 
     cfg = config or selection.get_config(M, E, N, K, topk, format_of(w1.dtype, fp8),
                                          act_bytes=hidden_states.element_size())
-    if use_fp8 and fp8.block_shape and block_k_of(cfg) != {fp8.group_k}:
+    if use_fp8 and fp8.block_shape and not block_k_fits(cfg, fp8.group_k):
         raise ValueError(f"block FP8 {fp8.block_shape} needs BLOCK_K == {fp8.group_k} in both "
-                         f"GEMMs (a K step is one activation group), config has {block_k_of(cfg)}")
+                         f"GEMMs (a K step is one activation group; GEMV: a multiple of it), "
+                         f"config has {block_k_of(cfg)}")
+    if cfg.get("GEMV"):
+        return fused_moe_gemv(hidden_states, w1, w2, topk_weights, topk_ids, fp8,
+                              apply_router_weight_on_input, out, cfg)
     if cfg.get("DECODE"):
         return fused_moe_decode(hidden_states, w1, w2, topk_weights, topk_ids, fp8,
                                 apply_router_weight_on_input, out, cfg)

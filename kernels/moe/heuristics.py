@@ -91,6 +91,29 @@ def decode_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
     return validate(cfg)
 
 
+def gemv_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
+                num_sms: int = NUM_SMS_DEFAULT) -> Config:
+    """Starting config of the CUDA-core decode path (kernels.moe.moe_gemv) for bucket M: the
+    tuner's seed, never an untuned default. Up: 16 gate + 16 up rows x 512 columns per step
+    (1 KB of each row in fp8: 1024), down: 8 output rows x 256 columns (fp8: 512), 4 warps;
+    each kernel split until it has ~4 programs per SM (light programs, several resident per
+    SM), keeping >= 2 steps per split. Block FP8 keeps these widths (multiples of its group)."""
+    fp8 = dtype.startswith("fp8")
+    bk1 = _pow2_at_most(K, 1024 if fp8 else 512)
+    bk2 = _pow2_at_most(N, 512 if fp8 else 256)
+    block = quant_format.block_shape(dtype)
+    if block:
+        bk1, bk2 = max(bk1, block[1]), max(bk2, block[1])
+    slots = M * topk
+    target = 4 * num_sms
+    split1 = split_k_for(slots * -(-N // 16), -(-K // bk1), target, min_tiles=2)
+    split2 = split_k_for(M * -(-K // 8), topk * -(-N // bk2), target, min_tiles=2)
+    warps = {"GROUP_M": 1, "num_warps": 4, "num_stages": 1, "SWAP_AB": False}
+    return validate({"DECODE": True, "GEMV": True, "PDL": True, "BLOCK_M": decode_block_m(M, topk),
+                     "BLOCK_N": 16, "BLOCK_K": bk1, **warps, "SPLIT_K": split1,
+                     "DOWN": {"BLOCK_N": 8, "BLOCK_K": bk2, **warps, "SPLIT_K": split2}})
+
+
 def decode_split(programs: int, iterations: int, min_iterations: int,
                  num_sms: int = NUM_SMS_DEFAULT) -> int:
     """SPLIT_K of a decode kernel: 1 when its programs fill at least half the SMs, else the

@@ -43,35 +43,11 @@ launch, and the path stays two launches under CUDA graphs.
 """
 from __future__ import annotations
 
-import triton
 import triton.language as tl
 
 from kernels.moe.launch import jit
-from kernels.moe.moe_tiles import (_a_scale, _dequant, _group_quant_cols, _mma, _mma_scaled,
-                                   _quant_a, _quant_fp8, _token_scale)
-
-
-@triton.jit
-def _arrive_last(cnt_ptr, arrivals):
-    """Count this program's arrival at its tile (after its partial sums were added); True for
-    the last of the `arrivals` programs, which also resets the counter for the next call."""
-    tl.debug_barrier()                      # every thread's partial atomics precede the count
-    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-    last = done == arrivals - 1
-    if last:
-        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
-    tl.debug_barrier()
-    return last
-
-
-@triton.jit
-def _take(ptrs, mask, R: tl.constexpr, C: tl.constexpr):
-    """The reduced [R, C] fp32 sums (read at L2 through an atomic add of zero, so no stale
-    cached copy), then zeroed for the next call."""
-    zero = tl.zeros((R, C), dtype=tl.float32)
-    acc = tl.atomic_add(ptrs, zero, mask=mask, sem="relaxed", scope="gpu")
-    tl.store(ptrs, zero, mask=mask)
-    return acc
+from kernels.moe.moe_tiles import (_a_scale, _arrive_last, _dequant, _group_quant_cols, _mma,
+                                   _mma_scaled, _quant_a, _quant_fp8, _take, _token_scale)
 
 
 @jit(do_not_specialize=["num_slots"])

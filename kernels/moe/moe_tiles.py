@@ -1,7 +1,8 @@
-"""Tile-level Triton helpers both MoE kernel families share (kernels.moe.moe_gemm, kernels.moe.moe_decode):
-the MMA step (plain, swapped, block-scaled), the A tile load (optionally SiLU-and-mul of an fp32
-pre-activation), FP8 quantization (static, per token, per token group) and the dequantizing
-epilogue. A_MODE / W_SCALE are kernels.moe.moe_gemm's."""
+"""Tile-level Triton helpers the MoE kernel families share (kernels.moe.moe_gemm, kernels.moe.moe_decode,
+kernels.moe.moe_gemv): the MMA step (plain, swapped, block-scaled), the A tile load (optionally
+SiLU-and-mul of an fp32 pre-activation), FP8 quantization (static, per token, per token group),
+the dequantizing epilogue, and the in-kernel split-K reduction (arrival counter, self-clearing
+workspace). A_MODE / W_SCALE are kernels.moe.moe_gemm's."""
 from __future__ import annotations
 
 import triton
@@ -142,3 +143,26 @@ def _quant_a(a, w, a_inv, as_ptrs, g, stride_ask, row_mask, A_MODE: tl.constexpr
     elif A_MODE == 0:
         a = a.to(w.dtype)
     return a, a_s
+
+
+@triton.jit
+def _arrive_last(cnt_ptr, arrivals):
+    """Count this program's arrival at its tile (after its partial sums were added); True for
+    the last of the `arrivals` programs, which also resets the counter for the next call."""
+    tl.debug_barrier()                      # every thread's partial atomics precede the count
+    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    last = done == arrivals - 1
+    if last:
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+    tl.debug_barrier()
+    return last
+
+
+@triton.jit
+def _take(ptrs, mask, R: tl.constexpr, C: tl.constexpr):
+    """The reduced [R, C] fp32 sums (read at L2 through an atomic add of zero, so no stale
+    cached copy), then zeroed for the next call."""
+    zero = tl.zeros((R, C), dtype=tl.float32)
+    acc = tl.atomic_add(ptrs, zero, mask=mask, sem="relaxed", scope="gpu")
+    tl.store(ptrs, zero, mask=mask)
+    return acc

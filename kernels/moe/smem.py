@@ -13,7 +13,8 @@ conversion (fp8 quantization, SiLU, transpose for swap-AB). The epilogue's layou
 reuse the (dead) pipeline buffers.
 
 The decode path (kernels.moe.moe_decode) keeps, per stage, the [BLOCK_M, BK] A tile plus two
-(up kernel) or one (down kernel) weight tiles.
+(up kernel) or one (down kernel) weight tiles; its GEMV form (kernels.moe.moe_gemv) keeps its
+tiles in registers and needs shared memory only for reductions (gemv_estimate).
 
 The estimates are checked to be upper bounds of Triton's own figure (CompiledKernel
 metadata.shared) by compiling configs for sm_90 on the CPU (tests/kernels/test_smem_fit.py).
@@ -57,6 +58,8 @@ def gemm_estimates(cfg: dict[str, Any], dtype: str, act_bytes: int = 2,
     topk sizes the decode down kernel's A tile (rows = next power of two >= max(16, topk))."""
     p = launch_params(dtype, act_bytes)
     d = down_config(cfg)
+    if cfg.get("GEMV"):
+        return gemv_estimate(cfg), gemv_estimate(d)
     if cfg.get("DECODE"):
         a2 = max(p["w_bytes"], 2)     # act: the out dtype (bf16, fp32), or fp8 (1 B; bound 2)
         rows2 = max(16, 1 << (topk - 1).bit_length())
@@ -72,6 +75,13 @@ def gemm_estimates(cfg: dict[str, Any], dtype: str, act_bytes: int = 2,
     g2 = estimate(d["BLOCK_M"], d["BLOCK_N"], d["BLOCK_K"], d["num_stages"], a2, p["w_bytes"],
                   False, a_silu=not fused1)
     return g1, g2
+
+
+def gemv_estimate(c: dict[str, Any]) -> int:
+    """Upper bound of one GEMV program's shared memory (kernels.moe.moe_gemv): no pipeline, the
+    weight tile lives in registers; only tl.sum's cross-warp reduction of [BLOCK_N] fp32 partial
+    sums (two: gate and up) and the layout change of the [BLOCK_K] activation chunk use it."""
+    return 2 * c["BLOCK_N"] * c["num_warps"] * 4 + c["BLOCK_K"] * 4
 
 
 def _fit_one(c: dict[str, Any], est) -> dict[str, Any]:

@@ -7,13 +7,15 @@ at a time (phases), every phase's new candidates compiled for sm_90 on the host 
       down tile, down stages, up split-K, down split-K, PDL (fp8: and A_PREQUANT); after the
       aligned phases, two joint grids (up: split-K x stages x BLOCK_K; down: tile x BLOCK_K x
       split-K x stages), where single-dimension walks cannot trade programs for occupancy;
+  gemv (buckets with M * topk <= 32, kernels.moe.moe_gemv: the decode path on CUDA cores): up
+      tile (rows x K step), up warps x split-K, down tile, down warps x split-K, stages, PDL;
   aligned (every bucket): A GEMM1 split/fuse, B GEMM1 tiles (fp8: and A_PREQUANT), C GEMM2;
   then D: each bucket tries its neighbours' winners (one-dimension walks stop at local
-  optima). The faster family wins the bucket.
+  optima). The fastest family wins the bucket.
 `dtype` is the layer's kernels.moe.quant_format key: each format is tuned on its own (block FP8
 candidates keep BLOCK_K = the activation group, so its BLOCK_K walks collapse).
 Candidates are pruned statically first (tl.dot dims >= 16, swapped tiles 64-row, shared
-memory <= 227 KB). A time budget stops the search and keeps the best so far; `state` (a
+memory <= 227 KB; GEMV tiles no larger than the padded dims). A time budget stops the search and keeps the best so far; `state` (a
 dict the caller may persist) lets an interrupted search resume after its last phase.
 """
 from __future__ import annotations
@@ -31,6 +33,8 @@ from kernels.tuning import precompile
 from kernels.tuning.timing import make_problem, time_ours
 
 DECODE_TUNE_MAX_SLOTS = 64
+GEMV_TUNE_MAX_SLOTS = 32
+FAMILIES = ("decode", "gemv", "aligned")
 
 
 def _k_tiles(K: int, bk: int) -> int:
@@ -60,11 +64,24 @@ def normalize(cfg: dict, dtype: str) -> Config:
     return with_block_k(cfg, bs[1]) if bs else cfg
 
 
+def _ok_gemv(cfg: Config, N: int, K: int, topk: int) -> bool:
+    """GEMV tiles no larger than the padded dims (block FP8's group excepted: BLOCK_K may
+    exceed a dim it must be a multiple of), each split with >= 1 step."""
+    d = configs.down_config(cfg)
+    return (cfg["BLOCK_N"] <= _pow2_ceil(N) and d["BLOCK_N"] <= _pow2_ceil(K)
+            and cfg["SPLIT_K"] <= _k_tiles(K, cfg["BLOCK_K"])
+            and d["SPLIT_K"] <= topk * _k_tiles(N, d["BLOCK_K"]))
+
+
 def legal(cfg: dict, N: int, K: int, topk: int, dtype: str) -> bool:
     try:
         cfg = normalize(cfg, dtype)
     except ValueError:
         return False
+    if cfg.get("GEMV"):
+        bs = quant_format.block_shape(dtype)
+        wide = max(_pow2_ceil(N), _pow2_ceil(K), bs[1] if bs else 0)
+        return _ok_gemv(cfg, N, K, topk) and max(configs.block_k_of(cfg)) <= wide
     d = configs.down_config(cfg)
     rows1 = N if cfg["FUSE_GU"] else 2 * N
     if cfg.get("DECODE"):                        # the down kernel's own row tile; its split
@@ -168,6 +185,31 @@ def decode_down_occupancy(cur: dict) -> list[dict]:
     return [c for c in out if c["DOWN"] != d]
 
 
+# ---- gemv family (the decode path on CUDA cores) ------------------------------------------------
+def gemv_up_tiles(cur: dict) -> list[dict]:
+    return [{**cur, "BLOCK_N": bn, "BLOCK_K": bk} for bn in (4, 8, 16, 32) for bk in (256, 512, 1024)]
+
+
+def gemv_up_occupancy(cur: dict) -> list[dict]:
+    return [{**cur, "num_warps": w, "SPLIT_K": sk} for w in (2, 4, 8) for sk in (1, 2, 4, 8)]
+
+
+def gemv_down_tiles(cur: dict) -> list[dict]:
+    return [{**cur, "DOWN": {**cur["DOWN"], "BLOCK_N": bn, "BLOCK_K": bk}}
+            for bn in (4, 8, 16, 32) for bk in (128, 256, 512)]
+
+
+def gemv_down_occupancy(cur: dict) -> list[dict]:
+    return [{**cur, "DOWN": {**cur["DOWN"], "num_warps": w, "SPLIT_K": sk}}
+            for w in (2, 4, 8) for sk in (1, 2, 4, 8, 16)]
+
+
+def gemv_stages(cur: dict) -> list[dict]:
+    """Software-pipelined loads (num_stages > 1) in either kernel, or none."""
+    return (_vary(cur, "num_stages", (1, 2, 3))
+            + _vary(cur, "num_stages", (1, 2, 3), down=True))
+
+
 PHASES: list[tuple[str, str, Callable[..., list[dict]]]] = [  # (name, family, candidates)
     ("decode up tile", "decode", lambda c, s: decode_up_tiles(c)),
     ("decode up BLOCK_K", "decode", lambda c, s: _vary(c, "BLOCK_K", (64, 128, 256))),
@@ -179,6 +221,12 @@ PHASES: list[tuple[str, str, Callable[..., list[dict]]]] = [  # (name, family, c
     ("decode PDL", "decode", lambda c, s: [{**c, "PDL": not c.get("PDL", False)}]),
     ("decode A quant", "decode", lambda c, s: [{**c, "A_PREQUANT": not prequant(c)}]
      if quant_format.is_fp8(s["dtype"]) else []),
+    ("gemv up tile", "gemv", lambda c, s: gemv_up_tiles(c)),
+    ("gemv up occupancy", "gemv", lambda c, s: gemv_up_occupancy(c)),
+    ("gemv down tile", "gemv", lambda c, s: gemv_down_tiles(c)),
+    ("gemv down occupancy", "gemv", lambda c, s: gemv_down_occupancy(c)),
+    ("gemv stages", "gemv", lambda c, s: gemv_stages(c)),
+    ("gemv PDL", "gemv", lambda c, s: [{**c, "PDL": not c.get("PDL", False)}]),
     ("aligned A gate split/fuse", "aligned", lambda c, s: aligned_a(c, s["K"])),
     ("aligned B gate tiles", "aligned", lambda c, s: aligned_b(c, s["dtype"])),
     ("aligned C down", "aligned", lambda c, s: aligned_c(c, s["N"], s["dtype"])),
@@ -189,11 +237,13 @@ PHASES: list[tuple[str, str, Callable[..., list[dict]]]] = [  # (name, family, c
 
 def starts(b: int, E: int, N: int, K: int, topk: int, dtype: str, device: str) -> list[Config]:
     """The bucket's starting configs: the default, the decode family's with and without
-    split-K, and the aligned family's."""
+    split-K, the gemv family's, and the aligned family's."""
     out = [configs.default_config(b, E, N, K, topk, dtype, device)]
     if b * topk <= DECODE_TUNE_MAX_SLOTS:
         out.append(heuristics.decode_config(b, E, N, K, topk, dtype))
         out.append(heuristics.decode_config(b, E, N, K, topk, dtype, split=True))
+    if b * topk <= GEMV_TUNE_MAX_SLOTS:
+        out.append(heuristics.gemv_config(b, E, N, K, topk, dtype))
     out.append(configs.aligned_default(b, E, N, K, topk, dtype, device))
     return out
 
@@ -210,8 +260,8 @@ def tune_shape(E: int, N: int, K: int, topk: int, dtype: str, buckets: tuple[int
     st.setdefault("done", [])
     best: dict[str, dict[int, list]] = {f: {int(b): v for b, v in d.items()}
                                          for f, d in st.get("best", {}).items()}
-    best.setdefault("decode", {})
-    best.setdefault("aligned", {})
+    for fam in FAMILIES:
+        best.setdefault(fam, {})
     st["best"] = best
     shape = {"E": E, "N": N, "K": K, "topk": topk, "dtype": dtype}
     dev = "cuda" if device.startswith("cuda") else "cpu"
@@ -242,7 +292,7 @@ def tune_shape(E: int, N: int, K: int, topk: int, dtype: str, buckets: tuple[int
             return float("inf")
 
     def offer(b: int, cfg: Config, t: float) -> None:
-        fam = "decode" if cfg.get("DECODE") else "aligned"
+        fam = "gemv" if cfg.get("GEMV") else "decode" if cfg.get("DECODE") else "aligned"
         if t < best[fam].get(b, [float("inf")])[0]:
             best[fam][b] = [t, cfg]
 
@@ -300,10 +350,10 @@ def tune_shape(E: int, N: int, K: int, topk: int, dtype: str, buckets: tuple[int
 
 
 def winners(best: dict[str, dict[int, list]], buckets: tuple[int, ...]) -> dict[int, Config]:
-    """The faster family's config per bucket (buckets never timed are absent)."""
+    """The fastest family's config per bucket (buckets never timed are absent)."""
     out = {}
     for b in buckets:
-        cands = [best[f][b] for f in ("decode", "aligned") if b in best[f]]
+        cands = [best[f][b] for f in FAMILIES if b in best.get(f, {})]
         if cands:
             out[b] = min(cands, key=lambda tc: tc[0])[1]
     return out
@@ -313,7 +363,7 @@ def best_times(state: dict[str, Any], buckets: tuple[int, ...]) -> dict[int, flo
     """Our best us per bucket from a search state (for the summary)."""
     out = {}
     for b in buckets:
-        ts = [state["best"][f][b][0] for f in ("decode", "aligned") if b in state["best"][f]]
+        ts = [state["best"][f][b][0] for f in FAMILIES if b in state["best"].get(f, {})]
         if ts:
             out[b] = min(ts)
     return out

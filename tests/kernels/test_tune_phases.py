@@ -69,19 +69,23 @@ def test_decode_defaults_hold_all_slots() -> None:
 def test_block_fp8_is_tuned_as_its_own_format_with_block_k_the_group(monkeypatch,
                                                                      tmp_path: Path) -> None:
     """Every block-FP8 candidate timed has BLOCK_K = the activation group in both GEMMs (the
-    BLOCK_K walks collapse), the quantize-once flip is offered on both paths, and the table is
-    written under vLLM's format name."""
+    BLOCK_K walks collapse; GEMV candidates: a multiple of it), the quantize-once flip is offered
+    on both paths, and the table is written under vLLM's format name."""
     from kernels.moe import quant_format
 
     key = quant_format.block_key(128, 128)
     timed = _stub(monkeypatch, lambda M, c: 1.0 + (0.5 if c.get("DECODE") else 0.0) * (M > 1))
     table = tune.tune_shape(256, 256, 7168, 8, key, (1, 16), budget_s=600, device="cpu",
                             log=lambda *a: None, parallel=False)
-    assert timed and all(configs.block_k_of(c) == {128} for _, c in timed)
+    mma = [c for _, c in timed if not c.get("GEMV")]
+    assert mma and all(configs.block_k_of(c) == {128} for c in mma)
+    gemv = [c for _, c in timed if c.get("GEMV")]
+    assert gemv and all(b % 128 == 0 for c in gemv for b in configs.block_k_of(c))
+    assert {b for c in gemv for b in configs.block_k_of(c)} > {128}     # wider steps timed
     assert {bool(c.get("DECODE")) for _, c in timed} == {True, False}
     pre = {(bool(c.get("DECODE")), c.get("A_PREQUANT")) for _, c in timed}
     assert (True, True) in pre and (False, False) in pre      # both flips were timed
-    assert all(configs.block_k_of(c) == {128} for c in table.values())
+    assert all(configs.block_k_of(c) == {128} for c in table.values() if not c.get("GEMV"))
     path = tune.write_table(table, 256, 256, 7168, key, tmp_path, "dev")
     assert path.name == "E=256,N=256,K=7168,dtype=fp8_w8a8,block_shape=[128,128],device=dev.json"
 
@@ -113,3 +117,24 @@ def test_joint_occupancy_phases_reach_what_one_dimension_walks_cannot(monkeypatc
     assert start not in grid and len(grid) == len({str(sorted(c.items())) for c in grid})
     assert all(c["DOWN"] == start["DOWN"] for c in grid)
     assert all(c["DOWN"] != start["DOWN"] for c in tune.decode_down_occupancy(start))
+
+
+def test_gemv_family_wins_where_cheaper_within_its_slot_limit(monkeypatch) -> None:
+    """The CUDA-core family is seeded and walked only where M * topk <= GEMV_TUNE_MAX_SLOTS; a
+    bucket it wins gets a GEMV config, and its walks reach a tile two dimensions from the seed
+    (up BLOCK_N 8 with 8 warps and split-K 2; down 4 rows with split-K 8)."""
+    def cost(M: int, c: dict) -> float:
+        if not c.get("GEMV"):
+            return 3.0
+        d = c["DOWN"]
+        return (2.0 - 0.5 * (c["BLOCK_N"] == 8) - 0.25 * (c["num_warps"] == 8 and c["SPLIT_K"] == 2)
+                - 0.125 * (d["BLOCK_N"] == 4) - 0.0625 * (d["SPLIT_K"] == 8))
+
+    timed = _stub(monkeypatch, cost)
+    table = tune.tune_shape(E, N, K, TOPK, "bf16", (1, 16, 32), budget_s=600, device="cpu",
+                            log=lambda *a: None, parallel=False)
+    got = table[1]
+    assert got.get("GEMV") and (got["BLOCK_N"], got["num_warps"], got["SPLIT_K"]) == (8, 8, 2)
+    assert (got["DOWN"]["BLOCK_N"], got["DOWN"]["SPLIT_K"]) == (4, 8)
+    assert table[16].get("GEMV") and not table[32].get("GEMV")    # 32 x 2 slots > 32
+    assert not any(c.get("GEMV") for m, c in timed if m * TOPK > tune.GEMV_TUNE_MAX_SLOTS)
