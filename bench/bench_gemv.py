@@ -1,7 +1,7 @@
 """The decode path on CUDA cores (kernels.moe.moe_gemv) against the tensor-core decode path as served
 and vLLM's fused_experts, per shape, format and M, with the streaming floor of the bytes read.
 
-    python bench/bench_gemv.py --out DIR [--cells Qwen3-30B-A3B/TP1:bf16,...] [--ms 1,2,4]
+    python bench/bench_gemv.py --out DIR [--cells "Qwen3-30B-A3B/TP1:bf16;..."] [--ms 1,2,4]
 
 Per (shape, format, M): ours as served (its tuned table or default rule), the GEMV seed
 (heuristics.gemv_config), then a coordinate walk (up kernel tiles and warps with the seed's down
@@ -140,7 +140,8 @@ def run_cell(name: str, fmt: str, ms: tuple[int, ...], rows: list, out: Path) ->
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--cells", default=",".join(CELLS), help="shape:format,... (bench names)")
+    ap.add_argument("--cells", default=";".join(CELLS),
+                    help="shape:format;... (bench shape names, kernels.moe.quant_format keys)")
     ap.add_argument("--ms", default="1,2,4")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -151,7 +152,7 @@ def main() -> int:
     ms = tuple(int(m) for m in args.ms.split(","))
     rows: list[dict] = []
     t0 = time.perf_counter()
-    for cell in args.cells.split(","):
+    for cell in args.cells.split(";"):
         name, fmt = cell.split(":", 1)
         run_cell(name, fmt, ms, rows, out)
     log(f"[gemv] {len(rows)} rows in {time.perf_counter() - t0:.0f}s -> {out / 'gemv.json'}")
