@@ -139,3 +139,24 @@ def prequant_grid(shape: str, dtype: str, rows_path: Path, bench_path: Path) -> 
                    f"{_f(v.get('vllm_us'), 1)} | {_f(v.get('floor_us'), 1)} | "
                    f"{_f(pq['us'] / v['vllm_us'] if v.get('vllm_us') else None)} |")
     return out
+
+
+def gemv_table(path: Path) -> list[str]:
+    """bench_gemv.py: per shape, format and M, the GEMV decode path's best walked config against
+    the tensor-core decode path as served, vLLM's fused_experts and the streaming floor (µs per
+    layer call), with its checks."""
+    rows = json.loads(path.read_text())["rows"]
+    out = ["| shape | format | M | ours as configured µs (serving routes to) | GEMV µs | vLLM µs | floor µs | ours / GEMV | "
+           "vLLM / GEMV | GEMV / floor | GEMV config | rel err vs float64 |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for r in rows:
+        if "gemv_us" not in r:
+            out.append(f"| {r['shape']} | {r['format']} | {r['M']} | error: {r.get('error', '')} |"
+                       + " |" * 8)
+            continue
+        v = r.get("vllm_us")
+        out.append(f"| {r['shape']} | {r['format']} | {r['M']} | {_f(r['served_us'], 1)} ({r['route']}) | "
+                   f"{_f(r['gemv_us'], 1)} | {_f(v, 1)} | {_f(r['floor_us'], 1)} | "
+                   f"{_f(r['served_us'] / r['gemv_us'])} | {_f(v / r['gemv_us']) if v else ''} | "
+                   f"{_f(r['gemv_us'] / r['floor_us'])} | `{r['gemv_cfg']}` | {r['err_vs_f64']:.1e} |")
+    return out

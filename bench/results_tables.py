@@ -81,6 +81,7 @@ S9 = "2026-12-02/session9_serve_ab/"
 S11 = "2026-12-03/session11/"
 S12 = "2026-12-03/session12/"
 S13 = "2026-12-03/session13/"
+S14 = "2026-12-04/session14/"
 FP8_DYNAMIC_SERVE = (S13 + "serve_ab/qwen3-30b-a3b-fp8-dynamic", S13 + "serve_ab/qwen3-30b-a3b-fp8-dynamic-r2")
 NOW_SERVE = (S9 + "qwen3-30b-a3b", S11 + "serve_ab/qwen3-30b-a3b", S9 + "mixtral-8x7b",   # the whole-model
              S11 + "serve_ab/mixtral-8x7b", S11 + "serve_ab/mixtral-8x7b-round2")       # yardstick behind the answer
@@ -96,7 +97,10 @@ REGISTRY: dict[str, Entry] = {
     "router-kernel": Entry(("2026-12-02/session9_router/router.json",), rn.router_table),
     "moe-block": Entry((S11 + "moe_block.json",), rn.moe_block_table),
     "attention": Entry((S12 + "attention.json",), rn.attention_table),
-    "serve-ab-fp8-block": Entry((S12 + "serve_ab/qwen3-30b-a3b-fp8-block",), sr.results_table),
+    "serve-ab-fp8-block": Entry((S14 + "serve_ab/qwen3-30b-a3b-fp8-block",), sr.results_table),
+    "serve-ab-fp8-block-headline": Entry((S14 + "serve_ab/qwen3-30b-a3b-fp8-block",), sr.headline),
+    "serve-ab-fp8-block-session12": Entry((S12 + "serve_ab/qwen3-30b-a3b-fp8-block",), sr.results_table),
+    "gemv": Entry((S14 + "gemv/gemv.json",), rk.gemv_table),
     "serve-ab-fp8-dynamic": Entry(FP8_DYNAMIC_SERVE, sr.results_table),
     "serve-ab-fp8-dynamic-headline": Entry(FP8_DYNAMIC_SERVE, sr.headline),
     "tune-fp8-dynamic": Entry((S13 + "tune_fp8dyn/routing,device=NVIDIA_H200.json",), rf.tune_routing_points,
