@@ -47,7 +47,8 @@ import triton.language as tl
 
 from kernels.moe.launch import jit
 from kernels.moe.moe_tiles import (_a_scale, _arrive_last, _dequant, _group_quant_cols, _mma,
-                                   _mma_scaled, _quant_a, _quant_fp8, _take, _token_scale)
+                                   _mma_scaled, _quant_a, _quant_fp8, _split_range, _take,
+                                   _token_scale)
 
 
 @jit(do_not_specialize=["num_slots"])
@@ -98,13 +99,7 @@ def moe_decode_up_kernel(
         sg_ptrs = w_scale_ptr + expert * stride_se + (offs_n // GROUP_N) * stride_sn
         su_ptrs = w_scale_ptr + expert * stride_se + ((offs_n + N) // GROUP_N) * stride_sn
 
-    num_k_tiles = tl.cdiv(K, BLOCK_K)
-    k_lo = 0
-    k_hi = num_k_tiles
-    if SPLIT_K > 1:                                                  # this split's K tiles
-        per_split = tl.cdiv(num_k_tiles, SPLIT_K)
-        k_lo = tl.program_id(2) * per_split
-        k_hi = tl.minimum(k_lo + per_split, num_k_tiles)
+    k_lo, k_hi = _split_range(tl.cdiv(K, BLOCK_K), tl.program_id(2), SPLIT_K)   # K tiles
     a_scale, a_inv = _a_scale(a_scale_ptr, a_ptrs, x_row, rows, 0, K, stride_xk, stride_asm,
                               BLOCK_K, A_MODE, False)
 
@@ -229,12 +224,7 @@ def moe_decode_down_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    it_lo = 0
-    it_hi = TOPK * n_chunks
-    if SPLIT_K > 1:                                    # this split's share of the flat loop
-        per_split = tl.cdiv(TOPK * n_chunks, SPLIT_K)
-        it_lo = tl.program_id(1) * per_split
-        it_hi = tl.minimum(it_lo + per_split, TOPK * n_chunks)
+    it_lo, it_hi = _split_range(TOPK * n_chunks, tl.program_id(1), SPLIT_K)   # slots x chunks
     for it in range(it_lo, it_hi):
         j = it // n_chunks
         c = it - j * n_chunks

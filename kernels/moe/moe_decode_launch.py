@@ -50,6 +50,23 @@ def split_workspace(device: torch.device, n_floats: int, n_counters: int
     return _SPLIT_WS[key]
 
 
+def split_buffers(device: torch.device, T: int, N: int, M: int, K: int, up_tile: int,
+                  down_tile: int, split1: int, split2: int, dummy: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h [T * 2N], o [M * K], up counters [T * cdiv(N, up_tile)], down counters
+    [M * cdiv(K, down_tile)]): views of one split_workspace for the kernels that split (dummy
+    for one that does not) of a two-launch decode call."""
+    if split1 == 1 and split2 == 1:
+        return dummy, dummy, dummy, dummy
+    n_h = T * 2 * N if split1 > 1 else 0
+    n_c1 = T * triton.cdiv(N, up_tile) if split1 > 1 else 0
+    n_o = M * K if split2 > 1 else 0
+    n_c2 = M * triton.cdiv(K, down_tile) if split2 > 1 else 0
+    wsf, wsc = split_workspace(device, n_h + n_o, n_c1 + n_c2)
+    return (wsf[:max(1, n_h)], wsf[n_h:n_h + max(1, n_o)],
+            wsc[:max(1, n_c1)], wsc[n_c1:n_c1 + max(1, n_c2)])
+
+
 def fused_moe_decode(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, tw: torch.Tensor,
                      ids: torch.Tensor, fp8: Fp8Scales | None, on_input: bool, out: torch.Tensor,
                      cfg: dict[str, Any]) -> torch.Tensor:
@@ -78,15 +95,7 @@ def fused_moe_decode(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, tw: to
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     bn2, bk2 = down["BLOCK_N"], down["BLOCK_K"]
     split1, split2 = int(cfg.get("SPLIT_K", 1)), int(down.get("SPLIT_K", 1))
-    h = o = cnt1 = cnt2 = dummy
-    if split1 > 1 or split2 > 1:     # one workspace: [h: T x 2N][o: M x K], counters likewise
-        n_h = T * 2 * N if split1 > 1 else 0
-        n_c1 = T * triton.cdiv(N, bn) if split1 > 1 else 0
-        n_o = M * K if split2 > 1 else 0
-        n_c2 = M * triton.cdiv(K, bn2) if split2 > 1 else 0
-        wsf, wsc = split_workspace(x.device, n_h + n_o, n_c1 + n_c2)
-        h, o = wsf[:max(1, n_h)], wsf[n_h:n_h + max(1, n_o)]
-        cnt1, cnt2 = wsc[:max(1, n_c1)], wsc[n_c1:n_c1 + max(1, n_c2)]
+    h, o, cnt1, cnt2 = split_buffers(x.device, T, N, M, K, bn, bn2, split1, split2, dummy)
     launch(
         moe_decode_up_kernel, (T, triton.cdiv(N, bn), split1),
         x1, w1, act, ids, tw, a1s if a1s is not None else dummy, ws1,

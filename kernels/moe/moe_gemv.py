@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from kernels.moe.launch import jit
-from kernels.moe.moe_tiles import _arrive_last, _take
+from kernels.moe.moe_tiles import _arrive_last, _split_range, _take
 
 
 @triton.jit
@@ -88,13 +88,7 @@ def moe_gemv_up_kernel(
         sg_ptrs = w_scale_ptr + expert * stride_se + (offs_n // GROUP_N) * stride_sn
         su_ptrs = w_scale_ptr + expert * stride_se + ((offs_n + N) // GROUP_N) * stride_sn
 
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    k_lo = 0
-    k_hi = k_tiles
-    if SPLIT_K > 1:                                                  # this split's K tiles
-        per_split = tl.cdiv(k_tiles, SPLIT_K)
-        k_lo = tl.program_id(2) * per_split
-        k_hi = tl.minimum(k_lo + per_split, k_tiles)
+    k_lo, k_hi = _split_range(tl.cdiv(K, BLOCK_K), tl.program_id(2), SPLIT_K)   # K tiles
     acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for kt in range(k_lo, k_hi):
@@ -180,12 +174,7 @@ def moe_gemv_down_kernel(
     k_mask = offs_kout < K
     offs_c = tl.arange(0, SUB_K)
     n_chunks = tl.cdiv(N, BLOCK_K)
-    it_lo = 0
-    it_hi = TOPK * n_chunks
-    if SPLIT_K > 1:                                    # this split's share of the flat loop
-        per_split = tl.cdiv(TOPK * n_chunks, SPLIT_K)
-        it_lo = tl.program_id(1) * per_split
-        it_hi = tl.minimum(it_lo + per_split, TOPK * n_chunks)
+    it_lo, it_hi = _split_range(TOPK * n_chunks, tl.program_id(1), SPLIT_K)   # slots x chunks
     if USE_PDL:                        # launched early (programmatic dependent launch):
         tl.extra.cuda.gdc_wait()       # wait for the up kernel's act before reading it
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)

@@ -15,7 +15,7 @@ from kernels.moe import fp8_scales
 from kernels.moe.config_schema import down_config
 from kernels.moe.fp8_scales import FP8, Fp8Scales, block_stride, scale_strides
 from kernels.moe.launch import block_pdl, launch, pdl_supported
-from kernels.moe.moe_decode_launch import split_workspace
+from kernels.moe.moe_decode_launch import split_buffers
 from kernels.moe.moe_gemv import moe_gemv_down_kernel, moe_gemv_up_kernel
 
 
@@ -65,15 +65,7 @@ def fused_moe_gemv(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, tw: torc
     dummy = tw
     pdl = bool(cfg.get("PDL")) and pdl_supported()
     chained = pdl and block_pdl()
-    h = o = cnt1 = cnt2 = dummy
-    if split1 > 1 or split2 > 1:     # one workspace: [h: T x 2N][o: M x K], counters likewise
-        n_h = T * 2 * N if split1 > 1 else 0
-        n_c1 = T * triton.cdiv(N, bn1) if split1 > 1 else 0
-        n_o = M * K if split2 > 1 else 0
-        n_c2 = M * triton.cdiv(K, bn2) if split2 > 1 else 0
-        wsf, wsc = split_workspace(x.device, n_h + n_o, n_c1 + n_c2)
-        h, o = wsf[:max(1, n_h)], wsf[n_h:n_h + max(1, n_o)]
-        cnt1, cnt2 = wsc[:max(1, n_c1)], wsc[n_c1:n_c1 + max(1, n_c2)]
+    h, o, cnt1, cnt2 = split_buffers(x.device, T, N, M, K, bn1, bn2, split1, split2, dummy)
     ws1 = w1s if w1s is not None else dummy
     se1, sn1, sg1 = block_stride(ws1, w1_mode)
     launch(

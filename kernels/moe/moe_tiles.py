@@ -166,3 +166,16 @@ def _take(ptrs, mask, R: tl.constexpr, C: tl.constexpr):
     acc = tl.atomic_add(ptrs, zero, mask=mask, sem="relaxed", scope="gpu")
     tl.store(ptrs, zero, mask=mask)
     return acc
+
+
+@triton.jit
+def _split_range(n, split_id, SPLIT_K: tl.constexpr):
+    """[lo, hi) of a reduction loop of n steps that split `split_id` of SPLIT_K owns (all of it
+    when SPLIT_K == 1); a split past the end gets an empty range."""
+    lo = 0
+    hi = n
+    if SPLIT_K > 1:
+        per_split = tl.cdiv(n, SPLIT_K)
+        lo = split_id * per_split
+        hi = tl.minimum(lo + per_split, n)
+    return lo, hi
