@@ -59,9 +59,8 @@ def _split_ws_zero() -> bool:
     return all(not (f.any() or c.any()) for f, c in fm._SPLIT_WS.values())
 
 
-@pytest.mark.parametrize("splits", [(2, 1), (1, 2), (4, 8), (8, 16)])  # more splits than tiles
-@pytest.mark.parametrize("case", [0, 1, 3])
-def test_gemv_split_k(case, splits):
+@pytest.mark.parametrize("case,splits", [(0, (2, 1)), (1, (1, 2)), (3, (4, 8)), (1, (8, 16))])
+def test_gemv_split_k(case, splits):                                  # (8, 16): more than steps
     """Split-K in either kernel: the workspace is zero again after each call, and a second call
     gives the same sums."""
     M, E, N, K, topk, up, down = CASES[case]
@@ -74,9 +73,8 @@ def test_gemv_split_k(case, splits):
         assert _split_ws_zero()
 
 
-@pytest.mark.parametrize("case", [0, 1, 2])
-@pytest.mark.parametrize("per_channel", [False, True])
-@pytest.mark.parametrize("x_fp8", [False, True])
+@pytest.mark.parametrize("case,per_channel,x_fp8", [(0, False, False), (1, True, False),
+                                                    (2, False, True), (1, True, True)])
 def test_gemv_fp8_per_tensor_and_channel(case, per_channel, x_fp8):
     """FP8 weights dequantized in fp32. Float hidden states are not quantized (the static a1/a2
     scales of a checkpoint go unused); fp8 hidden states are dequantized with their static scale."""
@@ -115,15 +113,14 @@ def test_gemv_fp8_per_token(x_fp8):
     assert rel_err(out, ref) < (1e-5 if not x_fp8 else 1e-2)
 
 
-@pytest.mark.parametrize("x_fp8", [False, True])
-@pytest.mark.parametrize("bk,bks", [(16, (16, 32)), (16, (64, 16))])  # BLOCK_K 1, 2, 4 groups
-@pytest.mark.parametrize("splits", [(1, 1), (2, 4)])
-def test_gemv_fp8_block(x_fp8, bk, bks, splits):
+@pytest.mark.parametrize("x_fp8,bks,splits", [(False, (16, 32), (1, 1)), (True, (64, 16), (1, 1)),
+                                              (False, (64, 16), (2, 4)), (True, (16, 32), (2, 4))])
+def test_gemv_fp8_block(x_fp8, bks, splits):                          # BLOCK_K: 1, 2, 4 groups
     """Block FP8 ([bn, bk] weight blocks, activations per token and bk columns when they come in
     fp8): each BLOCK_K step reduces BLOCK_K / bk groups, each scaled by its block's scale. N, K
     and the row counts are not multiples of the block."""
     M, E, N, K, topk = 3, 8, 40, 72, 2
-    bn = 24
+    bn, bk = 24, 16
     x, w1, w2, tw, ids = _problem(M, E, N, K, topk)
     q1, s1 = quant_fp8_block(w1, bn, bk)
     q2, s2 = quant_fp8_block(w2, bn, bk)
