@@ -54,17 +54,10 @@ def _down(cfg: dict, bn: int, bk: int, split: int) -> dict:
 
 def walk_candidates(seed: dict, fmt: str, N: int, K: int, topk: int) -> tuple[list, list]:
     """(up candidates, down candidates) of the walk, normalised and legal for the format."""
-    from kernels.tuning.tune import legal, normalize
+    from kernels.tuning.tune import legal_unique
 
-    def ok(cs: list[dict]) -> list[dict]:
-        out = []
-        for c in cs:
-            if legal(c, N, K, topk, fmt):
-                v = normalize(c, fmt)
-                if v not in out:
-                    out.append(v)
-        return out
-    return ok([_up(seed, *u) for u in UP_WALK]), ok([_down(seed, *d) for d in DOWN_WALK])
+    return (legal_unique([_up(seed, *u) for u in UP_WALK], [], N, K, topk, fmt),
+            legal_unique([_down(seed, *d) for d in DOWN_WALK], [], N, K, topk, fmt))
 
 
 def check(prob: dict, cfg: dict, served: dict) -> dict:

@@ -106,8 +106,7 @@ def with_block_k(cfg: Config, bk: int) -> Config:
 def label(cfg: Config) -> str:
     """Short name of a config for logs and results ('dec16x32x256/st4|d64x256s/st4/pdl',
     'gemv16x16x512/w4|d8x512/w4/sk4/pdl', '16x64x128s/sk1/d128sk1'); '/q' marks a decode config
-    with A_PREQUANT, '/iq' an aligned
-    one without (activations quantized in the K loop)."""
+    with A_PREQUANT, '/iq' an aligned one without (activations quantized in the K loop)."""
     d = down_config(cfg)
     if cfg.get("GEMV"):
         sk1, sk2 = cfg.get("SPLIT_K", 1), d.get("SPLIT_K", 1)

@@ -108,10 +108,10 @@ def gemv_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
     target = 4 * num_sms
     split1 = split_k_for(slots * -(-N // 16), -(-K // bk1), target, min_tiles=2)
     split2 = split_k_for(M * -(-K // 8), topk * -(-N // bk2), target, min_tiles=2)
-    warps = {"GROUP_M": 1, "num_warps": 4, "num_stages": 1, "SWAP_AB": False}
+    common = {"GROUP_M": 1, "num_warps": 4, "num_stages": 1, "SWAP_AB": False}
     return validate({"DECODE": True, "GEMV": True, "PDL": True, "BLOCK_M": decode_block_m(M, topk),
-                     "BLOCK_N": 16, "BLOCK_K": bk1, **warps, "SPLIT_K": split1,
-                     "DOWN": {"BLOCK_N": 8, "BLOCK_K": bk2, **warps, "SPLIT_K": split2}})
+                     "BLOCK_N": 16, "BLOCK_K": bk1, **common, "SPLIT_K": split1,
+                     "DOWN": {"BLOCK_N": 8, "BLOCK_K": bk2, **common, "SPLIT_K": split2}})
 
 
 def decode_split(programs: int, iterations: int, min_iterations: int,

@@ -48,7 +48,7 @@ import triton.language as tl
 from kernels.moe.launch import jit
 from kernels.moe.moe_tiles import (_a_scale, _arrive_last, _dequant, _group_quant_cols, _mma,
                                    _mma_scaled, _quant_a, _quant_fp8, _split_range, _take,
-                                   _token_scale)
+                                   _take_row, _token_scale)
 
 
 @jit(do_not_specialize=["num_slots"])
@@ -267,6 +267,6 @@ def moe_decode_down_kernel(
         tl.atomic_add(o_ptrs, out, mask=k_mask, sem="relaxed", scope="gpu")
         if not _arrive_last(cnt_ptr + pid, SPLIT_K):
             return
-        out = tl.sum(_take(o_ptrs[None, :], k_mask[None, :], 1, BLOCK_N), axis=0)
+        out = _take_row(o_ptrs, k_mask, BLOCK_N)
     tl.store(out_ptr + m * stride_om + offs_kout * stride_ok,
              out.to(out_ptr.dtype.element_ty), mask=k_mask)

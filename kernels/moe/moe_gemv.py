@@ -36,27 +36,27 @@ import triton
 import triton.language as tl
 
 from kernels.moe.launch import jit
-from kernels.moe.moe_tiles import _arrive_last, _split_range, _take
+from kernels.moe.moe_tiles import _arrive_last, _split_range, _take_row
 
 
 @triton.jit
 def _x_chunk(x_ptrs, mask, a_scale_ptr, g, live, stride_ask, A_MODE: tl.constexpr):
     """A chunk of one token's hidden states [SUB_K] as fp32; A_MODE 5 applies its group g's scale
-    (past the last group, live false, the chunk is zero and group 0's scale is read instead). The per-token and static scales (A_MODE 4, 1)
-    are applied once, in the epilogue."""
+    (past the last group, live false, the chunk is zero and group 0's scale is read instead).
+    The per-token and static scales (A_MODE 4, 1) are applied once, in the epilogue."""
     x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
     if A_MODE == 5:
         x = x * tl.load(a_scale_ptr + tl.where(live, g, 0) * stride_ask).to(tl.float32)
     return x
 
 
-@jit(do_not_specialize=["num_slots"])
+@jit()
 def moe_gemv_up_kernel(
     # pointers (h_ptr [>= T, 2N] fp32 and cnt_ptr [>= T * cdiv(N, BLOCK_N)] int32: the split
     # workspace, zero between calls; unused when SPLIT_K == 1)
     x_ptr, w_ptr, c_ptr, ids_ptr, topk_w_ptr, a_scale_ptr, w_scale_ptr, h_ptr, cnt_ptr,
-    # sizes: N = gate (= up) rows of w1, K = hidden, num_slots = T
-    N, K, num_slots,
+    # sizes: N = gate (= up) rows of w1, K = hidden (the T slots are the grid's first axis)
+    N, K,
     # strides (a_scale: [M] or [M, groups]; w_scale: expert, row (block), K group)
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_cs, stride_cn,
     stride_asm, stride_ask, stride_se, stride_sn, stride_sk,
@@ -118,8 +118,8 @@ def moe_gemv_up_kernel(
         tl.atomic_add(h_ptrs + N, acc_u, mask=n_mask, sem="relaxed", scope="gpu")
         if not _arrive_last(cnt_ptr + s * tl.num_programs(1) + pid_n, SPLIT_K):
             return
-        acc_g = tl.sum(_take(h_ptrs[None, :], n_mask[None, :], 1, BLOCK_N), axis=0)
-        acc_u = tl.sum(_take((h_ptrs + N)[None, :], n_mask[None, :], 1, BLOCK_N), axis=0)
+        acc_g = _take_row(h_ptrs, n_mask, BLOCK_N)
+        acc_u = _take_row(h_ptrs + N, n_mask, BLOCK_N)
 
     # ---- epilogue: per-tensor / per-row scales, routed weight (on input), SiLU-and-mul ------
     if A_MODE == 1:
@@ -206,9 +206,9 @@ def moe_gemv_down_kernel(
             w = tl.load(w_rows + (n0 + offs_c)[None, :] * stride_wn, mask=wm, other=0.0)
             p = tl.sum(w.to(tl.float32) * a[None, :], axis=1)        # [BN]
             if W_SCALE == 3:           # w2 block scales of expert e: output rows, group n0
+                sm = offs_kout < tl.where(valid & (n0 < N), K, 0)     # no group past N
                 p = p * tl.load(w_scale_ptr + ee * stride_se + (offs_kout // GROUP_N) * stride_sk
-                                + (n0 // SUB_K) * stride_sn, mask=offs_kout < tl.where(valid & (n0 < N), K, 0),
-                                other=0.0)
+                                + (n0 // SUB_K) * stride_sn, mask=sm, other=0.0)
             part += p
         if W_SCALE == 2:
             part = part * tl.load(w_scale_ptr + ee * stride_se + offs_kout * stride_sk,
@@ -219,6 +219,6 @@ def moe_gemv_down_kernel(
         tl.atomic_add(o_ptrs, acc, mask=k_mask, sem="relaxed", scope="gpu")
         if not _arrive_last(cnt_ptr + pid, SPLIT_K):
             return
-        acc = tl.sum(_take(o_ptrs[None, :], k_mask[None, :], 1, BLOCK_N), axis=0)
+        acc = _take_row(o_ptrs, k_mask, BLOCK_N)
     tl.store(out_ptr + m * stride_om + offs_kout * stride_ok,
              acc.to(out_ptr.dtype.element_ty), mask=k_mask)

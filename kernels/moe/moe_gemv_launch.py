@@ -71,7 +71,7 @@ def fused_moe_gemv(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, tw: torc
     launch(
         moe_gemv_up_kernel, (T, triton.cdiv(N, bn1), split1),
         x, w1, act, ids, tw, a1s if a1s is not None else dummy, ws1, h, cnt1,
-        N, K, T,
+        N, K,
         x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
         act.stride(0), act.stride(1), *scale_strides(a1s), se1, sn1, sg1,
         TOPK=topk, MUL_ROUTED=on_input, A_MODE=a_mode, W_SCALE=w1_mode, EVEN_K=K % bk1 == 0,

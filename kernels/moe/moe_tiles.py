@@ -169,6 +169,12 @@ def _take(ptrs, mask, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def _take_row(ptrs, mask, C: tl.constexpr):
+    """_take of one [C] row of sums (ptrs, mask: [C])."""
+    return tl.sum(_take(ptrs[None, :], mask[None, :], 1, C), axis=0)
+
+
+@triton.jit
 def _split_range(n, split_id, SPLIT_K: tl.constexpr):
     """[lo, hi) of a reduction loop of n steps that split `split_id` of SPLIT_K owns (all of it
     when SPLIT_K == 1); a split past the end gets an empty range."""

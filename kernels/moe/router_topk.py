@@ -30,7 +30,7 @@ import triton.language as tl
 
 from kernels.moe.aot import compile_launches
 from kernels.moe.launch import block_pdl, jit, launch, record_launches
-from kernels.moe.moe_decode import _arrive_last
+from kernels.moe.moe_tiles import _arrive_last, _take_row
 from kernels.moe.moe_decode_launch import split_workspace
 
 SOFTMAX, SIGMOID = 0, 1
@@ -88,9 +88,7 @@ def router_topk_kernel(
         tl.atomic_add(row + offs_e, acc, mask=e_mask, sem="relaxed", scope="gpu")
         if not _arrive_last(cnt_ptr + m, tl.num_programs(1) * SPLIT_K):
             return
-        zero = tl.zeros((E_P2,), dtype=tl.float32)
-        logits = tl.atomic_add(row + offs, zero, mask=mask, sem="relaxed", scope="gpu")  # at L2
-        tl.store(row + offs, zero, mask=mask)
+        logits = _take_row(row + offs, mask, E_P2)
     if SCORING_FN == 0:
         lg = tl.where(mask, logits, float("-inf"))
         p = tl.exp(lg - tl.max(lg, axis=0))

@@ -64,11 +64,13 @@ def normalize(cfg: dict, dtype: str) -> Config:
     return with_block_k(cfg, bs[1]) if bs else cfg
 
 
-def _ok_gemv(cfg: Config, N: int, K: int, topk: int) -> bool:
-    """GEMV tiles no larger than the padded dims (block FP8's group excepted: BLOCK_K may
-    exceed a dim it must be a multiple of), each split with >= 1 step."""
+def _ok_gemv(cfg: Config, N: int, K: int, topk: int, group: int) -> bool:
+    """GEMV tiles no larger than the padded dims they step over (a K step may exceed its dim
+    up to block FP8's group, of which it must be a multiple), each split with >= 1 step."""
     d = configs.down_config(cfg)
     return (cfg["BLOCK_N"] <= _pow2_ceil(N) and d["BLOCK_N"] <= _pow2_ceil(K)
+            and cfg["BLOCK_K"] <= max(_pow2_ceil(K), group)
+            and d["BLOCK_K"] <= max(_pow2_ceil(N), group)
             and cfg["SPLIT_K"] <= _k_tiles(K, cfg["BLOCK_K"])
             and d["SPLIT_K"] <= topk * _k_tiles(N, d["BLOCK_K"]))
 
@@ -80,8 +82,7 @@ def legal(cfg: dict, N: int, K: int, topk: int, dtype: str) -> bool:
         return False
     if cfg.get("GEMV"):
         bs = quant_format.block_shape(dtype)
-        wide = max(_pow2_ceil(N), _pow2_ceil(K), bs[1] if bs else 0)
-        return _ok_gemv(cfg, N, K, topk) and max(configs.block_k_of(cfg)) <= wide
+        return _ok_gemv(cfg, N, K, topk, bs[1] if bs else 0)
     d = configs.down_config(cfg)
     rows1 = N if cfg["FUSE_GU"] else 2 * N
     if cfg.get("DECODE"):                        # the down kernel's own row tile; its split
@@ -90,6 +91,18 @@ def legal(cfg: dict, N: int, K: int, topk: int, dtype: str) -> bool:
         d = {**d, "BLOCK_M": 16, "SPLIT_K": 1}
     est = smem.gemm_estimates(cfg, quant_format.weight_dtype(dtype), topk=topk)
     return _ok_tile(cfg, rows1, K) and _ok_tile(d, K, N) and max(est) <= smem.SMEM_LIMIT
+
+
+def legal_unique(cs: list[dict], have: list[Config], N: int, K: int, topk: int,
+                 dtype: str) -> list[Config]:
+    """The legal candidates of cs, normalised for the format, without repeats or any in have."""
+    out: list[Config] = []
+    for c in cs:
+        if legal(c, N, K, topk, dtype):
+            v = normalize(c, dtype)
+            if v not in out and v not in have:
+                out.append(v)
+    return out
 
 
 def _vary(base: dict, key: str, values, down: bool = False) -> list[dict]:
@@ -310,17 +323,11 @@ def tune_shape(E: int, N: int, K: int, topk: int, dtype: str, buckets: tuple[int
         if on_phase:
             on_phase(st)
 
-    def legal_unique(cs: list[dict], have: list[Config]) -> list[Config]:
-        out: list[Config] = []
-        for c in cs:
-            if legal(c, N, K, topk, dtype):
-                v = normalize(c, dtype)
-                if v not in out and v not in have:
-                    out.append(v)
-        return out
+    def unique(cs: list[dict], have: list[Config]) -> list[Config]:
+        return legal_unique(cs, have, N, K, topk, dtype)
 
     if "starts" not in st["done"]:
-        run("starts", {b: legal_unique(starts(b, E, N, K, topk, dtype, cfg_device), [])
+        run("starts", {b: unique(starts(b, E, N, K, topk, dtype, cfg_device), [])
                        for b in buckets})
     for name, fam, make in PHASES:
         if name in st["done"] or over():
@@ -328,18 +335,18 @@ def tune_shape(E: int, N: int, K: int, topk: int, dtype: str, buckets: tuple[int
         cands = {}
         for b in buckets:
             cur = best[fam].get(b)
-            cands[b] = legal_unique(make(cur[1], shape), [cur[1]]) if cur else []
+            cands[b] = unique(make(cur[1], shape), [cur[1]]) if cur else []
         run(name, cands)
     if "D neighbours" not in st["done"] and not over():
         final = winners(best, buckets)
         cands = {}
         for b in buckets:
             i = buckets.index(b)
-            cands[b] = legal_unique([final[n] for n in buckets[max(0, i - 1):i + 2]
-                                        if n != b and n in final
-                                        and (not final[n].get("DECODE")
-                                             or final[n]["BLOCK_M"] >= b * topk)],
-                                    [final[b]] if b in final else [])
+            cands[b] = unique([final[n] for n in buckets[max(0, i - 1):i + 2]
+                               if n != b and n in final
+                               and (not final[n].get("DECODE")
+                                    or final[n]["BLOCK_M"] >= b * topk)],
+                              [final[b]] if b in final else [])
         run("D neighbours", cands)
     probs.clear()
     out = winners(best, buckets)
