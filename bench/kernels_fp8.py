@@ -9,7 +9,10 @@
                      streaming floor of the bytes actually read (fp8 weights plus their scales):
                      bench_kernels.part_bench with these format keys, on FORMAT_SHAPES.
   fp8 aligned        the per-tensor (static scales) and per-token FP8 aligned path forced (not
-                     routed) at M = 8..256 vs vLLM, quantize-once (the default) and in the K loop.
+                     routed) at M = 8..256 vs vLLM, quantize-once (the default) and in the K loop;
+                     where the untuned config is vLLM's BLOCK_M = 32 tile (M 33..96), also the
+                     candidate tiles of aligned_candidates, each first checked against vLLM's
+                     output into a NaN-poisoned buffer.
 """
 from __future__ import annotations
 
@@ -29,13 +32,16 @@ FORMAT_SHAPES = {  # the issue's shapes: TP=8 shards of DeepSeek-V3 and Qwen3-23
     "Qwen3-30B-A3B/TP1": (128, 768, 2048, 8),
 }
 FORMAT_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-ALIGNED_MS = (8, 16, 32, 64, 128, 256)
+ALIGNED_MS = (8, 16, 32, 48, 64, 96, 128, 256)
 TOL_EXACT, TOL_QAWARE = 0.12, 3e-2
 # Ours and vLLM's block kernel each round activations to fp8 in their own order, so their outputs
 # differ by two independent quantization errors: on the H200 (2026-12-02) ours was 4.5 % from the
 # exact product, vLLM's 5.1 %, and the two 6.6 % apart (sqrt(4.5^2 + 5.1^2) = 6.8). vs vLLM a
 # result must lie within that noise: err_vs_vllm < VLLM_NOISE x hypot(ours, vLLM's exact errors).
 VLLM_NOISE = 1.3
+# A candidate tile of the aligned path against vLLM's kernel on the same fp8 problem (same static
+# or per-token activation scales, so only accumulation order and fp8 rounding flips differ).
+CANDIDATE_TOL = 3e-2
 
 
 def expert_bytes(N: int, K: int, fmt: str) -> int:
@@ -127,6 +133,53 @@ def part_block_correctness(shapes: dict, ms: tuple, dev: str, smoke: bool,
     return rows
 
 
+def aligned_candidates(base: dict[str, Any], E: int, N: int, K: int, topk: int, fmt: str) -> dict[str, dict[str, Any]]:
+    """Alternatives to an untuned aligned config built from vLLM's BLOCK_SIZE_M = 32 tile
+    (from_vllm_config halves its BLOCK_SIZE_N 64 to 32 gate + 32 up rows and does not swap;
+    vLLM swaps A and B for fp8 there on Hopper): 64-row weight tiles swapped (wgmma) with gate
+    and up fused (half vLLM's grid) or not (vLLM's grid), and the untuned tile of M = 128
+    (BLOCK_M = 64). Empty for any other BLOCK_M."""
+    from kernels.moe import configs
+    from kernels.moe.config_schema import down_config
+
+    if base["BLOCK_M"] != 32:
+        return {}
+    down = {**base.get("DOWN", {}), "BLOCK_N": max(64, down_config(base)["BLOCK_N"]), "SWAP_AB": True}
+    swap = {**base, "BLOCK_N": 64, "SWAP_AB": True, "DOWN": down}
+    out = {"swap": swap, "swap_unfused": {**swap, "FUSE_GU": False},
+           "bm64": configs.aligned_default(128, E, N, K, topk, fmt)}
+    return {k: configs.fit(configs.validate(c), fmt, topk=topk) for k, c in out.items()}
+
+
+def _check_vs_vllm(prob: dict, cfg: dict, theirs: torch.Tensor) -> float:
+    """Relative error of ours (config cfg, routing set 0, into a NaN-poisoned output) against
+    vLLM's output on the same problem."""
+    from kernels.moe.fused_moe import fused_moe
+
+    x, tw, ids = prob["sets"][0]
+    w1, w2 = prob["weights"][:2]
+    out = torch.full_like(x, float("nan"))
+    fused_moe(x, w1, w2, tw, ids, fp8=prob["fp8"], out=out, config=cfg)
+    return float((out.double() - theirs.double()).norm() / theirs.double().norm())
+
+
+def _vllm_output(prob: dict) -> torch.Tensor | None:
+    """vLLM's fused_experts output on routing set 0 of prob (None without vLLM)."""
+    from kernels.moe import vllm_kernels
+
+    fx = vllm_kernels.fused_experts()
+    if fx is None:
+        return None
+    fused_experts, qcfg = fx
+    w1, w2, s1, s2 = prob["weights"]
+    q = prob["fp8"]
+    quant = qcfg(w1_scale=s1, w2_scale=s2, a1_scale=q.a1_scale, a2_scale=q.a2_scale,
+                 per_act_token_quant=q.per_token_act, per_out_ch_quant=q.per_token_act,
+                 block_shape=None)
+    x, tw, ids = prob["sets"][0]
+    return fused_experts(x, w1, w2, tw, ids, quant_config=quant)
+
+
 def part_fp8_aligned(shapes: dict, ms: tuple, n_sets: int, replays: int, dev: str,
                      problem: Callable[..., dict], log: Callable[..., None]) -> list[dict]:
     """See the module doc: per (shape, format, M) ours quantize-once, ours in the K loop and
@@ -143,7 +196,8 @@ def part_fp8_aligned(shapes: dict, ms: tuple, n_sets: int, replays: int, dev: st
             for M in ms:
                 base = configs.fit(configs.aligned_default(configs.bucket_of(M), E, N, K, topk, fmt),
                                    fmt, topk=topk)
-                cfgs[(name, fmt, M)] = {"once": base, "inloop": {**base, "A_PREQUANT": False}}
+                cfgs[(name, fmt, M)] = {"once": base, "inloop": {**base, "A_PREQUANT": False},
+                                        **aligned_candidates(base, E, N, K, topk, fmt)}
     if dev == "cuda":
         precompile.precompile([(*shapes[n], f, M, c) for (n, f, M), cs in cfgs.items()
                                for c in cs.values()], log=log)
@@ -157,13 +211,23 @@ def part_fp8_aligned(shapes: dict, ms: tuple, n_sets: int, replays: int, dev: st
                 try:
                     prob = problem(shape, M, fmt, n_sets, weights)
                     weights = prob["weights"]
+                    theirs = _vllm_output(prob) if dev == "cuda" else None
                     for tag, cfg in cfgs[(name, fmt, M)].items():
+                        if tag not in ("once", "inloop"):
+                            row[f"cfg_{tag}"] = label(cfg)
+                            if theirs is not None:
+                                row[f"err_vs_vllm_{tag}"] = err = _check_vs_vllm(prob, cfg, theirs)
+                                if not err < CANDIDATE_TOL:      # NaN (an unwritten row) fails too
+                                    continue
                         row[f"ours_{tag}_us"] = time_ours(prob, cfg, replays)
                     vl = time_vllm(prob, replays) if dev == "cuda" else None
                     if vl is not None:
                         row["vllm_us"] = vl
                         row["speedup"] = vl / row["ours_once_us"]
                         row["speedup_inloop"] = vl / row["ours_inloop_us"]
+                        for tag in cfgs[(name, fmt, M)]:
+                            if tag not in ("once", "inloop") and f"ours_{tag}_us" in row:
+                                row[f"speedup_{tag}"] = vl / row[f"ours_{tag}_us"]
                     del prob
                 except Exception as e:  # noqa: BLE001
                     traceback.print_exc()
@@ -206,3 +270,10 @@ def summary(results: dict[str, Any], log: Callable[..., None]) -> None:
             if sp:
                 log(f"  aligned {shp:22s} {dt:18s}: min {min(sp):.2f}x vLLM over M 8..256 "
                     f"(target >= 1.0) {'OK' if min(sp) >= 1.0 else 'SHORT'}")
+        tags = dict.fromkeys(k[len("cfg_"):] for r in rows for k in r if k.startswith("cfg_"))
+        for tag in tags:
+            cells = [r for r in rows if f"cfg_{tag}" in r]
+            sp = [r[f"speedup_{tag}"] for r in cells if f"speedup_{tag}" in r]
+            log(f"  aligned candidate {tag}: {len(sp)}/{len(cells)} cells checked and timed, "
+                f"min {min(sp, default=float('nan')):.2f}x vLLM (the default there: min "
+                f"{min((r['speedup'] for r in cells if 'speedup' in r), default=float('nan')):.2f}x)")

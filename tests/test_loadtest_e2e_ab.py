@@ -159,3 +159,20 @@ def test_fp8_stand_ins_are_the_bf16_model_with_a_checkpoints_format(name: str, k
     ignored = qc.get("modules_to_not_convert") or qc.get("ignore")
     gates = [f"model.layers.{i}.mlp.gate" for i in range(base["num_hidden_layers"])]
     assert set(gates) <= set(ignored) or "re:.*mlp.gate$" in ignored
+
+
+@pytest.mark.parametrize(("name", "shard"), [("deepseek-v3-fp8-block", "DeepSeek-V3/TP8"),
+                                             ("qwen3-235b-a22b-fp8-block", "Qwen3-235B-A22B/TP8")])
+def test_block_fp8_tp8_models_give_the_format_bench_shards(name: str, shard: str) -> None:
+    """`moe-serve tune --model bench/models/<name> -tp 8` tunes the block-FP8 shard that
+    bench_kernels --format-bench times (bench/kernels_fp8.FORMAT_SHAPES), in block FP8."""
+    import sys
+
+    from kernels.moe import quant_format
+    from kernels.tuning.model_shapes import moe_shapes, read_config
+    sys.path.insert(0, str(REPO / "bench"))
+    from kernels_fp8 import FORMAT_SHAPES
+
+    (shape,) = moe_shapes(read_config(REPO / "bench" / "models" / name), tp=8)
+    assert shape.key == FORMAT_SHAPES[shard]
+    assert shape.dtype == quant_format.block_key(128, 128)

@@ -1,6 +1,7 @@
 """bench/kernels_fp8.py's parts on CPU (interpreter): the block-FP8 correctness part checks every
 variant against the float64 references and fails rows it should; the forced aligned part times
-both quantization variants; the floor's byte count includes the scales."""
+both quantization variants and, where the untuned tile is BLOCK_M = 32, the candidate tiles, each
+checked against a reference output first; the floor's byte count includes the scales."""
 from __future__ import annotations
 
 import sys
@@ -48,6 +49,52 @@ def test_fp8_aligned_times_quantize_once_and_in_loop():
     assert [r["dtype"] for r in rows] == ["fp8", quant_format.PER_TOKEN]
     assert all(r["ours_once_us"] > 0 and r["ours_inloop_us"] > 0 and "vllm_us" not in r
                for r in rows), rows
+
+
+def _base(M: int, shape: tuple, fmt: str = "fp8") -> dict:
+    from kernels.moe import configs
+
+    return configs.fit(configs.aligned_default(configs.bucket_of(M), *shape, fmt), fmt, topk=shape[3])
+
+
+def test_aligned_candidates_only_for_block_m_32():
+    shape = SHAPE["tiny"]
+    assert _base(8, shape)["BLOCK_M"] != 32 and kernels_fp8.aligned_candidates(_base(8, shape), *shape, "fp8") == {}
+    base = _base(128, shape)                       # 256 slots over 8 experts: 32 tokens each
+    assert base["BLOCK_M"] == 32
+    cands = kernels_fp8.aligned_candidates(base, *shape, "fp8")
+    assert set(cands) == {"swap", "swap_unfused", "bm64"}
+    assert cands["swap"]["SWAP_AB"] and cands["swap"]["BLOCK_N"] == 64
+    assert not cands["swap_unfused"]["FUSE_GU"]
+
+
+def test_candidate_check_passes_a_right_kernel_and_fails_a_wrong_one(monkeypatch):
+    from bench_kernels import _problem
+    from kernels.moe import fused_moe as fm
+
+    shape = SHAPE["tiny"]
+    prob = _problem(shape, 16, "fp8", 1, None)
+    x, tw, ids = prob["sets"][0]
+    base = _base(16, shape)
+    ref = torch.full_like(x, float("nan"))
+    fm.fused_moe(x, *prob["weights"][:2], tw, ids, fp8=prob["fp8"], out=ref,
+                 config={**base, "A_PREQUANT": False})
+    assert kernels_fp8._check_vs_vllm(prob, base, ref) < kernels_fp8.CANDIDATE_TOL
+    real = fm.fused_moe
+
+    def skips_half(*a, out, **kw):                 # writes only half the rows: NaN stays
+        real(*a, out=out, **kw)
+        out[: out.shape[0] // 2] = float("nan")
+    monkeypatch.setattr(fm, "fused_moe", skips_half)
+    assert not kernels_fp8._check_vs_vllm(prob, base, ref) < kernels_fp8.CANDIDATE_TOL
+
+
+def test_fp8_aligned_times_the_candidates_where_block_m_is_32():
+    from bench_kernels import _problem
+
+    rows = kernels_fp8.part_fp8_aligned(SHAPE, (128,), 1, 2, "cpu", _problem, lambda *a: None)
+    assert rows and all(r.get(f"ours_{t}_us", 0) > 0 and f"cfg_{t}" in r
+                        for r in rows for t in ("swap", "swap_unfused", "bm64")), rows
 
 
 def test_expert_bytes_count_weights_and_scales():
