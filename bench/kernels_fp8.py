@@ -134,11 +134,11 @@ def part_block_correctness(shapes: dict, ms: tuple, dev: str, smoke: bool,
 
 
 def aligned_candidates(base: dict[str, Any], E: int, N: int, K: int, topk: int, fmt: str) -> dict[str, dict[str, Any]]:
-    """Alternatives to an untuned aligned config built from vLLM's BLOCK_SIZE_M = 32 tile
-    (from_vllm_config halves its BLOCK_SIZE_N 64 to 32 gate + 32 up rows and does not swap;
-    vLLM swaps A and B for fp8 there on Hopper): 64-row weight tiles swapped (wgmma) with gate
-    and up fused (half vLLM's grid) or not (vLLM's grid), and the untuned tile of M = 128
-    (BLOCK_M = 64). Empty for any other BLOCK_M."""
+    """Candidate tiles where the untuned aligned config has BLOCK_M = 32 (vLLM's default tile for
+    M 33..96, which vLLM swaps for fp8 on Hopper): 64-row weight tiles swapped (wgmma) with gate
+    and up fused (what heuristics.from_vllm_config gives per-tensor and per-token FP8 there) or
+    not (vLLM's grid), and the untuned tile of M = 128 (BLOCK_M = 64). Empty for any other
+    BLOCK_M."""
     from kernels.moe import configs
     from kernels.moe.config_schema import down_config
 

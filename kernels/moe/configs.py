@@ -145,7 +145,7 @@ def aligned_default(M: int, E: int, N: int, K: int, topk: int, dtype: str,
     on_gpu = (device or device_name()) != "cpu"
     vcfg = vllm_kernels.moe_config(M, E, N, K, topk, dtype) if on_gpu else None
     if vcfg is not None:
-        return heuristics.from_vllm_config(vcfg)
+        return heuristics.from_vllm_config(vcfg, dtype)
     return heuristics.aligned_config(M, E, N, K, topk, dtype)
 
 

@@ -197,16 +197,28 @@ def aligned_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
     return validate(cfg)
 
 
-def from_vllm_config(vcfg: dict[str, Any]) -> Config:
+def from_vllm_config(vcfg: dict[str, Any], dtype: str = "bf16") -> Config:
     """Our aligned-path config with the tiles of a vLLM fused_moe config (BLOCK_SIZE_M/N/K,
     GROUP_SIZE_M, num_warps, num_stages). vLLM's GEMM1 program covers BLOCK_SIZE_N of the 2N
     gate|up rows; ours covers BLOCK_N gate + BLOCK_N up rows, so BLOCK_N = BLOCK_SIZE_N / 2
-    keeps the bytes per program and the grid. GEMM2 takes the tiles as they are."""
+    keeps the bytes per program and the grid. GEMM2 takes the tiles as they are.
+
+    Per-tensor and per-token FP8 with BLOCK_SIZE_M = 32 (vLLM's default tile for M 33..96,
+    which vLLM itself swaps on Hopper): both GEMMs swapped with 64-row weight tiles (gate and
+    up fused, so GEMM1 has half vLLM's programs). On the H200 the unswapped mapping ran 0.76-0.82x
+    of vLLM's kernel and this one 1.03-1.09x, at M = 48 and 64 on four untuned shapes in both
+    formats (bench/results/2026-12-04/session15/aligned)."""
     bm = max(16, int(vcfg["BLOCK_SIZE_M"]))
     bn = int(vcfg["BLOCK_SIZE_N"])
     common = {"GROUP_M": int(vcfg.get("GROUP_SIZE_M", 1)), "num_warps": int(vcfg["num_warps"]),
               "num_stages": int(vcfg["num_stages"]), "SWAP_AB": False}
-    return validate({"BLOCK_M": 1 << (bm - 1).bit_length(), "BLOCK_N": max(16, bn // 2),
-                     "BLOCK_K": int(vcfg["BLOCK_SIZE_K"]), **common, "SPLIT_K": 1,
+    bn1, bn2 = max(16, bn // 2), bn
+    swap = (quant_format.is_fp8(dtype) and not quant_format.block_shape(dtype)
+            and 1 << (bm - 1).bit_length() == 32)
+    if swap:
+        bn1, bn2 = max(64, bn1), max(64, bn2)
+    common1 = {**common, "SWAP_AB": swap}
+    return validate({"BLOCK_M": 1 << (bm - 1).bit_length(), "BLOCK_N": bn1,
+                     "BLOCK_K": int(vcfg["BLOCK_SIZE_K"]), **common1, "SPLIT_K": 1,
                      "FUSE_GU": True,
-                     "DOWN": {"BLOCK_N": bn, "BLOCK_K": int(vcfg["BLOCK_SIZE_K"]), **common}})
+                     "DOWN": {"BLOCK_N": bn2, "BLOCK_K": int(vcfg["BLOCK_SIZE_K"]), **common1}})

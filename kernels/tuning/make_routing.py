@@ -13,7 +13,8 @@ Per shape and measured M, s = vLLM's time / ours (> 1: ours faster). A run-to-ru
   given MIN_REPEATS cells; else DEFAULT_SPREAD (0.03: on the H200, 2026-12-01, 180 cells
   measured twice with the same config differed by a median 0.6 %, 90th percentile 2.5 %).
 - Hysteresis along M (ascending, starting from vLLM): a measured M flips the route to ours
-  only when ln s >= d, back to vLLM only when ln s <= -d or the row errored; inside the band
+  only when ln s >= d (or when vLLM's kernel raised there and ours ran: vLLM's block-FP8
+  kernel cannot run N % 128 != 0), back to vLLM only when ln s <= -d or ours errored; inside the band
   (equal within noise) it keeps the route of the M below, so noise cannot split a range.
 - Smoothing: a measured M whose route differs from its two measured neighbours, which agree,
   follows them unless |ln s| >= 2 d. A lone reading just outside the band is as likely noise
@@ -46,9 +47,9 @@ MIN_SPREAD = 0.01
 MIN_REPEATS = 8
 MAX_GAP = 2          # interpolate "ours" only between measured M at most 2x apart
 OURS, VLLM = "ours", "vllm"
-RULE = ("hysteresis over measured M: ours after ln(vLLM time / ours) >= spread, vLLM after "
-        "<= -spread or an error, else the route of the M below; a lone flip within 2x the spread "
-        "follows its neighbours; between measured M at most 2x apart ours iff both are; "
+RULE = ("hysteresis over measured M: ours after ln(vLLM time / ours) >= spread or where only "
+        "vLLM's kernel failed, vLLM after <= -spread or an error, else the route of the M below; "
+        "a lone flip within 2x the spread follows its neighbours; between measured M at most 2x apart ours iff both are; "
         "unmeasured M outside them: vllm")
 
 
@@ -59,7 +60,9 @@ def decide_points(points: dict[int, float | None], spread: float = DEFAULT_SPREA
     for m in sorted(points):
         s = points[m]
         if s is None:
-            state, why = VLLM, "error: vLLM"
+            state, why = VLLM, "error (ours), or vLLM not timed: vLLM"
+        elif s == math.inf:
+            state, why = OURS, "vLLM's kernel failed here and ours ran: ours"
         elif math.log(s) >= spread:
             state, why = OURS, f"{s:.3f}x: ours faster beyond the spread ({math.exp(spread):.3f}x)"
         elif math.log(s) <= -spread:
@@ -101,7 +104,8 @@ def build_ranges(points: dict[int, float | None], spread: float = DEFAULT_SPREAD
 
 def route_measured(measured: dict[str, dict[str, Any]], spread: float = DEFAULT_SPREAD) -> list[dict]:
     """Set "route" and "why" on each measured point {str(M): {"speedup", ...}}; the ranges."""
-    points = {int(m): p.get("speedup") for m, p in measured.items()}
+    points = {int(m): math.inf if p.get("vllm_error") and p.get("ours_us") and not p.get("error")
+              else p.get("speedup") for m, p in measured.items()}
     for m, (backend, why) in decide_points(points, spread).items():
         measured[str(m)].update(route=backend, why=why)
     return build_ranges(points, spread)
@@ -163,6 +167,8 @@ def build(results: list[dict[str, Any]], device: str, sources: list[str], triton
                 "speedup": None if sp is None else round(sp, 4), "readings": len(same) or 1,
                 "ours_us": last.get("ours_us"), "vllm_us": last.get("vllm_us"), "cfg": last.get("cfg"),
                 "error": (last.get("error") or "")[:80] or None, "part": last["part"]}
+            if last.get("vllm_error"):
+                ent["measured"][str(M)]["vllm_error"] = last["vllm_error"][:80]
         ent["ranges"] = route_measured(ent["measured"], d)
     return {"device": device, "triton_version": triton_version, "spread": d,
             "spread_from": spread_from if spread is None else "given", "sources": sources,

@@ -79,11 +79,20 @@ def _route_shape(shape: MoEShape, device_kind: str, replays: int, deadline: floa
         prob = make_problem(E, N, K, topk, M, shape.dtype, 8, device_kind, seed=M, weights=weights)
         weights = prob["weights"]
         cfg = selection.get_config(M, E, N, K, topk, shape.dtype)
-        ours = time_ours(prob, None, replays)
-        theirs = time_vllm(prob, replays)
-        measured[str(M)] = {"ours_us": ours, "vllm_us": theirs,
-                            "speedup": None if theirs is None else round(theirs / ours, 4),
-                            "cfg": label(cfg)}
+        point: dict[str, Any] = {"ours_us": None, "vllm_us": None, "speedup": None, "cfg": label(cfg)}
+        try:
+            point["ours_us"] = time_ours(prob, None, replays)
+        except Exception as e:  # noqa: BLE001 - a failing config of ours: that M stays vLLM's
+            point["error"] = f"{type(e).__name__}: {e}"[:160]
+        if point["ours_us"] is not None:
+            try:
+                point["vllm_us"] = time_vllm(prob, replays)
+            except Exception as e:  # noqa: BLE001 - vLLM's kernel cannot run the shape (e.g. block
+                point["vllm_error"] = f"{type(e).__name__}: {e}"[:160]  # FP8 N % 128 != 0)
+            if point["vllm_us"] is not None:
+                point["speedup"] = round(point["vllm_us"] / point["ours_us"], 4)
+        measured[str(M)] = point
+        del prob
     if not measured:                             # budget spent before the first M
         return default
     ranges = make_routing.route_measured(measured)
@@ -103,7 +112,9 @@ def _write_routing(out: Path, device: str, entries: dict[str, Any]) -> Path:
 
 def _summary(shape: MoEShape, ent: dict[str, Any], seconds: float) -> str:
     sp = {int(m): v["speedup"] for m, v in ent["measured"].items()}
-    at = ", ".join(f"M={m} {sp[m]:.2f}x" if sp.get(m) else f"M={m} n/a" for m in (1, 8, 64))
+    at = ", ".join(f"M={m} {sp[m]:.2f}x" if sp.get(m) else
+                   f"M={m} vLLM failed" if ent["measured"].get(str(m), {}).get("vllm_error") else
+                   f"M={m} n/a" for m in (1, 8, 64))
     ours = ",".join(f"{r['m_min']}-{r['m_max'] or ''}" for r in ent["ranges"]
                     if r["backend"] == routing.OURS) or "none"
     return (f"[tune] {shape.name} E={shape.E} N={shape.N} K={shape.K} topk={shape.topk} "

@@ -179,3 +179,19 @@ def test_decode_split_fills_the_sms():
     assert decode_config(1, 256, 256, 7168, 8, "fp8", split=True)["SPLIT_K"] == 4  # 64 programs
     assert {k: v for k, v in split.items() if k not in ("SPLIT_K", "DOWN")} == \
         {k: v for k, v in plain.items() if k not in ("SPLIT_K", "DOWN")}
+
+
+def test_from_vllm_config_swaps_only_per_tensor_and_per_token_fp8_at_block_m_32():
+    from kernels.moe import quant_format
+    from kernels.moe.heuristics import from_vllm_config
+
+    tile = {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
+            "num_warps": 4, "num_stages": 3}
+    for fmt in ("fp8", quant_format.PER_TOKEN):
+        cfg = from_vllm_config(tile, fmt)
+        assert (cfg["SWAP_AB"], cfg["BLOCK_N"], cfg["DOWN"]["SWAP_AB"], cfg["DOWN"]["BLOCK_N"]) == (True, 64, True, 64)
+    for fmt in ("bf16", quant_format.block_key(128, 128)):
+        cfg = from_vllm_config(tile, fmt)
+        assert (cfg["SWAP_AB"], cfg["BLOCK_N"], cfg["DOWN"]["BLOCK_N"]) == (False, 32, 64)
+    small = from_vllm_config({**tile, "BLOCK_SIZE_M": 16}, "fp8")      # measured faster unswapped
+    assert (small["SWAP_AB"], small["BLOCK_N"]) == (False, 32)

@@ -242,3 +242,19 @@ def test_aligned_path_quantizes_activations_once_by_default(case):
         qref = moe_reference(x, q1, q2, tw, ids, s1, s2, a1_scale=a1s, quant_acts=mode,
                              a2_scale=a2s)
         assert rel_err(outs[1], qref) < FP8_TOL_QAWARE
+
+
+VLLM_BM32_TILE = {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
+                  "num_warps": 4, "num_stages": 3}
+
+
+@pytest.mark.parametrize("per_channel,static", [(False, True), (True, False)])
+def test_fp8_config_from_vllms_block_m_32_tile(per_channel, static):
+    """The untuned FP8 aligned config mapped from vLLM's BLOCK_SIZE_M = 32 tile (both GEMMs
+    swapped, 64-row weight tiles): per-tensor static and per-channel weights with per-token
+    dynamic activations, against the float64 reference."""
+    from kernels.moe.heuristics import from_vllm_config
+
+    cfg = from_vllm_config(VLLM_BM32_TILE, "fp8")
+    assert cfg["SWAP_AB"] and cfg["DOWN"]["SWAP_AB"] and cfg["BLOCK_N"] == 64
+    _check_fp8(40, 16, 64, 128, 8, cfg, per_channel, static, seed=5 + per_channel)

@@ -48,6 +48,22 @@ def test_a_lone_flip_close_to_the_band_follows_its_neighbours_a_far_one_stays():
     assert _routes({1: 1.2, 2: 0.95})[2] == "vllm"                    # the last point has one neighbour
 
 
+def test_where_only_vllms_kernel_fails_ours_serves():
+    """vLLM's block-FP8 kernel cannot run N % 128 != 0 (Qwen3-235B-A22B at TP = 8: N = 192);
+    a point where it raised and ours ran routes to ours, one where ours raised stays vLLM's."""
+    measured = {"1": {"ours_us": 15.6, "vllm_us": None, "speedup": None, "vllm_error": "AssertionError"},
+                "2": {"ours_us": 20.1, "vllm_us": None, "speedup": None, "vllm_error": "AssertionError"},
+                "4": {"ours_us": None, "speedup": None, "error": "OutOfResources"}}
+    ranges = make_routing.route_measured(measured, D)
+    assert routing.route_in(ranges, 1) == routing.route_in(ranges, 2) == "ours"
+    assert routing.route_in(ranges, 4) == "vllm" and "failed" in measured["1"]["why"]
+    table = make_routing.build([{"format-bench": [
+        {"shape": "Qwen3-235B-A22B/TP8", "dtype": "bf16", "M": 1, "ours_us": 15.6,
+         "vllm_error": "AssertionError: 192 % 128", "cfg": "x"}]}], "NVIDIA_H200", [], "3.6.0")
+    (ent,) = table["shapes"].values()
+    assert ent["measured"]["1"]["vllm_error"] and routing.route_in(ent["ranges"], 1) == "ours"
+
+
 def test_ranges_between_and_outside_the_measured_m():
     r = make_routing.build_ranges({1: 1.10, 2: 1.2, 4: 1.05, 16: 0.9, 64: 1.3, 256: None}, D)
     assert routing.route_in(r, 3) == "ours"          # both neighbours ours, 2x apart
@@ -151,3 +167,23 @@ def test_routing_table_of_another_triton_is_refused(caplog):
     rc = selection.route_choice(128, 96, 2048, "fp8", 4, "NVIDIA_H200", topk=8, triton_version="0.0.1-other")
     assert rc.rule.startswith(selection.DEFAULT_RULE) and "refused" in rc.rule
     assert configs.find_table(128, 96, 2048, "fp8", "NVIDIA_H200", "0.0.1-other").table is None
+
+
+def test_tune_routes_to_ours_where_vllms_kernel_raises(monkeypatch):
+    """`moe-serve tune`'s routing step records vLLM's failure instead of dying on it (the whole
+    tune was lost that way on the H200 for a block-FP8 N = 192 shard) and routes those M to ours."""
+    import time
+
+    from kernels.tuning import tune_cli
+    from kernels.tuning.model_shapes import MoEShape
+
+    def fails(prob, replays):
+        raise AssertionError("the last dimension of `x` 192 must be divisible by `group_size` 128")
+    monkeypatch.setattr(tune_cli, "time_vllm", fails)
+    monkeypatch.setattr(tune_cli, "ROUTE_MS", (1, 2))
+    shape = MoEShape("tiny", 8, 32, 64, 2, "fp8", 1)
+    ent = tune_cli._route_shape(shape, "cpu", 2, time.perf_counter() + 600, True, 2)
+    assert all(p["vllm_error"].startswith("AssertionError") and p["ours_us"] > 0
+               for p in ent["measured"].values()), ent
+    assert routing.route_in(ent["ranges"], 1) == routing.route_in(ent["ranges"], 2) == "ours"
+    assert "vLLM failed" in tune_cli._summary(shape, ent, 1.0)
