@@ -22,7 +22,8 @@ Per shape and measured M, s = vLLM's time / ours (> 1: ours faster). A run-to-ru
   twice); one far outside it (a config that loses by more) stays.
 - Between two measured M at most MAX_GAP (2x) apart: ours iff both are ours (a wider gap is
   vLLM: DeepSeek-V3 bf16 won at M=256 and 4096 and lost at 512). Below the smallest and above
-  the largest measured M: vLLM.
+  the largest measured M: vLLM, unless vLLM's kernel failed at that nearest measured M and ours
+  ran (its failure is the shape's, not the M's), and likewise between two such points.
 
 Repeated readings of a cell with the config of its last file are averaged (geometric mean).
 Bench rows whose shape kernels.tuning.named_shapes does not name are skipped; shapes never measured
@@ -50,7 +51,7 @@ OURS, VLLM = "ours", "vllm"
 RULE = ("hysteresis over measured M: ours after ln(vLLM time / ours) >= spread or where only "
         "vLLM's kernel failed, vLLM after <= -spread or an error, else the route of the M below; "
         "a lone flip within 2x the spread follows its neighbours; between measured M at most 2x apart ours iff both are; "
-        "unmeasured M outside them: vllm")
+        "unmeasured M outside them: vllm, or ours beside a point where only vLLM's kernel failed")
 
 
 def decide_points(points: dict[int, float | None], spread: float = DEFAULT_SPREAD) -> dict[int, tuple[str, str]]:
@@ -83,15 +84,17 @@ def build_ranges(points: dict[int, float | None], spread: float = DEFAULT_SPREAD
     """points {M: s or None (error)} -> merged [{m_min, m_max, backend}] covering 1.."""
     dec = {m: b for m, (b, _) in decide_points(points, spread).items()}
     ms = sorted(points)
+    only_ours = {m for m in ms if points[m] == math.inf}      # vLLM's kernel failed, ours ran
     raw: list[tuple[int, int | None, str]] = []
     if ms and ms[0] > 1:
-        raw.append((1, ms[0] - 1, VLLM))
+        raw.append((1, ms[0] - 1, OURS if ms[0] in only_ours else VLLM))
     for i, m in enumerate(ms):
         raw.append((m, m, dec[m]))
         if i + 1 < len(ms) and ms[i + 1] > m + 1:
-            both = dec[m] == OURS == dec[ms[i + 1]] and ms[i + 1] <= MAX_GAP * m
+            both = dec[m] == OURS == dec[ms[i + 1]] and (ms[i + 1] <= MAX_GAP * m
+                                                         or {m, ms[i + 1]} <= only_ours)
             raw.append((m + 1, ms[i + 1] - 1, OURS if both else VLLM))
-    raw.append(((ms[-1] + 1) if ms else 1, None, VLLM))
+    raw.append(((ms[-1] + 1) if ms else 1, None, OURS if ms and ms[-1] in only_ours else VLLM))
     merged: list[dict] = []
     for lo, hi, b in raw:
         if merged and merged[-1]["backend"] == b and merged[-1]["m_max"] is not None \

@@ -76,6 +76,16 @@ def test_ranges_between_and_outside_the_measured_m():
     assert make_routing.build_ranges({1: 1.029}, D) == [{"m_min": 1, "m_max": None, "backend": "vllm"}]
 
 
+def test_beside_points_where_only_vllms_kernel_failed_unmeasured_m_stay_ours():
+    """vLLM's failure (N % 128 != 0 for its block-FP8 kernel) is the shape's, so M outside the
+    measured ones and wide gaps between two such points route to ours, not to the raising kernel."""
+    inf = math.inf
+    assert make_routing.build_ranges({2: inf, 256: inf}, D) == [{"m_min": 1, "m_max": None, "backend": "ours"}]
+    r = make_routing.build_ranges({1: 1.2, 4: inf, 64: 1.2}, D)
+    assert routing.format_ranges(r) == "1:ours,2-3:vllm,4:ours,5-63:vllm,64:ours,65+:vllm"
+    assert routing.route_in(make_routing.build_ranges({1: inf, 2: 0.8}, D), 10 ** 6) == "vllm"
+
+
 def test_the_two_range_islands_of_the_old_threshold_rule_are_gone():
     """Qwen3-30B-A3B/TP1 bf16 as measured on the H200 on 2026-12-01 (before its re-tune): the
     1.02 threshold rule made '1:vllm,2-512:ours,513-1023:vllm,1024-4096:ours' of a single 0.976
