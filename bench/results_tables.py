@@ -82,9 +82,13 @@ S11 = "2026-12-03/session11/"
 S12 = "2026-12-03/session12/"
 S13 = "2026-12-03/session13/"
 S14 = "2026-12-04/session14/"
+S15 = "2026-12-04/session15/"
+S16 = "2026-12-04/session16/"
+FP8_BLOCK_SERVE = (S14 + "serve_ab/qwen3-30b-a3b-fp8-block", S15 + "serve_ab/qwen3-30b-a3b-fp8-block")
 FP8_DYNAMIC_SERVE = (S13 + "serve_ab/qwen3-30b-a3b-fp8-dynamic", S13 + "serve_ab/qwen3-30b-a3b-fp8-dynamic-r2")
-NOW_SERVE = (S9 + "qwen3-30b-a3b", S11 + "serve_ab/qwen3-30b-a3b", S9 + "mixtral-8x7b",   # the whole-model
-             S11 + "serve_ab/mixtral-8x7b", S11 + "serve_ab/mixtral-8x7b-round2")       # yardstick behind the answer
+NOW_SERVE = (S9 + "qwen3-30b-a3b", S11 + "serve_ab/qwen3-30b-a3b", S16 + "serve_ab/qwen3-30b-a3b",  # the whole-
+             S9 + "mixtral-8x7b", S11 + "serve_ab/mixtral-8x7b",                                  # model
+             S11 + "serve_ab/mixtral-8x7b-round2")                                                # yardstick
 NOW_FP8 = (S5, S6AB)                       # the newest runs behind the current answer
 NOW_BF16 = (S4 + "decode_ab_bf16",)
 NOW_KERNELS = (*B2, T3 + "validation.json")   # later files replace earlier ones per shape
@@ -97,15 +101,17 @@ REGISTRY: dict[str, Entry] = {
     "router-kernel": Entry(("2026-12-02/session9_router/router.json",), rn.router_table),
     "moe-block": Entry((S11 + "moe_block.json",), rn.moe_block_table),
     "attention": Entry((S12 + "attention.json",), rn.attention_table),
-    "serve-ab-fp8-block": Entry((S14 + "serve_ab/qwen3-30b-a3b-fp8-block",), sr.results_table),
-    "serve-ab-fp8-block-headline": Entry((S14 + "serve_ab/qwen3-30b-a3b-fp8-block",), sr.headline),
+    "serve-ab-fp8-block": Entry(FP8_BLOCK_SERVE, sr.results_table),
+    "serve-ab-fp8-block-headline": Entry(FP8_BLOCK_SERVE, sr.headline),
     "serve-ab-fp8-block-session12": Entry((S12 + "serve_ab/qwen3-30b-a3b-fp8-block",), sr.results_table),
     "gemv": Entry((S14 + "gemv/gemv.json",), rk.gemv_table),
     "serve-ab-fp8-dynamic": Entry(FP8_DYNAMIC_SERVE, sr.results_table),
     "serve-ab-fp8-dynamic-headline": Entry(FP8_DYNAMIC_SERVE, sr.headline),
     "tune-fp8-dynamic": Entry((S13 + "tune_fp8dyn/routing,device=NVIDIA_H200.json",), rf.tune_routing_points,
                               ("E=128,N=768,K=2048,dtype=fp8_w8a8,per_token",)),
-    "fp8-aligned": Entry((S13 + "kern/results.json",), rf.fp8_aligned),
+    "fp8-aligned": Entry((S15 + "aligned/results.json",), partial(rf.fp8_aligned, served_candidate="swap")),
+    "fp8-aligned-session13": Entry((S13 + "kern/results.json",), rf.fp8_aligned),
+    "format-bench-fp8": Entry((S15 + "fmt/results.json",), rf.format_bench),
     "readme-headline": Entry((NOW_FP8, NOW_BF16, *NOW_KERNELS), rn.headline),
     "now-decode-ab": Entry((NOW_FP8, NOW_FP8, NOW_BF16), rn.decode_ab_summary,
                            ((("moe-serve", "stock"), ("moe-serve", "vllm-triton"), ("moe-serve", "stock")),)),

@@ -50,7 +50,8 @@ MAX_GAP = 2          # interpolate "ours" only between measured M at most 2x apa
 OURS, VLLM = "ours", "vllm"
 RULE = ("hysteresis over measured M: ours after ln(vLLM time / ours) >= spread or where only "
         "vLLM's kernel failed, vLLM after <= -spread or an error, else the route of the M below; "
-        "a lone flip within 2x the spread follows its neighbours; between measured M at most 2x apart ours iff both are; "
+        "a lone flip within 2x the spread follows its neighbours; "
+        "between measured M at most 2x apart ours iff both are; "
         "unmeasured M outside them: vllm, or ours beside a point where only vLLM's kernel failed")
 
 
