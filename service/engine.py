@@ -88,6 +88,17 @@ def build_engine_args(settings: Settings, model_path: str) -> Any:
     return AsyncEngineArgs(**kwargs)
 
 
+def build_async_llm(args: Any) -> Any:
+    """The `AsyncLLM` of `args`, configured as `vllm serve` configures its own: in the OpenAI API
+    server's usage context, whose batch defaults (max_num_batched_tokens, max_num_seqs; by GPU
+    kind and memory) vLLM picks for serving. The engine context's are smaller (on an H200,
+    max_num_batched_tokens 2048 against `vllm serve`'s 8192)."""
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER)
+
+
 EMBEDDED_TOOL_PARSER = "hermes"
 # A random-weight model, left free, fills JSON with whitespace until max_tokens: the embedded model's
 # structured outputs allow none (vLLM's `--structured-outputs-config` of the same name).
@@ -131,8 +142,6 @@ class EngineHandle:
 
     async def start(self) -> None:
         """Build the engine (blocking work runs in a thread); set `ready` or `start_error`."""
-        from vllm.v1.engine.async_llm import AsyncLLM
-
         began = time.perf_counter()
         os.environ["MOE_SERVE_MOE_KERNELS"] = self.settings.moe_kernels  # read by the plugin in every worker
         os.environ["MOE_SERVE_FUSED_ROUTER"] = "1" if self.settings.uses_fused_router else "0"
@@ -147,7 +156,7 @@ class EngineHandle:
             pins = asyncio.get_running_loop().run_in_executor(None, check_vllm_pins)  # beside the engine start
             # Built in a thread so /health answers 503 meanwhile; AsyncLLM starts its output
             # handler lazily on the first request when built outside the event loop.
-            building = asyncio.get_running_loop().run_in_executor(None, AsyncLLM.from_engine_args, args)
+            building = asyncio.get_running_loop().run_in_executor(None, build_async_llm, args)
             try:
                 self.engine = await asyncio.shield(building)
             except asyncio.CancelledError:  # shutdown during start: finish building, then stop it

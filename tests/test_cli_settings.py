@@ -67,6 +67,37 @@ def test_the_router_hook_keys_its_own_compile_cache(embedded_model_dir: str) -> 
     assert extra("--engine-arg", 'additional_config={"x": 1}') == {"x": 1, RUNNER_GATE_KEY: True}
 
 
+def test_the_engine_gets_vllm_serves_batch_defaults(monkeypatch: pytest.MonkeyPatch, embedded_model_dir: str) -> None:
+    """vLLM picks max_num_batched_tokens and max_num_seqs by usage context (and GPU): `vllm serve`
+    builds its engine in the OpenAI API server's, so moe-serve must too (on an H200 the engine
+    context's max_num_batched_tokens is 2048, `vllm serve`'s 8192). At TP = 2 on CPU the two
+    contexts differ as well."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from service import vllm_compat
+    from service.engine import build_async_llm, build_engine_args
+
+    class Built(Exception):
+        pass
+
+    def capture(self: AsyncLLM, vllm_config: object, *args: object, **kwargs: object) -> None:
+        raise Built(vllm_config)
+
+    monkeypatch.setattr(AsyncLLM, "__init__", capture)
+    monkeypatch.setattr(AsyncLLM, "__del__", lambda self: None)
+    with pytest.raises(Built) as built:
+        build_async_llm(build_engine_args(settings_from_args(["-tp", "2"]), embedded_model_dir))
+    ours = built.value.args[0].scheduler_config
+    cli = vllm_compat.serve_args(embedded_model_dir, "m", ["--tensor-parallel-size", "2"])  # as vllm serve parses
+    serve = AsyncEngineArgs.from_cli_args(cli).create_engine_config(UsageContext.OPENAI_API_SERVER).scheduler_config
+    engine_ctx = AsyncEngineArgs.from_cli_args(cli).create_engine_config(UsageContext.ENGINE_CONTEXT).scheduler_config
+    assert (ours.max_num_batched_tokens, ours.max_num_seqs) == (serve.max_num_batched_tokens, serve.max_num_seqs)
+    assert (serve.max_num_batched_tokens, serve.max_num_seqs) != (engine_ctx.max_num_batched_tokens,
+                                                                  engine_ctx.max_num_seqs)
+
+
 def test_served_model_name_is_never_a_path(tmp_path) -> None:
     model_dir = tmp_path / "Mixtral-8x7B"
     model_dir.mkdir()
