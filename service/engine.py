@@ -38,9 +38,16 @@ class EngineDead(RuntimeError):
 
 
 def build_engine_args(settings: Settings, model_path: str) -> Any:
-    """Translate settings into vLLM `AsyncEngineArgs` (pass-through args win)."""
+    """vLLM `AsyncEngineArgs` as `vllm serve --model PATH` parses them (vLLM's own parser, so every
+    field moe-serve does not set keeps its CLI default), with the settings on top (pass-through
+    args win)."""
+    import dataclasses
+
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    from service import vllm_compat
+
+    serve_defaults = AsyncEngineArgs.from_cli_args(vllm_compat.serve_args(model_path, settings.model_name, []))
     kwargs: dict[str, Any] = {
         "model": model_path,
         "served_model_name": [settings.model_name],
@@ -85,7 +92,7 @@ def build_engine_args(settings: Settings, model_path: str) -> Any:
     from kernels.plugin import backend_policy
 
     backend_policy.apply(kwargs, settings.moe_kernels, model_path)  # an explicit moe_backend wins
-    return AsyncEngineArgs(**kwargs)
+    return dataclasses.replace(serve_defaults, **kwargs)
 
 
 def build_async_llm(args: Any) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from service.cli import settings_from_args
-from service.settings import Settings, SettingsError
+from service.settings import Settings, SettingsError, visible_gpu_count
 
 
 @pytest.fixture(autouse=True)
@@ -96,6 +96,27 @@ def test_the_engine_gets_vllm_serves_batch_defaults(monkeypatch: pytest.MonkeyPa
     assert (ours.max_num_batched_tokens, ours.max_num_seqs) == (serve.max_num_batched_tokens, serve.max_num_seqs)
     assert (serve.max_num_batched_tokens, serve.max_num_seqs) != (engine_ctx.max_num_batched_tokens,
                                                                   engine_ctx.max_num_seqs)
+
+
+def test_engine_args_are_vllm_serves_but_for_the_cpu_kv_budget(embedded_model_dir: str) -> None:
+    """With vLLM's kernels, moe-serve's engine args are what `vllm serve --model M` parses, field by
+    field, but for the fixed CPU KV-cache budget (README: --gpu-memory-utilization). vLLM's CLI
+    defaults differ from its dataclass's (mm_device_do_normalize: None against True)."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from service import vllm_compat
+    from service.engine import build_engine_args
+
+    ours = build_engine_args(settings_from_args(["--model", embedded_model_dir, "--moe-kernels", "vllm"]),
+                             embedded_model_dir)
+    serve = AsyncEngineArgs.from_cli_args(vllm_compat.serve_args(embedded_model_dir, ours.served_model_name[0], []))
+    differ = {f.name: (getattr(ours, f.name), getattr(serve, f.name)) for f in dataclasses.fields(AsyncEngineArgs)
+              if getattr(ours, f.name) != getattr(serve, f.name)}
+    if visible_gpu_count() == 0:
+        assert differ.pop("kv_cache_memory_bytes") == (settings_from_args([]).cpu_kv_cache_bytes, None)
+    assert differ == {}
 
 
 def test_served_model_name_is_never_a_path(tmp_path) -> None:
