@@ -98,6 +98,7 @@ REGISTRY: dict[str, Entry] = {
     "serve-ab": Entry(NOW_SERVE, sr.results_table),
     "serve-ab-headline": Entry(NOW_SERVE, sr.headline),
     "serve-ab-session7": Entry(("2026-12-02/session7_serve_ab",), sr.results_table),
+    "serve-ab-cpu-frontend": Entry((S16 + "cpu_frontend/embedded",), sr.results_table),
     "router-kernel": Entry(("2026-12-02/session9_router/router.json",), rn.router_table),
     "moe-block": Entry((S11 + "moe_block.json",), rn.moe_block_table),
     "attention": Entry((S12 + "attention.json",), rn.attention_table),
