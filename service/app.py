@@ -143,7 +143,7 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
     @app.get("/version")
     async def version(request: Request) -> dict:
         """The moe-serve version; to an authenticated caller (or with no key set) also vLLM's,
-        the served model name and the workers' kernel reports."""
+        the served model name, the engine's batch limits and the workers' kernel reports."""
         if not request.scope.get(AUTHENTICATED):
             return {"version": __version__}
         try:
@@ -155,7 +155,7 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
         await state.refresh_worker_reports()
         return {"version": __version__, "vllm": vllm_version, "vllm_pins": state.engine.vllm_pins,
                 "model": settings.model_name, "moe_kernels": settings.moe_kernels,
-                "fused_router": settings.uses_fused_router,
+                "fused_router": settings.uses_fused_router, "engine_limits": state.engine.batch_limits(),
                 **workers_summary(state.runtime_dir, state.remote_workers)}
 
     @app.get("/metrics", response_class=PlainTextResponse)

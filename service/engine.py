@@ -195,6 +195,15 @@ class EngineHandle:
             return False
         return True
 
+    def batch_limits(self) -> dict[str, int] | None:
+        """The running engine's scheduler limits (tokens, sequences), None before it is up."""
+        config = getattr(self.engine, "vllm_config", None)
+        if config is None:
+            return None
+        sched = config.scheduler_config
+        return {"max_model_len": self.max_model_len, "max_num_seqs": int(sched.max_num_seqs),
+                "max_num_batched_tokens": int(sched.max_num_batched_tokens)}
+
     def num_unfinished_requests(self) -> int:
         """Requests the engine still tracks (0 when idle)."""
         if self.engine is None:

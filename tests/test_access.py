@@ -102,6 +102,9 @@ def test_docs_when_enabled_and_metrics_with_its_own_key(strict_server: ServerPro
 def test_version_details_only_with_the_key_and_never_the_model_path(server: ServerProcess,
                                                                    strict_server: ServerProcess,
                                                                    embedded_model_dir: str) -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
     name = Path(embedded_model_dir).name
     for srv, key, model in ((server, API_KEY, MODEL_NAME), (strict_server, STRICT_KEY, name)):
         assert httpx.get(srv.base_url + "/version").json() == {"version": __version__}
@@ -109,6 +112,9 @@ def test_version_details_only_with_the_key_and_never_the_model_path(server: Serv
         details = resp.json()
         assert details["version"] == __version__ and details["vllm"] and details["model"] == model, details
         assert details["workers"] and all(w["pid"] for w in details["workers"]), details
+        tokens, seqs = AsyncEngineArgs.get_batch_defaults(world_size=1)  # what vllm serve picks here
+        assert details["engine_limits"] == {"max_model_len": 4096, "max_num_seqs": seqs[UsageContext.OPENAI_API_SERVER],
+                                            "max_num_batched_tokens": tokens[UsageContext.OPENAI_API_SERVER]}, details
         assert embedded_model_dir not in resp.text
 
 
