@@ -231,12 +231,12 @@ def fp8_aligned(path: Path, served_candidate: str | None = None) -> list[str]:
                 "| shape | format | M | untuned config speedup | " + " | ".join(
                     f"`{t}` config | `{t}` µs | `{t}` speedup | `{t}` err vs vLLM" for t in tags) + " |",
                 "|---|---|---:|---:|" + "---|---:|---:|---:|" * len(tags)]
+        def err(r: dict, t: str) -> str:
+            return f"{r[f'err_vs_vllm_{t}']:.4f}" if f"err_vs_vllm_{t}" in r else "n/a"
+
         for r in cand:
             cells = [f"{r.get(f'cfg_{t}', '')} | {_us(r.get(f'ours_{t}_us'))} | "
-                     f"{_ratio(r.get('vllm_us'), r.get(f'ours_{t}_us'))} | "
-                     f"{r[f'err_vs_vllm_{t}']:.4f}" if f"err_vs_vllm_{t}" in r else
-                     f"{r.get(f'cfg_{t}', '')} | {_us(r.get(f'ours_{t}_us'))} | "
-                     f"{_ratio(r.get('vllm_us'), r.get(f'ours_{t}_us'))} | n/a" for t in tags]
+                     f"{_ratio(r.get('vllm_us'), r.get(f'ours_{t}_us'))} | {err(r, t)}" for t in tags]
             out.append(f"| {r['shape']} | {r['dtype']} | {r['M']} | "
                        f"{_ratio(r.get('vllm_us'), r.get('ours_once_us'))} | " + " | ".join(cells) + " |")
 
