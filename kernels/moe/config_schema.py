@@ -15,7 +15,9 @@ of in every program's K loop; default true on the aligned path, false on the dec
 activations are few rows; kept in the dict only where it differs), "DECODE" (the two-launch
 small-batch path of kernels.moe.moe_decode: BLOCK_M >= M * topk rows; SPLIT_K splits the up
 kernel's K loop, DOWN's SPLIT_K the down kernel's slot x N loop, both reduced in-kernel by the
-tile's last program), "PDL" (decode only: the down kernel is a programmatic dependent launch) and
+tile's last program), "PDL" (decode only: the down kernel is a programmatic dependent launch),
+"PREFETCH" (decode only, not GEMV: 0 none, the default, kept in the dict only where nonzero; the up
+kernel prefetches the hit experts' down weights into L2, 1 as it starts, 2 after its K loop) and
 "GEMV" (decode only: the CUDA-core kernels of kernels.moe.moe_gemv, one slot per program; BLOCK_N
 (>= 1) weight rows of BLOCK_K columns per step in registers, num_warps / num_stages / SPLIT_K per
 kernel, SWAP_AB false; block FP8 takes any multiple of the activation group as BLOCK_K).
@@ -26,6 +28,7 @@ from typing import Any
 
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SWAP_AB")
 MAX_SPLIT_K = 16
+PREFETCH_MODES = (0, 1, 2)
 
 Config = dict[str, Any]
 
@@ -62,6 +65,13 @@ def validate(cfg: Config, gemv: bool = False) -> Config:
             out["GEMV"] = True
     elif cfg.get("GEMV"):
         raise ValueError("a GEMV config is a DECODE config")
+    pf = cfg.get("PREFETCH", 0)
+    if pf not in PREFETCH_MODES:
+        raise ValueError(f"PREFETCH={pf!r} must be one of {PREFETCH_MODES}")
+    if pf:
+        if not cfg.get("DECODE") or cfg.get("GEMV"):
+            raise ValueError("PREFETCH is a decode-path (not GEMV) option")
+        out["PREFETCH"] = int(pf)
     down = cfg.get("DOWN")
     if down:
         d = validate({**{k: out[k] for k in KEYS}, "SPLIT_K": 1,
@@ -106,7 +116,8 @@ def with_block_k(cfg: Config, bk: int) -> Config:
 def label(cfg: Config) -> str:
     """Short name of a config for logs and results ('dec16x32x256/st4|d64x256s/st4/pdl',
     'gemv16x16x512/w4|d8x512/w4/sk4/pdl', '16x64x128s/sk1/d128sk1'); '/q' marks a decode config
-    with A_PREQUANT, '/iq' an aligned one without (activations quantized in the K loop)."""
+    with A_PREQUANT, '/iq' an aligned one without (activations quantized in the K loop), '/pf1' or
+    '/pf2' its PREFETCH."""
     d = down_config(cfg)
     if cfg.get("GEMV"):
         sk1, sk2 = cfg.get("SPLIT_K", 1), d.get("SPLIT_K", 1)
@@ -114,13 +125,13 @@ def label(cfg: Config) -> str:
                 f"{f'/sk{sk1}' if sk1 > 1 else ''}|d{d['BLOCK_N']}x{d['BLOCK_K']}/w{d['num_warps']}"
                 f"{f'/sk{sk2}' if sk2 > 1 else ''}{'/pdl' if cfg.get('PDL') else ''}")
     if cfg.get("DECODE"):
-        sk1, sk2 = cfg.get("SPLIT_K", 1), d.get("SPLIT_K", 1)
+        sk1, sk2, pf = cfg.get("SPLIT_K", 1), d.get("SPLIT_K", 1), cfg.get("PREFETCH", 0)
         return (f"dec{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}"
                 f"{'s' if cfg['SWAP_AB'] else ''}/st{cfg['num_stages']}"
                 f"{f'/sk{sk1}' if sk1 > 1 else ''}|d{d['BLOCK_N']}x"
                 f"{d['BLOCK_K']}{'s' if d['SWAP_AB'] else ''}/st{d['num_stages']}"
                 f"{f'/sk{sk2}' if sk2 > 1 else ''}{'/pdl' if cfg.get('PDL') else ''}"
-                f"{'/q' if prequant(cfg) else ''}")
+                f"{'/q' if prequant(cfg) else ''}{f'/pf{pf}' if pf else ''}")
     return (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}"
             f"{'s' if cfg['SWAP_AB'] else ''}/sk{cfg.get('SPLIT_K', 1)}"
             f"{'' if cfg.get('FUSE_GU', True) else 'u'}/d{d['BLOCK_N']}sk{d['SPLIT_K']}"

@@ -33,6 +33,11 @@ started only after whatever wrote them had finished, either launched plainly or,
 (the block chained, kernels.moe.launch.block_pdl), launched early but waiting (gdc_wait) for the
 kernel before it before it releases the down kernel.
 
+PREFETCH (sm_90+; 0 off): each up program owning expert e also prefetches its share of e's
+down weights (w2[e], contiguous) into L2 by bulk prefetch, so the down kernel reads them from L2:
+1 as it starts (the prefetch streams beside its own K loop), 2 after its K loop (in the up
+kernel's tail). The results do not change.
+
 SPLIT_K > 1 (either kernel; a shape with few programs per SM, e.g. one token): program_id of
 the split axis s reduces its share of the reduction (up: K tiles; down: the flat slot x N-chunk
 loop) and adds its fp32 partial into a workspace with atomics; the program that finishes a
@@ -47,18 +52,20 @@ import triton.language as tl
 
 from kernels.moe.launch import jit
 from kernels.moe.moe_tiles import (_a_scale, _arrive_last, _dequant, _group_quant_cols, _mma,
-                                   _mma_scaled, _quant_a, _quant_fp8, _split_range, _take,
-                                   _take_row, _token_scale)
+                                   _mma_scaled, _prefetch_l2, _quant_a, _quant_fp8, _split_range,
+                                   _take, _take_row, _token_scale)
 
 
 @jit(do_not_specialize=["num_slots"])
 def moe_decode_up_kernel(
     # pointers (h_ptr [>= T, 2N] fp32 and cnt_ptr [>= T * cdiv(N, BLOCK_N)] int32: the split
-    # workspace, zero between calls; unused when SPLIT_K == 1)
+    # workspace, zero between calls; unused when SPLIT_K == 1; w2_ptr: the down weights, read
+    # only by PREFETCH)
     x_ptr, w_ptr, c_ptr, ids_ptr, topk_w_ptr, a_scale_ptr, w_scale_ptr, c_scale_ptr,
-    h_ptr, cnt_ptr,
-    # sizes: N = gate (= up) rows of w1, K = hidden, num_slots = T
-    N, K, num_slots,
+    h_ptr, cnt_ptr, w2_ptr,
+    # sizes: N = gate (= up) rows of w1, K = hidden, num_slots = T, w2_bytes = bytes of one
+    # expert's w2
+    N, K, num_slots, w2_bytes,
     # strides
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk,
     stride_cs, stride_cn, stride_se, stride_sn,
@@ -69,6 +76,7 @@ def moe_decode_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8_PREROUND: tl.constexpr, USE_PDL: tl.constexpr, PDL_WAIT: tl.constexpr,
     SPLIT_K: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    PREFETCH: tl.constexpr, PF_CHUNK: tl.constexpr, PF_SLOTS: tl.constexpr,
 ):
     if PDL_WAIT:                       # launched early: wait for the kernel before us (router,
         tl.extra.cuda.gdc_wait()       # top-k or the quantize pass) before reading anything
@@ -98,6 +106,10 @@ def moe_decode_up_kernel(
     if W_SCALE == 3:                                                 # [BN] rows' block scales
         sg_ptrs = w_scale_ptr + expert * stride_se + (offs_n // GROUP_N) * stride_sn
         su_ptrs = w_scale_ptr + expert * stride_se + ((offs_n + N) // GROUP_N) * stride_sn
+
+    if PREFETCH == 1:                  # e's down weights, shared by e's programs
+        _prefetch_l2(w2_ptr, expert * w2_bytes, w2_bytes, pid_n * SPLIT_K + tl.program_id(2),
+                     tl.num_programs(1) * SPLIT_K, PF_CHUNK, PF_SLOTS)
 
     k_lo, k_hi = _split_range(tl.cdiv(K, BLOCK_K), tl.program_id(2), SPLIT_K)   # K tiles
     a_scale, a_inv = _a_scale(a_scale_ptr, a_ptrs, x_row, rows, 0, K, stride_xk, stride_asm,
@@ -135,6 +147,9 @@ def moe_decode_up_kernel(
         a_ptrs += BLOCK_K * stride_xk
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
+    if PREFETCH == 2:
+        _prefetch_l2(w2_ptr, expert * w2_bytes, w2_bytes, pid_n * SPLIT_K + tl.program_id(2),
+                     tl.num_programs(1) * SPLIT_K, PF_CHUNK, PF_SLOTS)
     if SWAP_AB:
         acc_g = tl.trans(acc_g)                                      # [BM, BN]
         acc_u = tl.trans(acc_u)

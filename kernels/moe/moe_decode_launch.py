@@ -6,6 +6,8 @@ where a tile holds what its scale needs (fp8_scales.gemm2_plan), else by the dow
 With the config's PDL (sm_90+), the down kernel is a programmatic dependent launch: it waits for
 the up kernel (gdc_wait) only before its first act load, so its launch overlaps the up kernel;
 with kernels.moe.launch.block_pdl the up kernel is one too, waiting for the kernel before it.
+With the config's PREFETCH (sm_90+, a contiguous w2), the up kernel prefetches the hit experts'
+down weights into L2 (kernels.moe.moe_decode).
 No host sync, buffers sized from shapes only: CUDA-graph capturable."""
 from __future__ import annotations
 
@@ -67,6 +69,18 @@ def split_buffers(device: torch.device, T: int, N: int, M: int, K: int, up_tile:
             wsc[:max(1, n_c1)], wsc[n_c1:n_c1 + max(1, n_c2)])
 
 
+PF_CHUNK = 16384                       # bytes per bulk L2 prefetch
+
+
+def prefetch_mode(cfg: dict[str, Any], w2: torch.Tensor) -> int:
+    """The up kernel's PREFETCH for this call: the config's, where the GPU has bulk prefetch (as
+    PDL: sm_90+, not the interpreter) and w2 [E, K, N] is contiguous in 16-byte units; else 0."""
+    mode = int(cfg.get("PREFETCH", 0))
+    aligned = (w2.is_contiguous() and w2[0].numel() * w2.element_size() % 16 == 0
+               and w2.data_ptr() % 16 == 0)
+    return mode if mode and aligned and pdl_supported() else 0
+
+
 def fused_moe_decode(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, tw: torch.Tensor,
                      ids: torch.Tensor, fp8: Fp8Scales | None, on_input: bool, out: torch.Tensor,
                      cfg: dict[str, Any]) -> torch.Tensor:
@@ -99,8 +113,8 @@ def fused_moe_decode(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, tw: to
     launch(
         moe_decode_up_kernel, (T, triton.cdiv(N, bn), split1),
         x1, w1, act, ids, tw, a1s if a1s is not None else dummy, ws1,
-        a2s if c_quant else dummy, h, cnt1,
-        N, K, T,
+        a2s if c_quant else dummy, h, cnt1, w2,
+        N, K, T, w2[0].numel() * w2.element_size(),
         x1.stride(0), x1.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
         act.stride(0), act.stride(1), se1, sn1,
         *scale_strides(a1s), sk1, *(scale_strides(a2s) if c_quant == 2 else (0, 0)),
@@ -108,6 +122,7 @@ def fused_moe_decode(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, tw: to
         EVEN_K=K % bk == 0, SWAP_AB=cfg["SWAP_AB"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
         BLOCK_K=bk, FP8_PREROUND=INTERPRET and (a_mode1 in (2, 3, 6) or c_quant > 0),
         USE_PDL=pdl, PDL_WAIT=chained, SPLIT_K=split1, GROUP_N=gn, GROUP_K=gk,
+        PREFETCH=prefetch_mode(cfg, w2), PF_CHUNK=PF_CHUNK, PF_SLOTS=32 * cfg["num_warps"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"launch_pdl": True} if chained else {}),
     )

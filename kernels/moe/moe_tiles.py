@@ -1,8 +1,8 @@
 """Tile-level Triton helpers the MoE kernel families share (kernels.moe.moe_gemm, kernels.moe.moe_decode,
 kernels.moe.moe_gemv): the MMA step (plain, swapped, block-scaled), the A tile load (optionally
 SiLU-and-mul of an fp32 pre-activation), FP8 quantization (static, per token, per token group),
-the dequantizing epilogue, and the in-kernel split-K reduction (arrival counter, self-clearing
-workspace). A_MODE / W_SCALE are kernels.moe.moe_gemm's."""
+the dequantizing epilogue, the in-kernel split-K reduction (arrival counter, self-clearing
+workspace), and an L2 prefetch of a byte range (sm_90 bulk prefetch). A_MODE / W_SCALE are kernels.moe.moe_gemm's."""
 from __future__ import annotations
 
 import triton
@@ -185,3 +185,23 @@ def _split_range(n, split_id, SPLIT_K: tl.constexpr):
         lo = split_id * per_split
         hi = tl.minimum(lo + per_split, n)
     return lo, hi
+
+
+@triton.jit
+def _prefetch_l2(ptr, offset, n_bytes, part, parts, CHUNK: tl.constexpr, SLOTS: tl.constexpr):
+    """Prefetch share `part` of `parts` of the n_bytes (a multiple of 16) at byte `offset` from
+    ptr (16-byte aligned) into L2: one bulk prefetch (cp.async.bulk.prefetch.L2, sm_90) per
+    CHUNK bytes, SLOTS of them per step (one per thread). A hint: nothing waits on it."""
+    byte_ptr = ptr.to(tl.pointer_type(tl.uint8)) + offset
+    units = n_bytes // 16                                            # 16-byte units
+    lo = ((part.to(tl.int64) * units) // parts).to(tl.int32)
+    hi = (((part + 1).to(tl.int64) * units) // parts).to(tl.int32)
+    offs = tl.arange(0, SLOTS) * (CHUNK // 16)                       # [SLOTS] chunk starts
+    for base in range(lo, hi, SLOTS * (CHUNK // 16)):
+        start = base + offs
+        size = tl.minimum(hi - start, CHUNK // 16) * 16              # bytes; <= 0: none
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.gt.s32 p, $2, 0; "
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [byte_ptr + start.to(tl.int64) * 16, size], dtype=tl.int32,
+            is_pure=False, pack=1)

@@ -4,9 +4,10 @@ Per M bucket two families compete, each starting from its default and walked one
 at a time (phases), every phase's new candidates compiled for sm_90 on the host CPU first
 (kernels.tuning.precompile), then timed:
   decode (buckets with M * topk <= 64, kernels.moe.moe_decode): up tile, up BLOCK_K, up stages,
-      down tile, down stages, up split-K, down split-K, PDL (fp8: and A_PREQUANT); after the
-      aligned phases, two joint grids (up: split-K x stages x BLOCK_K; down: tile x BLOCK_K x
-      split-K x stages), where single-dimension walks cannot trade programs for occupancy;
+      down tile, down stages, up split-K, down split-K, PDL, the down weights' L2 prefetch
+      (fp8: and A_PREQUANT); after the aligned phases, two joint grids (up: split-K x stages x
+      BLOCK_K; down: tile x BLOCK_K x split-K x stages), where single-dimension walks cannot
+      trade programs for occupancy;
   gemv (buckets with M * topk <= 32, kernels.moe.moe_gemv: the decode path on CUDA cores): up
       tile (rows x K step), up warps x split-K, down tile, down warps x split-K, stages, PDL;
   aligned (every bucket): A GEMM1 split/fuse, B GEMM1 tiles (fp8: and A_PREQUANT), C GEMM2;
@@ -28,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from kernels.moe import configs, heuristics, quant_format, smem
-from kernels.moe.config_schema import Config, prequant, validate, with_block_k
+from kernels.moe.config_schema import PREFETCH_MODES, Config, prequant, validate, with_block_k
 from kernels.tuning import precompile
 from kernels.tuning.timing import make_problem, time_ours
 
@@ -198,6 +199,11 @@ def decode_down_occupancy(cur: dict) -> list[dict]:
     return [c for c in out if c["DOWN"] != d]
 
 
+def decode_prefetch(cur: dict) -> list[dict]:
+    """The up kernel's L2 prefetch of the down weights: off, as it starts, after its K loop."""
+    return [{**cur, "PREFETCH": v} for v in PREFETCH_MODES if v != cur.get("PREFETCH", 0)]
+
+
 # ---- gemv family (the decode path on CUDA cores) ------------------------------------------------
 def gemv_up_tiles(cur: dict) -> list[dict]:
     return [{**cur, "BLOCK_N": bn, "BLOCK_K": bk} for bn in (4, 8, 16, 32) for bk in (256, 512, 1024)]
@@ -232,6 +238,7 @@ PHASES: list[tuple[str, str, Callable[..., list[dict]]]] = [  # (name, family, c
     ("decode up split", "decode", lambda c, s: _vary(c, "SPLIT_K", (1, 2, 4, 8))),
     ("decode down split", "decode", lambda c, s: _vary(c, "SPLIT_K", (1, 2, 4, 8, 16), down=True)),
     ("decode PDL", "decode", lambda c, s: [{**c, "PDL": not c.get("PDL", False)}]),
+    ("decode prefetch", "decode", lambda c, s: decode_prefetch(c)),
     ("decode A quant", "decode", lambda c, s: [{**c, "A_PREQUANT": not prequant(c)}]
      if quant_format.is_fp8(s["dtype"]) else []),
     ("gemv up tile", "gemv", lambda c, s: gemv_up_tiles(c)),
@@ -259,6 +266,27 @@ def starts(b: int, E: int, N: int, K: int, topk: int, dtype: str, device: str) -
         out.append(heuristics.gemv_config(b, E, N, K, topk, dtype))
     out.append(configs.aligned_default(b, E, N, K, topk, dtype, device))
     return out
+
+
+def family(cfg: Config) -> str:
+    """The family a config belongs to (one of FAMILIES)."""
+    return "gemv" if cfg.get("GEMV") else "decode" if cfg.get("DECODE") else "aligned"
+
+
+def time_candidate(shape: dict[str, Any], M: int, cfg: Config, prob: dict[str, Any],
+                   log: Callable[[str], None]) -> float:
+    """us per call of cfg on prob (a make_problem of shape {E, N, K, topk, dtype} at M); inf
+    when its precompiled variant cannot run or it fails on the device."""
+    E, N, K, topk, dtype = (shape[k] for k in ("E", "N", "K", "topk", "dtype"))
+    if not precompile.compiles_ok(E, N, K, topk, dtype, M, cfg):
+        return float("inf")
+    try:
+        return time_ours(prob, cfg)
+    except Exception as e:  # noqa: BLE001 - OutOfResources, compile errors, ...
+        log(f"    skip {cfg}: {type(e).__name__}: {str(e)[:120]}")
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return float("inf")
 
 
 def tune_shape(E: int, N: int, K: int, topk: int, dtype: str, buckets: tuple[int, ...],
@@ -294,18 +322,10 @@ def tune_shape(E: int, N: int, K: int, topk: int, dtype: str, buckets: tuple[int
         return time.perf_counter() - t0 > budget_s
 
     def timed(b: int, cfg: Config) -> float:
-        if not precompile.compiles_ok(E, N, K, topk, dtype, b, cfg):
-            return float("inf")
-        try:
-            return time_ours(prob(b), cfg)
-        except Exception as e:  # noqa: BLE001 - OutOfResources, compile errors, ...
-            log(f"    skip {cfg}: {type(e).__name__}: {str(e)[:120]}")
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            return float("inf")
+        return time_candidate(shape, b, cfg, prob(b), log)
 
     def offer(b: int, cfg: Config, t: float) -> None:
-        fam = "gemv" if cfg.get("GEMV") else "decode" if cfg.get("DECODE") else "aligned"
+        fam = family(cfg)
         if t < best[fam].get(b, [float("inf")])[0]:
             best[fam][b] = [t, cfg]
 

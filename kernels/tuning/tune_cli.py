@@ -1,7 +1,7 @@
 """`moe-serve tune`: tune our fused-MoE kernels for a model's MoE shapes on this GPU.
 
     moe-serve tune --model DIR [--tensor-parallel-size N] [--quantization fp8|compressed-tensors]
-                   [--budget-minutes M] [--out DIR] [--no-vllm] [--force]
+                   [--budget-minutes M] [--out DIR] [--no-vllm] [--force] [--refine PHASES]
 
 Reads DIR/config.json (no weights), derives the shapes one rank runs and their format (its
 quantization_config as vLLM reads it, --quantization overriding the method: per-tensor 'fp8',
@@ -12,7 +12,10 @@ fused_experts at M = 1..4096 and writes the configs and the routing table (ours 
 measured faster beyond the run-to-run spread: kernels.tuning.make_routing) into the cache the
 server reads first ($MOE_SERVE_CACHE/kernels/<device>/triton-<version>, or --out).
 Interrupted runs resume after their last finished phase; a shape already tuned is skipped
-unless --force. Exit codes: 0 done, 2 no GPU / bad model.
+unless --force. --refine "decode prefetch[,...]" runs only those search phases on each shape's
+table in use (kernels.tuning.refine), writes the refined table to the cache (or --out), and
+keeps the routing as it is: a refined config is never slower than the one routed.
+Exit codes: 0 done, 2 no GPU / bad model / no table to refine / unknown phase.
 On a CPU with TRITON_INTERPRET=1 the whole pipeline runs (for tests), timed by wall clock.
 """
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 import torch
 
 from kernels.moe import configs, routing, selection, vllm_kernels
-from kernels.tuning import make_routing, precompile, tune
+from kernels.tuning import make_routing, precompile, refine, tune
 from kernels.moe.config_schema import label
 from kernels.tuning.model_shapes import ModelConfigError, MoEShape, model_parser, moe_shapes, read_config
 from kernels.tuning.timing import make_problem, time_ours, time_vllm
@@ -141,7 +144,44 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-vllm", action="store_true", help="do not time vLLM (default routing)")
     ap.add_argument("--force", action="store_true", help="re-tune shapes already tuned")
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--refine", default=None, metavar="PHASES",
+                    help="comma-separated search phases to run on the tables in use, e.g. "
+                         "'decode prefetch' (no full search, routing kept)")
     return ap.parse_args(argv)
+
+
+def _refine(shapes: list[MoEShape], phases: list[str], out: Path, device: str,
+            device_kind: str, buckets: tuple[int, ...], budget: float) -> int:
+    """--refine: each shape's table in use through `phases`; the refined tables into out."""
+    t_start = time.perf_counter()
+    done = 0
+    for i, shape in enumerate(shapes):
+        E, N, K, topk = shape.key
+        found = configs.find_table(E, N, K, shape.dtype, device)
+        if found.table is None:
+            print(f"[tune] {shape.name} {shape.dtype}: no table to refine; run `moe-serve tune` "
+                  f"without --refine first", file=sys.stderr)
+            continue
+        print(f"[tune] refining {shape.name} {shape.dtype} ({found.source}: {found.path}) with "
+              f"{', '.join(phases)}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        left = budget - (t0 - t_start)
+        table, report = refine.refine_table(
+            E, N, K, topk, shape.dtype, found.table, phases, buckets, left / (len(shapes) - i),
+            device_kind, log=lambda line: print(line, file=sys.stderr, flush=True))
+        meta = {k: v for k, v in json.loads(found.path.read_text()).items() if not k.isdigit()}
+        meta.pop("triton_version", None)
+        meta["refined"] = {"phases": phases, "from": found.source, "seconds":
+                           round(time.perf_counter() - t0), "buckets": report}
+        path = tune.write_table(table, E, N, K, shape.dtype, out, device, meta)
+        selection.clear_caches()
+        gained = [f"M={b} {r['before_us']:.1f}->{r['after_us']:.1f}us" for b, r in report.items()
+                  if r["before"] != r["after"]]
+        print(f"[tune] {shape.name} {shape.dtype}: refined {len(report)} bucket(s) in "
+              f"{time.perf_counter() - t0:.0f}s, changed: {', '.join(gained) or 'none'}; wrote "
+              f"{path} (routing kept)", flush=True)
+        done += 1
+    return 0 if done else 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,6 +214,17 @@ def main(argv: list[str] | None = None) -> int:
     warning = seed_warning(device_kind)
     if warning:
         print(warning, file=sys.stderr)
+    if args.refine is not None:
+        phases = [p.strip() for p in args.refine.split(",") if p.strip()]
+        unknown = [p for p in phases if p not in refine.phase_names()]
+        if unknown or not phases:
+            print(f"moe-serve tune: --refine: unknown phase(s) {unknown or [args.refine]}; "
+                  f"phases: {', '.join(refine.phase_names())}", file=sys.stderr)
+            return 2
+        try:
+            return _refine(shapes, phases, out, device, device_kind, buckets, budget)
+        finally:
+            precompile.shutdown_pool()
     search_s = budget * (1 - ROUTE_SHARE if use_vllm else 1) / len(shapes)
     prog = Progress(budget)
     entries: dict[str, Any] = {}
