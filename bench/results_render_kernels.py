@@ -160,3 +160,47 @@ def gemv_table(path: Path) -> list[str]:
                    f"{_f(r['served_us'] / r['gemv_us'])} | {_f(v / r['gemv_us']) if v else ''} | "
                    f"{_f(r['gemv_us'] / r['floor_us'])} | `{r['gemv_cfg']}` | {r['err_vs_f64']:.1e} |")
     return out
+
+
+def prefetch_table(path: Path) -> list[str]:
+    """bench_prefetch.py: per shape, format and M, the served decode config with the up kernel's
+    L2 prefetch of the down weights off (as served), as it starts (pf1) and after its K loop
+    (pf2), against vLLM's fused_experts and the streaming floor (µs per layer call), with checks."""
+    rows = json.loads(path.read_text())["rows"]
+    out = ["| shape | format | M | served config | pf0 µs | pf1 µs (pf0 / pf1) | pf2 µs (pf0 / pf2) | "
+           "vLLM µs | floor µs | best / floor | rel err vs float64 (pf0, pf1, pf2) | equal to pf0 |",
+           "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        head = f"| {r['shape']} | {r['format']} | {r['M']} | `{r.get('served_cfg', '')}` |"
+        if "pf0_us" not in r:
+            why = r.get("skipped") or f"error: {r.get('error', '')}"
+            out.append(head + f" {why} |" + " |" * 7)
+            continue
+        best = min(r[f"pf{m}_us"] for m in (0, 1, 2))
+        sp = {m: r["pf0_us"] / r[f"pf{m}_us"] for m in (1, 2)}
+        cell = {m: f"{_f(r[f'pf{m}_us'], 1)} ({'**' if sp[m] > 1.01 else ''}{sp[m]:.3f}"
+                   f"{'**' if sp[m] > 1.01 else ''})" for m in (1, 2)}
+        errs = ", ".join(f"{r[f'err_vs_f64_pf{m}']:.1e}" for m in (0, 1, 2))
+        floor, vllm = r.get("floor_us"), _f(r.get("vllm_us"), 1)
+        if r.get("error"):             # vLLM's kernel raised after ours were timed
+            vllm = "raises"
+        out.append(head + f" {_f(r['pf0_us'], 1)} | {cell[1]} | {cell[2]} | {vllm} | "
+                   f"{_f(floor, 1)} | {_f(best / floor) if floor else ''} | {errs} | "
+                   f"{'yes' if r['bitwise_equal'] else 'no'} |")
+    return out
+
+
+def refined_tables(*paths: Path) -> list[str]:
+    """`moe-serve tune --refine`: per refined table (its "refined" record), each bucket's config
+    before and after and their µs per layer call."""
+    out = ["| table | M | before µs | after µs | before / after | config after |",
+           "|---|---:|---:|---:|---:|---|"]
+    for p in sorted(paths):
+        data = json.loads(p.read_text())
+        name = f"{data.get('model', p.stem)} `{p.name.split(',device=')[0]}`"
+        for b, r in sorted(data["refined"]["buckets"].items(), key=lambda kv: int(kv[0])):
+            changed = r["before"] != r["after"]
+            out.append(f"| {name} | {b} | {r['before_us']:.1f} | {r['after_us']:.1f} | "
+                       f"{'**' if changed else ''}{r['before_us'] / r['after_us']:.3f}{'**' if changed else ''} | "
+                       f"`{r['after']}`{'' if changed else ' (kept)'} |")
+    return out

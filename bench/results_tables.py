@@ -84,6 +84,13 @@ S13 = "2026-12-03/session13/"
 S14 = "2026-12-04/session14/"
 S15 = "2026-12-04/session15/"
 S16 = "2026-12-04/session16/"
+S17 = "2026-12-04/session17/"
+S17_REFINED = tuple(S17 + "refine/" + f for f in (
+    "E=128,N=768,K=2048,dtype=bf16,device=NVIDIA_H200.json",
+    "E=128,N=768,K=2048,dtype=fp8_w8a8,block_shape=[128,128],device=NVIDIA_H200.json",
+    "E=256,N=256,K=7168,dtype=fp8_w8a8,block_shape=[128,128],device=NVIDIA_H200.json",
+    "E=128,N=192,K=4096,dtype=fp8_w8a8,block_shape=[128,128],device=NVIDIA_H200.json",
+    "E=8,N=14336,K=4096,dtype=bf16,device=NVIDIA_H200.json"))
 FP8_BLOCK_SERVE = (S14 + "serve_ab/qwen3-30b-a3b-fp8-block", S15 + "serve_ab/qwen3-30b-a3b-fp8-block")
 FP8_DYNAMIC_SERVE = (S13 + "serve_ab/qwen3-30b-a3b-fp8-dynamic", S13 + "serve_ab/qwen3-30b-a3b-fp8-dynamic-r2")
 NOW_SERVE = (S9 + "qwen3-30b-a3b", S11 + "serve_ab/qwen3-30b-a3b", S16 + "serve_ab/qwen3-30b-a3b",  # the whole-
@@ -106,6 +113,9 @@ REGISTRY: dict[str, Entry] = {
     "serve-ab-fp8-block-headline": Entry(FP8_BLOCK_SERVE, sr.headline),
     "serve-ab-fp8-block-session12": Entry((S12 + "serve_ab/qwen3-30b-a3b-fp8-block",), sr.results_table),
     "gemv": Entry((S14 + "gemv/gemv.json",), rk.gemv_table),
+    "prefetch": Entry((S17 + "prefetch/prefetch.json",), rk.prefetch_table),
+    "prefetch-refined": Entry(S17_REFINED, rk.refined_tables),
+    "serve-ab-session17": Entry((S17 + "serve_ab/qwen3-30b-a3b",), sr.results_table),
     "serve-ab-fp8-dynamic": Entry(FP8_DYNAMIC_SERVE, sr.results_table),
     "serve-ab-fp8-dynamic-headline": Entry(FP8_DYNAMIC_SERVE, sr.headline),
     "tune-fp8-dynamic": Entry((S13 + "tune_fp8dyn/routing,device=NVIDIA_H200.json",), rf.tune_routing_points,
