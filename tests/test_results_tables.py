@@ -56,8 +56,8 @@ def test_results_opens_with_the_current_answer_and_history_is_newest_first() -> 
     opening = results[:results.index("## Details")]
     assert re.findall(r"<!-- results_tables: ([\w-]+) -->", opening) == [
         "serve-ab-fp8-dynamic-headline", "serve-ab-fp8-block-headline", "serve-ab-headline", "serve-ab",
-        "router-kernel", "moe-block", "attention", "format-bench-fp8", "serve-ab-fp8-block", "gemv",
-        "serve-ab-fp8-dynamic", "tune-fp8-dynamic", "fp8-aligned", "now-decode-ab", "now-kernels", "now-tune-times"]
+        "serve-ab-session17", "router-kernel", "moe-block", "attention", "format-bench-fp8",
+        "serve-ab-fp8-block", "gemv", "prefetch", "prefetch-refined", "serve-ab-fp8-dynamic", "tune-fp8-dynamic", "fp8-aligned", "now-decode-ab", "now-kernels", "now-tune-times"]
     readme = (REPO / "README.md").read_text()
     first_screen = readme[:readme.index("## Talking to it")]
     assert re.findall(r"<!-- results_tables: ([\w-]+) -->", first_screen) == ["serve-ab-headline", "readme-headline"]
