@@ -80,6 +80,21 @@ def test_tune_writes_tables_the_loader_reads_then_skips_and_resumes(model: Path,
     resumed = _run(args, TRITON_INTERPRET="1")
     assert resumed.returncode == 0 and "resuming" in resumed.stderr
     assert json.loads(table_path.read_text())["1"] == table["1"] and not part.exists()
+    # --refine: only the named phase, on the table in use; its record kept, the routing untouched
+    routing_before = (out / routing.file_name("cpu")).read_text()
+    bad = _run(["--model", str(model), "--refine", "no such phase", "--out", str(out)],
+               TRITON_INTERPRET="1")
+    assert bad.returncode == 2 and "decode prefetch" in bad.stderr       # names the phases
+    ref = _run(["--model", str(model), "--refine", "decode prefetch", "--buckets", "1",
+                "--out", str(out)], TRITON_INTERPRET="1")
+    assert ref.returncode == 0 and "routing kept" in ref.stdout, ref.stderr[-3000:]
+    refined = json.loads(table_path.read_text())
+    assert refined["refined"]["phases"] == ["decode prefetch"]
+    assert set(refined["refined"]["buckets"]) == {"1"} and refined["2"] == table["2"]
+    assert (out / routing.file_name("cpu")).read_text() == routing_before
+    nothing = _run(["--model", str(model), "--refine", "decode prefetch", "--out",
+                    str(tmp_path / "empty")], TRITON_INTERPRET="1", MOE_SERVE_CACHE=str(tmp_path / "c"))
+    assert nothing.returncode == 2 and "no table to refine" in nothing.stderr
     # a server started on that cache loads the table: the shape is reported tuned
     srv = start_server(tmp_path, api_key=API_KEY, env={"MOE_SERVE_KERNEL_CONFIG_DIR": str(out)})
     try:
