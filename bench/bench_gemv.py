@@ -14,10 +14,8 @@ DIR/gemv.json after every row; refuses to run without a GPU.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests" / "kernels")]
 
 import torch  # noqa: E402
 
+import cell_bench  # noqa: E402
 from kernels.tuning.named_shapes import TUNED, UNTUNED  # noqa: E402
 
 SHAPES = {**TUNED, **UNTUNED, "Mixtral-8x7B/TP1": (8, 14336, 4096, 2)}
@@ -131,25 +130,7 @@ def run_cell(name: str, fmt: str, ms: tuple[int, ...], rows: list, out: Path) ->
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--cells", default=";".join(CELLS),
-                    help="shape:format;... (bench shape names, kernels.moe.quant_format keys)")
-    ap.add_argument("--ms", default="1,2,4")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_gemv needs a CUDA GPU", file=sys.stderr)
-        return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    ms = tuple(int(m) for m in args.ms.split(","))
-    rows: list[dict] = []
-    t0 = time.perf_counter()
-    for cell in args.cells.split(";"):
-        name, fmt = cell.split(":", 1)
-        run_cell(name, fmt, ms, rows, out)
-    log(f"[gemv] {len(rows)} rows in {time.perf_counter() - t0:.0f}s -> {out / 'gemv.json'}")
-    return 0
+    return cell_bench.main(__doc__, "gemv", CELLS, "1,2,4", run_cell, "gemv.json")
 
 
 if __name__ == "__main__":

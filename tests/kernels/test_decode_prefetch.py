@@ -1,6 +1,6 @@
 """The decode path's L2 prefetch of the down weights (config key PREFETCH): the schema, when the
-launcher passes it on, that it compiles for sm_90 into one bulk prefetch placed where its mode
-says, and that `moe-serve tune --refine` keeps a table's config unless a candidate is faster."""
+launcher passes it on, and that it compiles for sm_90 into one bulk prefetch placed where its mode
+says (the refine phase that tunes it: tests/kernels/test_tune_phases.py)."""
 from __future__ import annotations
 
 import json
@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.moe import configs, moe_decode_launch
+from kernels.moe import moe_decode_launch
 from kernels.moe.config_schema import label, validate
 from kernels.moe.fused_moe import fused_moe
 from kernels.moe.launch import record_launches
-from kernels.tuning import precompile, refine, tune
 
-E, N, K, TOPK = 8, 1792, 4096, 2
+TOPK = 2
 DECODE = {"DECODE": True, "PDL": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1,
           "num_warps": 4, "num_stages": 4, "SWAP_AB": True,
           "DOWN": {"BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 4,
@@ -68,33 +67,3 @@ def test_compiles_for_sm90_into_one_bulk_prefetch_where_the_mode_puts_it() -> No
         assert rows[(fmt, 0)]["prefetches"] == 0
         assert rows[(fmt, 1)]["prefetches"] == 1 and rows[(fmt, 1)]["before_mma"]
         assert rows[(fmt, 2)]["prefetches"] == 1 and not rows[(fmt, 2)]["before_mma"]
-
-
-def _stub(monkeypatch, cost) -> list[tuple[int, dict]]:
-    monkeypatch.setattr(refine, "make_problem", lambda *a, **k: {"M": a[4], "weights": None})
-    monkeypatch.setattr(precompile, "compiles_ok", lambda *a: True)
-    timed: list[tuple[int, dict]] = []
-
-    def cost_us(prob: dict, cfg: dict, replays: int = 20) -> float:
-        timed.append((prob["M"], cfg))
-        return cost(prob["M"], configs.validate(cfg))
-
-    monkeypatch.setattr(tune, "time_ours", cost_us)
-    return timed
-
-
-def test_refine_takes_a_mode_only_where_faster_beyond_the_margin(monkeypatch) -> None:
-    aligned = configs.aligned_default(64, E, N, K, TOPK, "bf16", "cpu")
-    table = {1: validate(DECODE), 2: validate(DECODE), 64: aligned}
-    # M = 1: mode 2 is 10 % faster; M = 2: mode 1 is faster by less than the margin
-    timed = _stub(monkeypatch, lambda M, c: {(1, 2): 0.9, (2, 1): 0.995}.get(
-        (M, c.get("PREFETCH", 0)), 1.0))
-    out, report = refine.refine_table(E, N, K, TOPK, "bf16", table, ["decode prefetch"],
-                                      (1, 2, 64), budget_s=600, device="cpu", log=lambda s: None)
-    assert out[1]["PREFETCH"] == 2 and report[1]["after_us"] == 0.9
-    assert "PREFETCH" not in out[2] and report[2]["before"] == report[2]["after"]
-    assert out[64] == configs.fit(aligned, "bf16", topk=TOPK)   # no decode phase applies
-    assert sorted({m for m, _ in timed}) == [1, 2, 64]
-    assert [c.get("PREFETCH", 0) for m, c in timed if m == 1] == [0, 1, 2]
-    with pytest.raises(ValueError, match="unknown phase"):
-        refine.refine_table(E, N, K, TOPK, "bf16", table, ["no such phase"], (1,), 600, "cpu")

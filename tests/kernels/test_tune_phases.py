@@ -1,18 +1,22 @@
 """kernels.tuning.tune.tune_shape's search logic with a stand-in cost (no GPU): phase D gives a bucket
 its neighbour's winner when one-dimension walks cannot reach it; the decode family wins the
-buckets where it is cheaper; a resumed search skips the phases it already finished."""
+buckets where it is cheaper; a resumed search skips the phases it already finished; a refine
+(kernels.tuning.refine) runs only the phases named."""
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from kernels.moe import configs, heuristics
-from kernels.tuning import precompile, tune
+from kernels.tuning import precompile, refine, tune
 
 E, N, K, TOPK = 8, 1792, 4096, 2
 
 
 def _stub(monkeypatch, cost) -> list[tuple[int, dict]]:
-    monkeypatch.setattr(tune, "make_problem", lambda *a, **k: {"M": a[4], "weights": None})
+    for module in (tune, refine):
+        monkeypatch.setattr(module, "make_problem", lambda *a, **k: {"M": a[4], "weights": None})
     monkeypatch.setattr(precompile, "compiles_ok", lambda *a: True)
     timed: list[tuple[int, dict]] = []
 
@@ -138,3 +142,24 @@ def test_gemv_family_wins_where_cheaper_within_its_slot_limit(monkeypatch) -> No
     assert (got["DOWN"]["BLOCK_N"], got["DOWN"]["SPLIT_K"]) == (4, 8)
     assert table[16].get("GEMV") and not table[32].get("GEMV")    # 32 x 2 slots > 32
     assert not any(c.get("GEMV") for m, c in timed if m * TOPK > tune.GEMV_TUNE_MAX_SLOTS)
+
+
+def test_refine_takes_a_mode_only_where_faster_beyond_the_margin(monkeypatch) -> None:
+    """`moe-serve tune --refine`: each bucket's table config through the named phase only, kept
+    unless a candidate beats it by more than refine.MIN_GAIN; an aligned bucket gets no decode
+    phase; an unknown phase is refused by name."""
+    decode = configs.validate(heuristics.decode_config(1, E, N, K, TOPK, "bf16"))
+    aligned = configs.aligned_default(64, E, N, K, TOPK, "bf16", "cpu")
+    table = {1: decode, 2: decode, 64: aligned}
+    # M = 1: mode 2 is 10 % faster; M = 2: mode 1 is faster by less than the margin
+    timed = _stub(monkeypatch, lambda M, c: {(1, 2): 0.9, (2, 1): 0.995}.get(
+        (M, c.get("PREFETCH", 0)), 1.0))
+    out, report = refine.refine_table(E, N, K, TOPK, "bf16", table, ["decode prefetch"],
+                                      (1, 2, 64), budget_s=600, device="cpu", log=lambda s: None)
+    assert out[1]["PREFETCH"] == 2 and report[1]["after_us"] == 0.9
+    assert "PREFETCH" not in out[2] and report[2]["before"] == report[2]["after"]
+    assert out[64] == configs.fit(aligned, "bf16", topk=TOPK)   # no decode phase applies
+    assert sorted({m for m, _ in timed}) == [1, 2, 64]
+    assert [c.get("PREFETCH", 0) for m, c in timed if m == 1] == [0, 1, 2]
+    with pytest.raises(ValueError, match="unknown phase"):
+        refine.refine_table(E, N, K, TOPK, "bf16", table, ["no such phase"], (1,), 600, "cpu")
