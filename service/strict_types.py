@@ -46,9 +46,27 @@ def _dataclass_fields(cls: type) -> dict[str, Any]:
     return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls) if f.init}
 
 
+@lru_cache(maxsize=512)
+def _checked(annotation: Any) -> bool:
+    """Whether a value read as `annotation` can hold a bool or a dataclass field; False for a prompt
+    of token ids (list[int] | list[list[int]] | str | list[str]), whose ids are then not walked."""
+    members = _members(annotation)
+    if members and all(m is bool for m in members):
+        return True
+    for member in members:
+        if get_origin(member) is list:
+            if _checked((get_args(member) or (Any,))[0]):
+                return True
+        elif isinstance(member, type) and (issubclass(member, BaseModel) or dataclasses.is_dataclass(member)):
+            return True
+    return False
+
+
 def check_strict_types(annotation: Any, value: Any, path: str = "") -> None:
     """400 for the first non-boolean JSON value in a bool field, or unknown key of a dataclass
     field, of `value` read as `annotation` (a request model class or a union of them)."""
+    if not _checked(annotation):
+        return
     members = _members(annotation)
     if members and all(m is bool for m in members):
         if value is not None and not isinstance(value, bool):

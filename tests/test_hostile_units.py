@@ -73,6 +73,20 @@ def test_unknown_keys_of_structured_outputs_are_refused() -> None:
     assert err.param == "structured_outputs.x" and err.code == "unknown_parameter"
 
 
+class _Unwalkable(list):
+    """A JSON array that fails the test if it is iterated."""
+
+    def __iter__(self):
+        raise AssertionError("the token ids were walked one by one")
+
+
+@pytest.mark.parametrize("prompt", [_Unwalkable([1, 2, 3]), [_Unwalkable([1, 2]), _Unwalkable([3])]],
+                         ids=["ids", "batch of ids"])
+def test_a_prompt_of_token_ids_is_not_walked_id_by_id(prompt) -> None:
+    # No bool or dataclass field can hide in token ids; walking them id by id delayed the first token.
+    check_strict_types(compat.CompletionRequest, {"prompt": prompt, "stream": True})
+
+
 def test_real_booleans_and_nulls_pass() -> None:
     check_strict_types(compat.ChatCompletionRequest, {
         "messages": [{"role": "user", "content": "hi"}], "stream": True, "echo": False, "logprobs": None,
