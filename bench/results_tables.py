@@ -116,6 +116,8 @@ REGISTRY: dict[str, Entry] = {
     "prefetch": Entry((S17 + "prefetch/prefetch.json",), rk.prefetch_table),
     "prefetch-refined": Entry(S17_REFINED, rk.refined_tables),
     "serve-ab-session17": Entry((S17 + "serve_ab/qwen3-30b-a3b",), sr.results_table),
+    "serve-ab-cpu-frontend-after": Entry((S17 + "cpu_frontend_after/run2",), sr.results_table),
+    "serve-ab-cpu-frontend-after-loaded": Entry((S17 + "cpu_frontend_after/run1",), sr.results_table),
     "serve-ab-fp8-dynamic": Entry(FP8_DYNAMIC_SERVE, sr.results_table),
     "serve-ab-fp8-dynamic-headline": Entry(FP8_DYNAMIC_SERVE, sr.headline),
     "tune-fp8-dynamic": Entry((S13 + "tune_fp8dyn/routing,device=NVIDIA_H200.json",), rf.tune_routing_points,
