@@ -53,7 +53,7 @@ def _down(cfg: dict, bn: int, bk: int, split: int) -> dict:
 
 def walk_candidates(seed: dict, fmt: str, N: int, K: int, topk: int) -> tuple[list, list]:
     """(up candidates, down candidates) of the walk, normalised and legal for the format."""
-    from kernels.tuning.tune import legal_unique
+    from kernels.tuning.candidates import legal_unique
 
     return (legal_unique([_up(seed, *u) for u in UP_WALK], [], N, K, topk, fmt),
             legal_unique([_down(seed, *d) for d in DOWN_WALK], [], N, K, topk, fmt))

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from kernels.moe import configs
 from kernels.moe.config_schema import Config, label
-from kernels.tuning import precompile, tune
+from kernels.tuning import candidates, precompile, tune
 from kernels.tuning.timing import make_problem
 
 MIN_GAIN = 0.01             # a candidate must beat the current config by more than this share
@@ -51,7 +51,7 @@ def refine_table(E: int, N: int, K: int, topk: int, dtype: str, table: dict[int,
             fam, make = known[name]
             if tune.family(cur) != fam:
                 continue
-            cands = tune.legal_unique(make(cur, shape), [cur], N, K, topk, dtype)
+            cands = candidates.legal_unique(make(cur, shape), [cur], N, K, topk, dtype)
             if dev == "cuda":
                 precompile.precompile([(E, N, K, topk, dtype, b, c) for c in cands], log=log)
             for c in cands:

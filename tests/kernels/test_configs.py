@@ -101,7 +101,8 @@ def test_a_prequant_defaults_per_path_and_is_kept_only_where_it_differs():
     the key (and its label a mark) only when it departs from its path's default, so the shipped
     tables' aligned configs now quantize once."""
     from kernels.moe.config_schema import label, prequant
-    from kernels.tuning.tune import PHASES, aligned_b
+    from kernels.tuning.candidates import aligned_b
+    from kernels.tuning.tune import PHASES
 
     base = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=16, num_warps=4, num_stages=4,
                 SWAP_AB=False)

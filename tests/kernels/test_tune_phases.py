@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kernels.moe import configs, heuristics
-from kernels.tuning import precompile, refine, tune
+from kernels.tuning import candidates, precompile, refine, tune
 
 E, N, K, TOPK = 8, 1792, 4096, 2
 
@@ -33,7 +33,7 @@ def test_neighbours_winner_reaches_a_bucket_the_one_dim_walk_cannot(monkeypatch)
     # two GEMM1 dimensions away from bucket 128's start: phase B moves one at a time
     far = configs.validate({**base, "BLOCK_K": 64 if base["BLOCK_K"] == 128 else 128,
                             "num_stages": 3 if base["num_stages"] != 3 else 4})
-    assert tune.legal(far, N, K, TOPK, "bf16")
+    assert candidates.legal(far, N, K, TOPK, "bf16")
     start = configs.aligned_default
     monkeypatch.setattr(configs, "aligned_default",
                         lambda M, *a, **k: far if M == 256 else start(M, *a, **k))
@@ -110,17 +110,17 @@ def test_joint_occupancy_phases_reach_what_one_dimension_walks_cannot(monkeypatc
         hit_down = all(c["DOWN"].get(k, 1) == v for k, v in down.items())
         return 5.0 - 2.0 * hit_up - 1.0 * hit_down
 
-    assert tune.legal({**start, **up}, N, K, TOPK, "bf16")
+    assert candidates.legal({**start, **up}, N, K, TOPK, "bf16")
     _stub(monkeypatch, cost)
     table = tune.tune_shape(E, N, K, TOPK, "bf16", (1,), budget_s=600, device="cpu",
                             log=lambda *a: None, parallel=False)
     got = configs.validate(table[1])
     assert all(got.get(k) == v for k, v in up.items()), got
     assert all(got["DOWN"].get(k) == v for k, v in down.items()), got["DOWN"]
-    grid = tune.decode_up_occupancy(start)
+    grid = candidates.decode_up_occupancy(start)
     assert start not in grid and len(grid) == len({str(sorted(c.items())) for c in grid})
     assert all(c["DOWN"] == start["DOWN"] for c in grid)
-    assert all(c["DOWN"] != start["DOWN"] for c in tune.decode_down_occupancy(start))
+    assert all(c["DOWN"] != start["DOWN"] for c in candidates.decode_down_occupancy(start))
 
 
 def test_gemv_family_wins_where_cheaper_within_its_slot_limit(monkeypatch) -> None:
