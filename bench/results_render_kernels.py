@@ -182,8 +182,8 @@ def prefetch_table(path: Path) -> list[str]:
                    f"{'**' if sp[m] > 1.01 else ''})" for m in (1, 2)}
         errs = ", ".join(f"{r[f'err_vs_f64_pf{m}']:.1e}" for m in (0, 1, 2))
         floor, vllm = r.get("floor_us"), _f(r.get("vllm_us"), 1)
-        if r.get("error"):             # vLLM's kernel raised after ours were timed
-            vllm = "raises"
+        if r.get("vllm_error") or r.get("error"):   # raised after ours were timed (vLLM's
+            vllm = "raises"                             # kernel: older rows record it as error)
         out.append(head + f" {_f(r['pf0_us'], 1)} | {cell[1]} | {cell[2]} | {vllm} | "
                    f"{_f(floor, 1)} | {_f(best / floor) if floor else ''} | {errs} | "
                    f"{'yes' if r['bitwise_equal'] else 'no'} |")

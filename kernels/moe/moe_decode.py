@@ -107,9 +107,10 @@ def moe_decode_up_kernel(
         sg_ptrs = w_scale_ptr + expert * stride_se + (offs_n // GROUP_N) * stride_sn
         su_ptrs = w_scale_ptr + expert * stride_se + ((offs_n + N) // GROUP_N) * stride_sn
 
-    if PREFETCH == 1:                  # e's down weights, shared by e's programs
-        _prefetch_l2(w2_ptr, expert * w2_bytes, w2_bytes, pid_n * SPLIT_K + tl.program_id(2),
-                     tl.num_programs(1) * SPLIT_K, PF_CHUNK, PF_SLOTS)
+    pf_part = pid_n * SPLIT_K + tl.program_id(2)                     # e's down weights, shared
+    pf_parts = tl.num_programs(1) * SPLIT_K                          # by e's programs
+    if PREFETCH == 1:
+        _prefetch_l2(w2_ptr, expert * w2_bytes, w2_bytes, pf_part, pf_parts, PF_CHUNK, PF_SLOTS)
 
     k_lo, k_hi = _split_range(tl.cdiv(K, BLOCK_K), tl.program_id(2), SPLIT_K)   # K tiles
     a_scale, a_inv = _a_scale(a_scale_ptr, a_ptrs, x_row, rows, 0, K, stride_xk, stride_asm,
@@ -148,8 +149,7 @@ def moe_decode_up_kernel(
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
     if PREFETCH == 2:
-        _prefetch_l2(w2_ptr, expert * w2_bytes, w2_bytes, pid_n * SPLIT_K + tl.program_id(2),
-                     tl.num_programs(1) * SPLIT_K, PF_CHUNK, PF_SLOTS)
+        _prefetch_l2(w2_ptr, expert * w2_bytes, w2_bytes, pf_part, pf_parts, PF_CHUNK, PF_SLOTS)
     if SWAP_AB:
         acc_g = tl.trans(acc_g)                                      # [BM, BN]
         acc_u = tl.trans(acc_u)

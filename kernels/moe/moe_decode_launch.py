@@ -72,12 +72,12 @@ def split_buffers(device: torch.device, T: int, N: int, M: int, K: int, up_tile:
 PF_CHUNK = 16384                       # bytes per bulk L2 prefetch
 
 
-def prefetch_mode(cfg: dict[str, Any], w2: torch.Tensor) -> int:
+def prefetch_mode(cfg: dict[str, Any], w2: torch.Tensor, expert_bytes: int) -> int:
     """The up kernel's PREFETCH for this call: the config's, where the GPU has bulk prefetch (as
-    PDL: sm_90+, not the interpreter) and w2 [E, K, N] is contiguous in 16-byte units; else 0."""
+    PDL: sm_90+, not the interpreter) and w2 [E, K, N] (expert_bytes per expert) is contiguous in
+    16-byte units; else 0."""
     mode = int(cfg.get("PREFETCH", 0))
-    aligned = (w2.is_contiguous() and w2[0].numel() * w2.element_size() % 16 == 0
-               and w2.data_ptr() % 16 == 0)
+    aligned = w2.is_contiguous() and expert_bytes % 16 == 0 and w2.data_ptr() % 16 == 0
     return mode if mode and aligned and pdl_supported() else 0
 
 
@@ -110,11 +110,12 @@ def fused_moe_decode(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, tw: to
     bn2, bk2 = down["BLOCK_N"], down["BLOCK_K"]
     split1, split2 = int(cfg.get("SPLIT_K", 1)), int(down.get("SPLIT_K", 1))
     h, o, cnt1, cnt2 = split_buffers(x.device, T, N, M, K, bn, bn2, split1, split2, dummy)
+    w2_bytes = w2[0].numel() * w2.element_size()                    # one expert's down weights
     launch(
         moe_decode_up_kernel, (T, triton.cdiv(N, bn), split1),
         x1, w1, act, ids, tw, a1s if a1s is not None else dummy, ws1,
         a2s if c_quant else dummy, h, cnt1, w2,
-        N, K, T, w2[0].numel() * w2.element_size(),
+        N, K, T, w2_bytes,
         x1.stride(0), x1.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
         act.stride(0), act.stride(1), se1, sn1,
         *scale_strides(a1s), sk1, *(scale_strides(a2s) if c_quant == 2 else (0, 0)),
@@ -122,7 +123,7 @@ def fused_moe_decode(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, tw: to
         EVEN_K=K % bk == 0, SWAP_AB=cfg["SWAP_AB"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
         BLOCK_K=bk, FP8_PREROUND=INTERPRET and (a_mode1 in (2, 3, 6) or c_quant > 0),
         USE_PDL=pdl, PDL_WAIT=chained, SPLIT_K=split1, GROUP_N=gn, GROUP_K=gk,
-        PREFETCH=prefetch_mode(cfg, w2), PF_CHUNK=PF_CHUNK, PF_SLOTS=32 * cfg["num_warps"],
+        PREFETCH=prefetch_mode(cfg, w2, w2_bytes), PF_CHUNK=PF_CHUNK, PF_SLOTS=32 * cfg["num_warps"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"launch_pdl": True} if chained else {}),
     )
