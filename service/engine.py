@@ -154,7 +154,7 @@ class EngineHandle:
         os.environ["MOE_SERVE_FUSED_ROUTER"] = "1" if self.settings.uses_fused_router else "0"
         try:
             from service import vllm_compat
-            from service.engine_client import ObservedEngineClient
+            from service.engine_client import ObservedEngineClient, report_acceptance
 
             serve_args = vllm_compat.serve_args(self.model_path, self.settings.model_name,
                                                 frontend_flags(self.settings))  # bad parser names fail here
@@ -170,6 +170,7 @@ class EngineHandle:
                 logger.info("shutdown requested during engine start; stopping the engine once it is up")
                 self.engine = await building
                 raise
+            report_acceptance(self.engine)
             self.tokenizer = self.engine.get_tokenizer()
             bounded = bound_bpe_caches(self.tokenizer)
             logger.info("BPE cache bounded to %d entries in %d tokenizer object(s)", BPE_CACHE_ENTRIES, bounded)

@@ -7,13 +7,17 @@ of an HTTP request (found through the `CURRENT` context variable the route sets)
 - observed token by token for the metrics (TTFT, ITL, tokens, finish reasons): FINAL_ONLY requests
   are run as DELTA and folded back into one final output, so non-streamed requests are timed too,
 - tracked for `abort_all` (drain), and its failures classified: input rejected by the engine ->
-  vLLM's own 400; engine core died -> 503; anything else -> 500 with the traceback logged.
+  vLLM's own 400; engine core died -> 503; anything else -> 500 with the traceback logged,
+- reported once the engine has accepted it (`AsyncLLM.add_request` returned: input processed,
+  admission passed, sent to the engine core), so that a stream can start its response then.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,9 +40,37 @@ class RequestContext:
     admission: "Admission"
     error: APIError | None = None
     engine_requests: int = field(default=0)
+    engine_accepted: int = field(default=0)
+    all_accepted: asyncio.Event = field(default_factory=asyncio.Event)  # every engine request so far accepted
+
+    def note_accepted(self) -> None:
+        self.engine_accepted += 1
+        if self.engine_accepted >= self.engine_requests:
+            self.all_accepted.set()
 
 
 CURRENT: ContextVar[RequestContext | None] = ContextVar("moe_serve_request", default=None)
+# Set by an observed generate() in the task that is about to run `AsyncLLM.generate` up to its
+# `add_request`: whom to tell once the engine has accepted that request.
+_ON_ACCEPTED: ContextVar[Callable[[], None] | None] = ContextVar("moe_serve_on_accepted", default=None)
+
+
+def report_acceptance(engine: Any) -> None:
+    """Make `engine.add_request` (called by `AsyncLLM.generate` before it waits for outputs; same
+    in vLLM 0.26 and 0.32) tell the observed generate() that started it once it has returned."""
+    add_request = engine.add_request
+
+    @functools.wraps(add_request)
+    async def add_request_reported(*args: Any, **kwargs: Any) -> Any:
+        on_accepted = _ON_ACCEPTED.get()
+        if on_accepted is None:
+            return await add_request(*args, **kwargs)
+        _ON_ACCEPTED.set(None)  # this task's next add_request belongs to someone else
+        collector = await add_request(*args, **kwargs)
+        on_accepted()
+        return collector
+
+    engine.add_request = add_request_reported
 
 
 def _prompt_len(prompt: Any) -> int:
@@ -77,6 +109,8 @@ class ObservedEngineClient:
             ctx.observer.prompt_tokens += tokens
         stream = handle.engine.generate(prompt, params, request_id, *args, **kwargs)
         handle.active.add(request_id)
+        if ctx is not None:
+            _ON_ACCEPTED.set(ctx.note_accepted)  # read by add_request in this task, on the first anext
         merged = None
         try:
             async for out in stream:
@@ -98,6 +132,7 @@ class ObservedEngineClient:
         except Exception as exc:
             raise _classified(handle, ctx, exc) from exc
         finally:
+            _ON_ACCEPTED.set(None)  # not accepted (the engine failed first): nobody else's to take
             handle.active.discard(request_id)
             if charge is not None:
                 charge.release()

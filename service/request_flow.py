@@ -3,9 +3,12 @@
 `serve()` takes admission slots (or 429) before anything is tokenized, then runs the vLLM handler
 call (which renders and tokenizes off the event loop, then starts engine requests through
 `ObservedEngineClient`) as a task bound to this request's `RequestContext`. The handler's answer
-becomes: a JSON body; an SSE stream (its first event is awaited here, so an early failure still
-gets a real HTTP status); or an error object in our format. A request timeout gives 408 (or a
-final stream error event), a disconnect aborts the engine requests.
+becomes: a JSON body; an SSE stream; or an error object in our format. A stream's response starts
+once the engine has accepted every engine request the handler began (input processed, admitted,
+sent to the engine core), so the first token goes out as soon as it exists, as under `vllm serve`,
+while the request's own faults (and a timeout or shutdown before that) still get their HTTP
+status; without engine requests to wait for, it starts at the stream's first event. After the
+start, a failure or a timeout is a final error event. A disconnect aborts the engine requests.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -97,16 +101,7 @@ async def serve(request: Request, state: ServerState, slots: int, call: Callable
         if isinstance(result, compat.ErrorResponse):
             raise ctx.error or from_vllm_error(result.error.model_dump())
         if isinstance(result, AsyncIterator):
-            first = await until_disconnect(request, next_before(result, deadline), deadline)
-            if first is None or first.startswith(_ERROR_EVENT):
-                await result.aclose()
-                raise ctx.error or (_event_error(first) if first else APIError(500, "empty stream"))
-            outcome = _Outcome()
-
-            async def on_close() -> None:
-                close(outcome.status)
-
-            return SSEResponse(_events(first, result, ctx, deadline, outcome), on_close=on_close)
+            return await _stream_response(request, _Events(result, ctx, deadline), ctx, deadline, close)
         body = result.model_dump()
     except ClientGone:
         close("aborted")
@@ -122,17 +117,74 @@ async def serve(request: Request, state: ServerState, slots: int, call: Callable
     return JSONResponse(body)
 
 
-async def _events(first: str, rest: AsyncIterator[str], ctx: RequestContext, deadline: float | None,
-                  outcome: _Outcome) -> AsyncIterator[str]:
-    """vLLM's events, passed through; an error event (vLLM's, or a timeout) in our format, then [DONE]."""
-    event: str | None = first
+class _Events:
+    """A handler's SSE stream whose first event a task of its own fetches (iterating the stream is
+    what starts its engine requests); `close()` ends both, whoever calls it first."""
+
+    def __init__(self, events: AsyncIterator[str], ctx: RequestContext, deadline: float | None) -> None:
+        self.events = events
+        token = CURRENT.set(ctx)  # engine requests begun while iterating find their request
+        try:
+            self.first: asyncio.Future[str | None] = asyncio.ensure_future(next_before(events, deadline))
+        finally:
+            CURRENT.reset(token)
+
+    async def close(self) -> None:
+        self.first.cancel()
+        await asyncio.gather(self.first, return_exceptions=True)  # its result or error is nobody's now
+        await self.events.aclose()
+
+
+async def _accepted_before_first_event(events: _Events, ctx: RequestContext) -> bool:
+    """True once the engine has accepted every engine request begun so far (there were some),
+    False when the stream's first event (or its failure) came first."""
+    waiters = {events.first}
+    if ctx.engine_requests:
+        waiters.add(asyncio.ensure_future(ctx.all_accepted.wait()))
     try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters - {events.first}:
+            waiter.cancel()
+    return not events.first.done()
+
+
+async def _stream_response(request: Request, events: _Events, ctx: RequestContext, deadline: float | None,
+                           close: Callable[[str], None]) -> Response:
+    """The SSE response, once the engine has accepted the request or the first event is there; a
+    failure before then raises (its HTTP status), after it ends the stream with an error event."""
+    try:
+        accepted = await until_disconnect(request, _accepted_before_first_event(events, ctx), deadline)
+        if not accepted:
+            first = events.first.result()
+            if first is None or first.startswith(_ERROR_EVENT):
+                raise ctx.error or (_event_error(first) if first else APIError(500, "empty stream"))
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await events.close()
+        raise
+    outcome = _Outcome()
+
+    async def on_close() -> None:
+        await events.close()  # the body may never have started (client gone first)
+        close(outcome.status)
+
+    return SSEResponse(_sse(events, ctx, deadline, outcome), on_close=on_close)
+
+
+async def _sse(events: _Events, ctx: RequestContext, deadline: float | None, outcome: _Outcome) -> AsyncIterator[str]:
+    """vLLM's events, passed through; an error event (vLLM's, a failure or a timeout) in our
+    format, then [DONE]."""
+    try:
+        event = await events.first
+        if event is None:
+            raise APIError(500, "empty stream")
         while event is not None:
             if event.startswith(_ERROR_EVENT):
                 logger.info("stream failed after it started: %s", event[:500].strip())
                 raise ctx.error or _event_error(event)
             yield event
-            event = await next_before(rest, deadline)
+            event = await next_before(events.events, deadline)
         outcome.status = "ok"
         return
     except APIError as exc:
@@ -140,7 +192,7 @@ async def _events(first: str, rest: AsyncIterator[str], ctx: RequestContext, dea
     except Exception as exc:  # noqa: BLE001 - reported in-stream, never as a traceback
         err = ctx.error or api_error_from_exception(exc)
     finally:
-        await rest.aclose()
+        await events.close()
     outcome.status = _status(err)
     logger.info("stream ends with error %d (%s): %s", err.status, err.code, err.message)
     yield sse_error_event(err)
