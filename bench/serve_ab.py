@@ -23,9 +23,10 @@ from bench/serve_stats.py, the table from bench/serve_render.py.
 
 Files: DIR/<variant>/r<round>/ meta.json (host, GPU, commit and dirty flag, versions, flags,
 start/ready/end times, copy ceiling, roofline bytes), requests.jsonl (one line per request, as it
-finishes), server.log, version.json and moe_metrics.txt (what the server reports it ran: its
-/version, its moe_serve_* counters after the loads), profile.json (with --profile) and `complete`
-once the process finished.
+finishes), api_cpu.json (CPU seconds of the server's API process over each timed level, with the
+level's requests and output tokens: what the HTTP side costs per token), server.log, version.json
+and moe_metrics.txt (what the server reports it ran: its /version, its moe_serve_* counters after
+the loads), profile.json (with --profile) and `complete` once the process finished.
 A process with a `complete` marker is never run again; an unfinished one is redone from scratch.
 `--budget-s` stops before a process the budget cannot hold (the longest of the variant's last two
 processes on this host, or `--expect-process-s`): run the same command again to go on.
@@ -143,15 +144,21 @@ def profiled_variants(out: Path) -> set[str]:
     return {p.variant for p in serve_stats.load([out]) if "levels" in p.meta.get("profile", {})}
 
 
-async def drive(base_url: str, a: argparse.Namespace, vocab: int, pdir: Path, profile: bool) -> None:
-    """The timed levels, then (profile) the profiled bursts; every request into requests.jsonl."""
-    client = LoadClient(base_url, SERVED_NAME, a.prompt_tokens, vocab, pdir / "requests.jsonl")
+async def drive(server: Server, a: argparse.Namespace, vocab: int, pdir: Path, profile: bool) -> None:
+    """The timed levels, then (profile) the profiled bursts; every request into requests.jsonl, the
+    API process's CPU time per timed level (warm-up and measured requests) into api_cpu.json."""
+    client = LoadClient(server.base_url, SERVED_NAME, a.prompt_tokens, vocab, pdir / "requests.jsonl")
+    api_cpu: dict[str, dict[str, float]] = {}
     try:
         if a.warmup_pass:   # every level once before any is timed: one-time compiles and
             for stage, c in enumerate(a.levels):   # allocations of every batch size land here
                 await client.level(stage, c, warmup_pass_count(c), 0, a.output_tokens)
         for stage, c in enumerate(a.levels):
+            cpu_before = server.api_cpu_s()
             recs = await client.level(stage, c, warmup_count(c), requests_at(c, a.requests_per_level), a.output_tokens)
+            api_cpu[str(c)] = {"cpu_s": server.api_cpu_s() - cpu_before, "requests": len(recs),
+                               "output_tokens": sum(r.output_tokens for r in recs if r.status == "ok")}
+            (pdir / serve_stats.API_CPU).write_text(json.dumps(api_cpu))
             measured = [asdict(r) for r in recs if r.phase == "measured"]
             x = serve_stats.cell(measured, a.output_tokens, None)
             if x["errors"] == len(measured):
@@ -215,7 +222,7 @@ def run_process(a: argparse.Namespace, variant: str, rnd: int, model: tuple[Path
         meta["ready"] = time.time()
         log(f"  ready in {meta['ready_s']:.0f} s")
         write()
-        asyncio.run(drive(server.base_url, a, cfg["vocab_size"], pdir, profile))
+        asyncio.run(drive(server, a, cfg["vocab_size"], pdir, profile))
         snapshot(server.base_url, pdir)
     except BaseException as e:
         meta["error"] = f"{type(e).__name__}: {e}"[:2000]

@@ -3,8 +3,9 @@
 `results_table(*dirs)` is what RESULTS.md's generated block (bench/results_tables.py) and the top
 of README.md show: for every model in the run directories, per concurrency and variant, ITL p50,
 TTFT p50 and output tok/s (geometric means over processes), their ratios to vllm-serve with 95 %
-intervals, % of the weight roofline, and how many processes; then where the decode step goes in
-every profiled process.
+intervals, % of the weight roofline, and how many processes; the API server process's CPU time per
+output token where the processes recorded it; then where the decode step goes in every profiled
+process.
 """
 from __future__ import annotations
 
@@ -68,6 +69,22 @@ def ab_table(model: str, procs: list[serve_stats.Process]) -> list[str]:
     if coalesced:
         out += ["", f"Some streams got several tokens in one chunk (up to {100 * coalesced:.0f} % of a cell's "
                     "requests): their ITL gaps are per chunk, not per token."]
+    return out + api_cpu_table(model, procs)
+
+
+def api_cpu_table(model: str, procs: list[serve_stats.Process]) -> list[str]:
+    """What the HTTP side costs per token: the API process's CPU µs per output token per level and
+    variant, where the processes recorded it (api_cpu.json); none: no lines."""
+    rows = [r for r in serve_stats.pooled_rows(procs, BASELINE, ALL_VARIANTS) if "api_cpu_us_tok" in r]
+    if not rows:
+        return []
+    out = ["", f"**{model}**, the API server process's CPU time per output token streamed (each timed level's "
+               "warm-up and measured requests; the engine core and its workers are other processes). Ratio = "
+               "vllm-serve's / the variant's: above 1, our HTTP side costs less CPU per token.", "",
+           "| model | c | variant | n | API CPU µs / token | ratio [95 % CI] |", "|---|---:|---|---:|---:|---|"]
+    for r in rows:
+        out.append(f"| {model} | {r['level']} | {r['variant']} | {r['api_cpu_n']} | {r['api_cpu_us_tok']:.1f} | "
+                   f"{_ratio(r.get('api_cpu_ratio'))} |")
     return out
 
 

@@ -103,6 +103,12 @@ def command(variant: str, model_dir: Path, flags: EngineFlags,
     return "service", argv + ROUTER_FLAG.get(variant, []), {BLOCK_PDL_ENV: "1" if variant == BLOCK_PDL else "0"}
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (its threads, not its children), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # fields[0] is field 3 (state)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime, stime: fields 14, 15
+
+
 def group_members(pgid: int) -> list[int]:
     """Live (not zombie) processes of process group `pgid`, from /proc."""
     live = []
@@ -128,6 +134,12 @@ class Server:
 
     def wait_ready(self, timeout_s: float, progress: Callable[[str], None]) -> float:
         return self.proc.wait_ready(timeout_s, progress)
+
+    def api_cpu_s(self) -> float:
+        """CPU seconds (user + system) the API server process has used so far: the process both
+        servers run the HTTP layer, the OpenAI handlers, detokenizing and the engine client in (the
+        engine core and its workers are other processes)."""
+        return process_cpu_s(self.proc.proc.pid)
 
     def stop(self, group_timeout_s: float = 120.0) -> int | None:
         """SIGTERM, then SIGKILL; returns the exit code once no process of the group is left

@@ -8,12 +8,15 @@ measured requests at c:
   server coalesced (then `coalesced` > 0: the share of requests with fewer chunks than tokens);
 - TTFT p50: the median time to first token (ms);
 - output tok/s: all output tokens / (last request's end - first request's start);
-- % roofline: the weight roofline step at c (meta's bytes over its copy ceiling) / ITL p50.
+- % roofline: the weight roofline step at c (meta's bytes over its copy ceiling) / ITL p50;
+- API CPU per token (processes with api_cpu.json): the server's API process's CPU microseconds
+  over the level (its warm-up and measured requests) / the output tokens it streamed meanwhile.
 
 A cell with a failed request is left out of the pool (and counted). Pooled over processes, a
 cell is the geometric mean; its ratio to the baseline is the ratio of geometric means with a
 95 % Welch interval on logs (decode_stats.ratio_ci), oriented so that higher is better for the
-variant: ITL and TTFT speedup = baseline / variant, tok/s = variant / baseline.
+variant: ITL and TTFT speedup = baseline / variant, tok/s = variant / baseline, API CPU =
+baseline / variant.
 
 Processes are pooled per model across directories (machines, sessions); runs of one model whose
 workload (levels, prompt and output tokens, engine flags, model config) differs are refused.
@@ -29,6 +32,7 @@ from typing import Any
 from bench.decode_stats import ratio_ci
 
 COMPLETE = "complete"
+API_CPU = "api_cpu.json"
 WORKLOAD_KEYS = ("model", "config_sha256", "levels", "prompt_tokens", "output_tokens", "engine",
                  "warmup_pass")
 
@@ -83,9 +87,13 @@ def load_process(d: Any) -> Process:
     w = meta["workload"]
     ceiling, bytes_at = meta.get("copy_ceiling_bps"), meta.get("roofline_bytes") or {}
     records = [r for r in read_jsonl(d / "requests.jsonl") if r.get("phase") == "measured"]
+    api_cpu = json.loads((d / API_CPU).read_text()) if (d / API_CPU).is_file() else {}
     for c in w["levels"]:
         roof = bytes_at[str(c)] / ceiling if ceiling and str(c) in bytes_at else None
         p.cells[c] = cell([r for r in records if r["level"] == c], w["output_tokens"], roof)
+        spent = api_cpu.get(str(c))
+        if spent and spent["output_tokens"] and not p.cells[c]["errors"]:
+            p.cells[c]["api_cpu_us_tok"] = spent["cpu_s"] * 1e6 / spent["output_tokens"]
     profile = d / "profile.json"
     if profile.is_file():
         p.meta["profile"] = json.loads(profile.read_text())
@@ -145,10 +153,16 @@ def pooled_rows(procs: list[Process], baseline: str, variants: tuple[str, ...]) 
                 roof = [x["roofline_pct"] for x in good if x["roofline_pct"] is not None]
                 row["roofline_pct"] = statistics.fmean(roof) if roof else None
                 row["coalesced"] = max(x["coalesced"] for x in good)
+            cpu = [x for x in good if "api_cpu_us_tok" in x]
+            if cpu:
+                row["api_cpu_n"], row["api_cpu_us_tok"] = len(cpu), _geomean([x["api_cpu_us_tok"] for x in cpu])
             if good and base and v != baseline:
                 row["itl_speedup"] = ratio_ci(_inverse(good, "itl_p50_ms"), _inverse(base, "itl_p50_ms"))
                 row["ttft_speedup"] = ratio_ci(_inverse(good, "ttft_p50_ms"), _inverse(base, "ttft_p50_ms"))
                 row["tok_s_ratio"] = ratio_ci([x["tok_s"] for x in good], [x["tok_s"] for x in base])
+                base_cpu = [x for x in base if "api_cpu_us_tok" in x]
+                if cpu and base_cpu:
+                    row["api_cpu_ratio"] = ratio_ci(_inverse(cpu, "api_cpu_us_tok"), _inverse(base_cpu, "api_cpu_us_tok"))
             rows.append(row)
     return rows
 

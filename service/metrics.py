@@ -170,6 +170,7 @@ class ServiceMetrics:
         if reexport_default_registry:
             registry.register(DefaultRegistryBridge())
         self._init_children()
+        self.model_ttft, self.model_itl = self.ttft.labels(model), self.itl.labels(model)  # per token: no lookup
 
     def _init_children(self) -> None:
         """Export every series from start-up (0), so rates and ratios exist before the first event."""
@@ -221,9 +222,9 @@ class RequestObserver:
         m = self.m
         if self.first_token_at is None:
             self.first_token_at = now
-            m.ttft.labels(m.model).observe(now - self.arrival)
+            m.model_ttft.observe(now - self.arrival)
         last = self._last_token_at.get(sequence)
-        hist = m.itl.labels(m.model)
+        hist = m.model_itl
         if last is None:  # a sequence's first chunk: tokens beyond its first arrived together (gap 0)
             for _ in range(new_tokens - 1):
                 hist.observe(0.0)

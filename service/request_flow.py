@@ -28,7 +28,7 @@ from service.engine_client import CURRENT, RequestContext
 from service.errors import APIError, from_vllm_error, sse_error_event
 from service.metrics import CLIENT_CLOSED, COUNTED, status_for_http
 from service.state import ServerState
-from service.streaming import DONE_EVENT, ClientGone, SSEResponse, next_before, until_disconnect
+from service.streaming import DONE_EVENT, ClientGone, SSEResponse, StreamDeadline, until_disconnect
 from service.warmup import is_warmup
 
 logger = logging.getLogger(__name__)
@@ -123,15 +123,21 @@ class _Events:
 
     def __init__(self, events: AsyncIterator[str], ctx: RequestContext, deadline: float | None) -> None:
         self.events = events
+        self.deadline = StreamDeadline(deadline)
         token = CURRENT.set(ctx)  # engine requests begun while iterating find their request
         try:
-            self.first: asyncio.Future[str | None] = asyncio.ensure_future(next_before(events, deadline))
+            self.first: asyncio.Future[str | None] = asyncio.ensure_future(self.deadline.next(events))
         finally:
             CURRENT.reset(token)
+
+    async def next(self) -> str | None:
+        """The event after the first (None at the end); 408 once the request's deadline passes."""
+        return await self.deadline.next(self.events)
 
     async def close(self) -> None:
         self.first.cancel()
         await asyncio.gather(self.first, return_exceptions=True)  # its result or error is nobody's now
+        self.deadline.close()
         await self.events.aclose()
 
 
@@ -169,10 +175,10 @@ async def _stream_response(request: Request, events: _Events, ctx: RequestContex
         await events.close()  # the body may never have started (client gone first)
         close(outcome.status)
 
-    return SSEResponse(_sse(events, ctx, deadline, outcome), on_close=on_close)
+    return SSEResponse(_sse(events, ctx, outcome), on_close=on_close)
 
 
-async def _sse(events: _Events, ctx: RequestContext, deadline: float | None, outcome: _Outcome) -> AsyncIterator[str]:
+async def _sse(events: _Events, ctx: RequestContext, outcome: _Outcome) -> AsyncIterator[str]:
     """vLLM's events, passed through; an error event (vLLM's, a failure or a timeout) in our
     format, then [DONE]."""
     try:
@@ -184,7 +190,7 @@ async def _sse(events: _Events, ctx: RequestContext, deadline: float | None, out
                 logger.info("stream failed after it started: %s", event[:500].strip())
                 raise ctx.error or _event_error(event)
             yield event
-            event = await next_before(events.events, deadline)
+            event = await events.next()
         outcome.status = "ok"
         return
     except APIError as exc:

@@ -77,12 +77,48 @@ def request_timeout() -> APIError:
     return APIError(408, "the request took longer than the server's request timeout", code="timeout")
 
 
-async def next_before(stream: AsyncIterator[T], deadline: float | None) -> T | None:
-    """The stream's next item (None at its end); 408 if the loop time `deadline` passes first."""
-    if deadline is None:
-        return await anext(stream, None)
-    try:  # not asyncio.wait_for: on 3.11 it can swallow a cancellation (client disconnect)
-        async with asyncio.timeout_at(deadline):
+class StreamDeadline:
+    """A request's deadline (loop time `when`; None: none) over every wait for its stream's next
+    item: `asyncio.timeout_at(when)` around each wait, with one timer for the whole stream instead
+    of one per item. When the timer fires during a wait, the waiting task is cancelled as
+    asyncio.timeout cancels it and the wait raises 408; a wait begun after `when` raises 408 at
+    once; any other cancellation (client disconnect) passes through. `close()` drops the timer."""
+
+    def __init__(self, when: float | None) -> None:
+        self.when = when
+        self._timer: asyncio.TimerHandle | None = None
+        self._waiter: asyncio.Task | None = None  # the task waiting for an item now
+        self._cancelling = 0                       # its cancel requests before this wait
+        self._expiring = False                     # the timer cancelled the current wait
+
+    def _expire(self) -> None:
+        self._timer = None
+        if self._waiter is not None:
+            self._waiter.cancel()
+            self._expiring = True
+
+    async def next(self, stream: AsyncIterator[T]) -> T | None:
+        """The stream's next item (None at its end); 408 if `when` passes first."""
+        if self.when is None:
             return await anext(stream, None)
-    except TimeoutError:
-        raise request_timeout() from None
+        loop = asyncio.get_running_loop()
+        if loop.time() >= self.when:
+            raise request_timeout()
+        if self._timer is None:
+            self._timer = loop.call_at(self.when, self._expire)
+        task = asyncio.current_task()
+        assert task is not None and self._waiter is None, "one wait at a time"
+        self._waiter, self._cancelling, self._expiring = task, task.cancelling(), False
+        try:
+            return await anext(stream, None)
+        except asyncio.CancelledError:
+            if self._expiring and task.uncancel() <= self._cancelling:
+                raise request_timeout() from None
+            raise
+        finally:
+            self._waiter = None
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None

@@ -62,6 +62,15 @@ def test_every_variant_ran_once_with_its_files(run_dir: Path) -> None:
     assert argv[OURS][argv[OURS].index("--moe-kernels") + 1] == "optimized"
 
 
+def test_api_process_cpu_is_recorded_per_timed_level(run_dir: Path) -> None:
+    """Each timed level: its 4 warm-up and 4 measured requests of 8 tokens, the API process's CPU."""
+    for v in VARIANTS:
+        spent = json.loads((run_dir / v / "r0" / "api_cpu.json").read_text())
+        assert set(spent) == {"1", "2"}
+        for x in spent.values():
+            assert (x["requests"], x["output_tokens"]) == (8, 64) and 0 < x["cpu_s"] < 60
+
+
 def test_requests_have_the_fixed_shape_and_their_token_gaps(run_dir: Path) -> None:
     for v in VARIANTS:
         recs = _records(run_dir / v / "r0")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import shutil
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -219,7 +221,8 @@ def test_per_step_classes_take_long_minus_short_and_idle_is_the_rest_of_the_step
 
 # --- files, rendering, refusals ------------------------------------------------------------------
 
-def _write_process(out: Path, variant: str, rnd: int, workload: dict, gap_us: int) -> None:
+def _write_process(out: Path, variant: str, rnd: int, workload: dict, gap_us: int,
+                   api_cpu_s: float | None = None) -> None:
     d = out / variant / f"r{rnd}"
     d.mkdir(parents=True)
     meta = {"variant": variant, "round": rnd, "host": "gpu-host", "gpu": "NVIDIA H200", "commit": "0123456789abc",
@@ -228,6 +231,8 @@ def _write_process(out: Path, variant: str, rnd: int, workload: dict, gap_us: in
     (d / "meta.json").write_text(json.dumps(meta))
     ttft = 0.05 + 0.001 * rnd
     (d / "requests.jsonl").write_text("\n".join(json.dumps(_record(1, i, i * 1.0, ttft, gap_us)) for i in range(4)))
+    if api_cpu_s is not None:
+        (d / serve_stats.API_CPU).write_text(json.dumps({"1": {"cpu_s": api_cpu_s, "requests": 8, "output_tokens": 64}}))
     (d / serve_stats.COMPLETE).write_text("{}")
 
 
@@ -247,6 +252,32 @@ def test_results_table_renders_ratios_roofline_and_machines(tmp_path: Path) -> N
     # roofline 4e9 B / 4e12 B/s = 1 ms against ITL 4.05 ms and 2.025 ms
     assert base.endswith("| 25 % |") and ours.endswith("| 49 % |")
     assert "| **2.025** | 2.000 [" in ours
+
+
+def test_api_cpu_per_token_is_tabled_where_recorded_with_its_ratio(tmp_path: Path) -> None:
+    no_cpu = tmp_path / "none"
+    _write_process(no_cpu, BASELINE, 0, WORK, 4000)
+    _write_process(no_cpu, OURS, 0, WORK, 2000)
+    assert "API CPU" not in "\n".join(serve_render.results_table(no_cpu))   # older runs render as before
+    for r in range(2):   # 64 tokens per level: 0.0064 s -> 100 us/token; 0.0032 s -> 50 us/token
+        _write_process(tmp_path / "cpu", BASELINE, r, WORK, 4000, api_cpu_s=0.0064 * (1 + 0.01 * r))
+        _write_process(tmp_path / "cpu", FRONTEND, r, WORK, 4000, api_cpu_s=0.0032 * (1 + 0.01 * r))
+    lines = serve_render.results_table(tmp_path / "cpu")
+    cpu = [ln.split(" | ") for ln in lines if ln.startswith("| qwen3-30b-a3b | 1 |") and ln.count("|") == 7]
+    assert [(r[2], r[3]) for r in cpu] == [(BASELINE, "2"), (FRONTEND, "2")]
+    assert abs(float(cpu[0][4]) - 100.5) < 0.1 and abs(float(cpu[1][4]) - 50.2) < 0.1
+    ratio = cpu[1][5].rstrip(" |")
+    assert ratio.startswith("2.000 [") and cpu[0][5].rstrip(" |") == "—"
+
+
+def test_process_cpu_seconds_count_this_process_work() -> None:
+    from bench.serve_servers import process_cpu_s
+
+    before = process_cpu_s(os.getpid())
+    end = time.process_time() + 0.2
+    while time.process_time() < end:
+        pass
+    assert 0.15 <= process_cpu_s(os.getpid()) - before <= 5.0
 
 
 def test_results_table_reads_a_closed_dates_archive(tmp_path: Path) -> None:
