@@ -62,6 +62,14 @@ def _checked(annotation: Any) -> bool:
     return False
 
 
+@lru_cache(maxsize=128)
+def _model_fields_checked(model: type[BaseModel]) -> dict[str, Any]:
+    """JSON key (alias, else name) -> annotation of the model's fields that can hold a bool or a
+    dataclass field: the only ones the walk needs to look at."""
+    return {field.alias or name: field.annotation for name, field in model.model_fields.items()
+            if _checked(field.annotation)}
+
+
 def check_strict_types(annotation: Any, value: Any, path: str = "") -> None:
     """400 for the first non-boolean JSON value in a bool field, or unknown key of a dataclass
     field, of `value` read as `annotation` (a request model class or a union of them)."""
@@ -81,10 +89,10 @@ def check_strict_types(annotation: Any, value: Any, path: str = "") -> None:
             for i, item in enumerate(value):
                 check_strict_types(item_type, item, _join(path, i))
         elif isinstance(member, type) and issubclass(member, BaseModel) and isinstance(value, dict):
-            for name, field in member.model_fields.items():
-                key = field.alias or name
-                if key in value:
-                    check_strict_types(field.annotation, value[key], _join(path, key))
+            fields = _model_fields_checked(member)
+            for key, item in value.items():
+                if key in fields:
+                    check_strict_types(fields[key], item, _join(path, key))
         elif dataclasses.is_dataclass(member) and isinstance(member, type) and isinstance(value, dict):
             fields = _dataclass_fields(member)
             unknown = next((key for key in value if key not in fields), None)
