@@ -67,15 +67,23 @@ class Admission:
     def _fits(self, slots: int) -> bool:
         return self.running == 0 or self.running + slots <= self.max_running
 
-    async def acquire(self, slots: int = 1) -> Ticket:
-        """A ticket for `slots` engine sequences; 400 if more than the server can ever run at once."""
+    def admit_now(self, slots: int = 1) -> Ticket | None:
+        """A ticket for `slots` engine sequences if they fit now and nobody waits before them, else
+        None (then `acquire` queues); 400 if more than the server can ever run at once, 503 once
+        shutting down."""
         if self.closed:
             raise APIError(503, "server is shutting down", code="shutting_down")
         if slots > self.max_running:
             raise APIError(400, f"the request needs {slots} concurrent sequences (prompts x n); this server "
                            f"runs at most {self.max_running}", param="n", code="invalid_value")
-        if not self._waiters and self._fits(slots):
-            return self._admit(slots)
+        return self._admit(slots) if not self._waiters and self._fits(slots) else None
+
+    async def acquire(self, slots: int = 1) -> Ticket:
+        """A ticket for `slots` engine sequences, after waiting in the queue if need be (429 when
+        the queue is full); errors as `admit_now`."""
+        ticket = self.admit_now(slots)
+        if ticket is not None:
+            return ticket
         if len(self._waiters) >= self.max_queued:
             raise self._reject(f"{self.running} running, {len(self._waiters)} queued")
         waiter = asyncio.get_running_loop().create_future()

@@ -71,8 +71,8 @@ async def serve(request: Request, state: ServerState, slots: int, call: Callable
     """Admit `slots`, run `call()` (a vLLM handler coroutine) and answer."""
     observer = (state.warmup_metrics if is_warmup(request) else state.metrics).start(0)
     request.scope[COUNTED] = True
-    try:
-        ticket = await until_disconnect(request, state.admission.acquire(slots))
+    try:  # admitted at once unless others wait or the slots are taken: then queued, watching the client
+        ticket = state.admission.admit_now(slots) or await until_disconnect(request, state.admission.acquire(slots))
     except ClientGone:
         observer.finish("aborted")
         return Response(status_code=CLIENT_CLOSED)
