@@ -85,6 +85,7 @@ S14 = "2026-12-04/session14/"
 S15 = "2026-12-04/session15/"
 S16 = "2026-12-04/session16/"
 S17 = "2026-12-04/session17/"
+S18 = "2026-12-05/session18/cpu_frontend/"
 S17_REFINED = tuple(S17 + "refine/" + f for f in (
     "E=128,N=768,K=2048,dtype=bf16,device=NVIDIA_H200.json",
     "E=128,N=768,K=2048,dtype=fp8_w8a8,block_shape=[128,128],device=NVIDIA_H200.json",
@@ -118,6 +119,9 @@ REGISTRY: dict[str, Entry] = {
     "serve-ab-session17": Entry((S17 + "serve_ab/qwen3-30b-a3b",), sr.results_table),
     "serve-ab-cpu-frontend-after": Entry((S17 + "cpu_frontend_after/run2",), sr.results_table),
     "serve-ab-cpu-frontend-after-loaded": Entry((S17 + "cpu_frontend_after/run1",), sr.results_table),
+    "serve-ab-cpu-frontend-s18-before": Entry((S18 + "before",), sr.results_table),
+    "serve-ab-cpu-frontend-s18-accepted": Entry((S18 + "accepted",), sr.results_table),
+    "serve-ab-cpu-frontend-s18-final": Entry((S18 + "final",), sr.results_table),
     "serve-ab-fp8-dynamic": Entry(FP8_DYNAMIC_SERVE, sr.results_table),
     "serve-ab-fp8-dynamic-headline": Entry(FP8_DYNAMIC_SERVE, sr.headline),
     "tune-fp8-dynamic": Entry((S13 + "tune_fp8dyn/routing,device=NVIDIA_H200.json",), rf.tune_routing_points,
