@@ -260,14 +260,14 @@ def test_api_cpu_per_token_is_tabled_where_recorded_with_its_ratio(tmp_path: Pat
     _write_process(no_cpu, OURS, 0, WORK, 2000)
     assert "API CPU" not in "\n".join(serve_render.results_table(no_cpu))   # older runs render as before
     for r in range(2):   # 64 tokens per level: 0.0064 s -> 100 us/token; 0.0032 s -> 50 us/token
-        _write_process(tmp_path / "cpu", BASELINE, r, WORK, 4000, api_cpu_s=0.0064 * (1 + 0.01 * r))
-        _write_process(tmp_path / "cpu", FRONTEND, r, WORK, 4000, api_cpu_s=0.0032 * (1 + 0.01 * r))
+        _write_process(tmp_path / "cpu", BASELINE, r, WORK, 4000 + 100 * r, api_cpu_s=0.0064 * (1 + 0.1 * r))
+        _write_process(tmp_path / "cpu", FRONTEND, r, WORK, 4000 + 50 * r, api_cpu_s=0.0032 * (1 + 0.2 * r))
     lines = serve_render.results_table(tmp_path / "cpu")
     cpu = [ln.split(" | ") for ln in lines if ln.startswith("| qwen3-30b-a3b | 1 |") and ln.count("|") == 7]
     assert [(r[2], r[3]) for r in cpu] == [(BASELINE, "2"), (FRONTEND, "2")]
-    assert abs(float(cpu[0][4]) - 100.5) < 0.1 and abs(float(cpu[1][4]) - 50.2) < 0.1
+    assert abs(float(cpu[0][4]) - 104.9) < 0.1 and abs(float(cpu[1][4]) - 54.8) < 0.1   # geomeans
     ratio = cpu[1][5].rstrip(" |")
-    assert ratio.startswith("2.000 [") and cpu[0][5].rstrip(" |") == "—"
+    assert ratio.startswith("1.915 [") and cpu[0][5].rstrip(" |") == "—"   # 104.9 / 54.8
 
 
 def test_process_cpu_seconds_count_this_process_work() -> None:
