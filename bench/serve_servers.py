@@ -103,10 +103,16 @@ def command(variant: str, model_dir: Path, flags: EngineFlags,
     return "service", argv + ROUTER_FLAG.get(variant, []), {BLOCK_PDL_ENV: "1" if variant == BLOCK_PDL else "0"}
 
 
+def stat_fields(stat: Path) -> list[str]:
+    """A /proc/<pid>/stat's fields after the command name (which may hold spaces and ')'): [0] is
+    field 3 (state), [1] ppid, [2] pgrp, ..., [11] utime, [12] stime."""
+    return stat.read_text().rsplit(")", 1)[1].split()
+
+
 def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of process `pid` (its threads, not its children), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # fields[0] is field 3 (state)
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime, stime: fields 14, 15
+    fields = stat_fields(Path(f"/proc/{pid}/stat"))
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def group_members(pgid: int) -> list[int]:
@@ -114,7 +120,7 @@ def group_members(pgid: int) -> list[int]:
     live = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            fields = stat_fields(stat)
         except (OSError, IndexError):
             continue                       # exited while we looked
         if int(fields[2]) == pgid and fields[0] != "Z":      # fields: state, ppid, pgrp, ...

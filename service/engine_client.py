@@ -132,7 +132,7 @@ class ObservedEngineClient:
         except Exception as exc:
             raise _classified(handle, ctx, exc) from exc
         finally:
-            _ON_ACCEPTED.set(None)  # not accepted (the engine failed first): nobody else's to take
+            _ON_ACCEPTED.set(None)  # spent, or never taken (the engine failed before add_request)
             handle.active.discard(request_id)
             if charge is not None:
                 charge.release()

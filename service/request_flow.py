@@ -101,7 +101,7 @@ async def serve(request: Request, state: ServerState, slots: int, call: Callable
         if isinstance(result, compat.ErrorResponse):
             raise ctx.error or from_vllm_error(result.error.model_dump())
         if isinstance(result, AsyncIterator):
-            return await _stream_response(request, _Events(result, ctx, deadline), ctx, deadline, close)
+            return await _stream_response(request, _Events(result, ctx, deadline), ctx, close)
         body = result.model_dump()
     except ClientGone:
         close("aborted")
@@ -155,12 +155,13 @@ async def _accepted_before_first_event(events: _Events, ctx: RequestContext) -> 
     return not events.first.done()
 
 
-async def _stream_response(request: Request, events: _Events, ctx: RequestContext, deadline: float | None,
+async def _stream_response(request: Request, events: _Events, ctx: RequestContext,
                            close: Callable[[str], None]) -> Response:
     """The SSE response, once the engine has accepted the request or the first event is there; a
-    failure before then raises (its HTTP status), after it ends the stream with an error event."""
+    failure before then raises (its HTTP status; the first event's wait carries the deadline: 408),
+    after it ends the stream with an error event."""
     try:
-        accepted = await until_disconnect(request, _accepted_before_first_event(events, ctx), deadline)
+        accepted = await until_disconnect(request, _accepted_before_first_event(events, ctx))
         if not accepted:
             first = events.first.result()
             if first is None or first.startswith(_ERROR_EVENT):
