@@ -35,7 +35,7 @@ def server_core_isolation(env: Mapping[str, str]) -> tuple[dict[str, str], Calla
 
     While vLLM's CPU engine generates, its engine-core and worker processes spin (shared-memory
     queue polling with sched_yield) and starve every other process on a 2-vCPU machine; pinned,
-    a client's CPU time is its own again (measured: bench/HISTORY.md, "client starvation").
+    a client's CPU time is its own again.
     Off when the caller binds vLLM's threads itself, with MOE_SERVE_PIN_SERVER=0, on a machine
     with an NVIDIA GPU (/dev/nvidia0..) or on < 2 cores.
     """

@@ -194,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         from kernels.tuning.tune_cli import main as tune_main
 
         return tune_main(args[1:])
+    if args[:1] == ["bench"]:                     # moe-serve bench serve|kernels|tables ... (bench.cli)
+        from bench.cli import main as bench_main
+
+        return bench_main(args[1:])
     if args[:1] == ["explain"]:                   # moe-serve explain ... (kernels.tuning.explain)
         from kernels.tuning.explain import main as explain_main
 

@@ -269,7 +269,7 @@ def check_vllm_pins() -> dict[str, Any]:
 def freeze_startup_heap() -> None:
     """Collect once, then move every object alive now (torch, vLLM, tokenizer: ~650k on the CPU
     engine) out of the collector's reach. Unfrozen, full collections during serving scanned them
-    all and paused the event loop 0.8-0.9 s (TTFT p99 at 32 streams: ~1 s; bench/HISTORY.md).
+    all and paused the event loop 0.8-0.9 s (TTFT p99 at 32 streams: ~1 s).
     vLLM's engine core does the same for its own process (freeze_gc_heap)."""
     began = time.perf_counter()
     gc.collect()

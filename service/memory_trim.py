@@ -3,7 +3,7 @@
 glibc keeps memory freed inside its heaps resident; only the top of the main heap is returned
 on its own. In a long-running API process that memory stays in RSS although nothing uses it:
 measured 2026-11-29 on the CPU engine, `malloc_trim(0)` after 1,156 requests took RSS from
-697.5 to 673.5 MiB while the bytes in use stayed 203.2 MiB (bench/HISTORY.md, soak sections).
+697.5 to 673.5 MiB while the bytes in use stayed 203.2 MiB.
 A background task calls it every `interval_s` seconds in a worker thread (it walks the heaps
 under their locks; the event loop keeps serving). No-op where libc has no malloc_trim (musl,
 macOS).

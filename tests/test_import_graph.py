@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("service", "kernels", "loadtest")
+PACKAGES = ("service", "kernels", "loadtest", "bench")
 MAX_LINES = 400
 KNOWN_CYCLES: list[set[str]] = []
 KNOWN_LONG: set[str] = set()

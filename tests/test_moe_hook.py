@@ -153,7 +153,7 @@ def test_our_path_maps_arguments_correctly() -> None:
     out = _run("""
         import json, torch
         from types import SimpleNamespace
-        from tests.kernels.reference import moe_reference, rel_err, routing
+        from bench.experts.reference import moe_reference, rel_err, routing
         from kernels.plugin.moe_hook import MoeHook, fp8_scales, layer_shape
         from kernels.plugin.vllm_compat import ApplyCall
         E, N, K, M, TOPK = 4, 16, 32, 7, 2
@@ -188,7 +188,7 @@ def test_our_path_maps_arguments_correctly() -> None:
                             a2_scale=a2)
         res["fp8"] = rel_err(out.float(), ref)
         # block FP8 and per-token FP8 as vLLM's prepare step hands them over (fp8 x + scales)
-        from tests.kernels.reference import quant_fp8_block, quant_act_groups, quant_fp8
+        from bench.experts.reference import quant_fp8_block, quant_act_groups, quant_fp8
         x = torch.randn(M, K, generator=g)
         for name, block, per_tok in (("block", [16, 16], False), ("per_token", None, True)):
             qb = SimpleNamespace(use_fp8_w8a8=True, quant_dtype=fp8, block_shape=block,

@@ -135,7 +135,7 @@ def test_eligibility_follows_vllms_routers() -> None:
 
 
 def test_each_layer_takes_our_router_only_up_to_its_measured_token_limit() -> None:
-    """router_topk.max_tokens (M * E * K <= 2^21, from bench/bench_router.py on the H200) per gate
+    """router_topk.max_tokens (M * E * K <= 2^21, measured on the H200) per gate
     shape: Qwen3-30B-A3B's [128, 2048] up to M = 8, Qwen3-235B / GLM-4.5-Air's [128, 4096] up to 4,
     small gates up to MAX_M, a gate too large for one launch never."""
     plain_cls = vc.load(vc.ROUTERS[0])

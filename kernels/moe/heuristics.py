@@ -53,8 +53,7 @@ def decode_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
     programs (fewer, longer programs won at M = 1 down to K = 1024), else 32 or 16 rows;
     BLOCK_K 256 (<= padded N); 4 stages (5 for fp8); PDL. With `split`, the down kernel (and,
     for fp8, the up kernel) splits its reduction where its tiles leave most SMs idle
-    (decode_split): on the H200 (bench/results/2026-12-02/session7_kernels/decode_split.json)
-    splitting won where a kernel had <= ~64 programs and lost where it already had ~128, and
+    (decode_split): on the H200 splitting won where a kernel had <= ~64 programs and lost where it already had ~128, and
     splitting the bf16 up kernel lost in 6 of the 8 shapes where it was split. Not the default until the
     routing table's untuned-shape cells are measured with it. Block FP8: BLOCK_K = the
     activation group (128) in both kernels, so one more stage each keeps about as many weight
@@ -207,7 +206,7 @@ def from_vllm_config(vcfg: dict[str, Any], dtype: str = "bf16") -> Config:
     which vLLM itself swaps on Hopper): both GEMMs swapped with 64-row weight tiles (gate and
     up fused, so GEMM1 has half vLLM's programs). On the H200 the unswapped mapping ran 0.76-0.82x
     of vLLM's kernel and this one 1.03-1.09x, at M = 48 and 64 on four untuned shapes in both
-    formats (bench/results/2026-12-04/session15/aligned)."""
+    formats."""
     bm = max(16, int(vcfg["BLOCK_SIZE_M"]))
     bn = int(vcfg["BLOCK_SIZE_N"])
     common = {"GROUP_M": int(vcfg.get("GROUP_SIZE_M", 1)), "num_warps": int(vcfg["num_warps"]),

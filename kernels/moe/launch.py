@@ -42,7 +42,7 @@ def block_pdl() -> bool:
     """Whether PDL chains the whole MoE block at decode (env MOE_SERVE_BLOCK_PDL=1, where
     pdl_supported): our router and the decode path's up kernel become programmatic dependent
     launches too, not only the down kernel. Off unless the whole-model A/B shows it faster
-    (bench/serve_ab.py, variant moe-serve-block-pdl)."""
+    (`moe-serve bench serve`, variant moe-serve-block-pdl)."""
     value = os.environ.get(BLOCK_PDL_ENV, "0")
     if value not in ("0", "1"):
         raise ValueError(f"{BLOCK_PDL_ENV}={value!r}: expected 0 or 1")

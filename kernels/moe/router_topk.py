@@ -45,7 +45,7 @@ MAX_WORK = 1 << 21          # gate multiply-adds (M * E * K) up to which one lau
 def max_tokens(E: int, K: int) -> int:
     """The largest M (<= MAX_M) at which one launch of ours serves a router with E experts over
     hidden size K: M * E * K <= MAX_WORK. Past it the split GEMV loses to vLLM's cuBLAS gate plus
-    fused top-k (H200, bench/bench_router.py: ours 1.03-2.37x at or under it, 0.55-0.90x over it,
+    fused top-k (H200: ours 1.03-2.37x at or under it, 0.55-0.90x over it,
     on four router shapes, M = 1..16). 0: never ours."""
     return min(MAX_M, MAX_WORK // (E * K))
 

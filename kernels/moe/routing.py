@@ -2,7 +2,7 @@
 
 The table (``routing,device={device}.json`` in kernels/moe/configs/, or the dir in
 $MOE_SERVE_KERNEL_CONFIG_DIR, searched first) is written by kernels/tuning/make_routing.py from
-bench_kernels' results.json files, or by `moe-serve tune`. Per shape key
+`moe-serve bench kernels` results.json files, or by `moe-serve tune`. Per shape key
 ``E={E},N={N},K={K},dtype={dtype}`` it holds M ranges, each routed to "ours" or "vllm", and the
 measured points (vLLM's time / ours) with the reason for each point's route::
 

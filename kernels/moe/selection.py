@@ -137,7 +137,7 @@ def _table_entry(E: int, N: int, K: int, dtype: str, device: str,
 
 # Formats whose untuned decode path beat vLLM where measured, so the default rule may route
 # their unmeasured shapes to ours. Block-scaled and per-token FP8 did not (0.50-0.96x at M = 1
-# and 4 on three shapes: bench/results/2026-12-02/session7_fp8): they run ours only where a
+# and 4 on three shapes on the H200): they run ours only where a
 # tuned routing table measured it faster.
 DEFAULT_RULE_DTYPES = ("bf16", "fp16", "fp32", "fp8")
 

@@ -1,4 +1,4 @@
-"""Build the routing table (kernels/moe/routing.py) from bench_kernels results.json files and
+"""Build the routing table (kernels/moe/routing.py) from `moe-serve bench kernels` results.json files and
 the routing tables `moe-serve tune` writes (their measured points; a later tune of a shape
 replaces every earlier point of that shape, since its tables changed).
 
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", nargs="+",
-                    help="bench_kernels results.json files or `moe-serve tune` routing tables")
+                    help="`moe-serve bench kernels` results.json files or `moe-serve tune` routing tables")
     ap.add_argument("--device", default="NVIDIA_H200")
     ap.add_argument("--triton-version", default=None,
                     help="the Triton the results were measured with (default: this one)")

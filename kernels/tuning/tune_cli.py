@@ -132,8 +132,7 @@ def seed_warning(device_kind: str) -> str | None:
         return None
     return ("moe-serve tune: vLLM is not importable here, so the search cannot start from "
             "vLLM's config for each shape, which the server uses when a shape has no table, "
-            "so its tables can be slower than none (seen on an H200: bench/HISTORY.md, "
-            "2026-12-01). Tune where vLLM is installed.")
+            "so its tables can be slower than none (seen on an H200). Tune where vLLM is installed.")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -13,12 +13,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
-
-from shapes import TUNED, UNTUNED  # noqa: E402
+sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench.experts.shapes import TUNED, UNTUNED  # noqa: E402
 from kernels.moe import aot, configs, selection, smem  # noqa: E402
 from kernels.moe.align import moe_align_kernel  # noqa: E402
 from kernels.moe.fused_moe import Fp8Scales, fused_moe  # noqa: E402

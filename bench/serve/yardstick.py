@@ -1,0 +1,389 @@
+"""The yardstick: moe-serve against `vllm serve` on a whole model over HTTP (`moe-serve bench serve`).
+
+    moe-serve bench serve --model qwen3-30b-a3b --out DIR [--processes 4] [--routing uniform_random]
+    moe-serve bench serve ... --out DIR            # again: resumes, skips finished processes
+    moe-serve bench serve report DIR [DIR...]      # the pooled markdown table
+
+**Primary metrics, fixed before any run: c = 1 ITL p50 (as the weights route) and c = 8 output
+tok/s under realistic expert load (`--routing uniform_random`).**
+
+Starts one server at a time on the same GPU(s), each a fresh process: `vllm-serve` (`python -m
+vllm.entrypoints.openai.api_server`, no vLLM plugin), `moe-serve-vllm-kernels` (`python -m service
+--moe-kernels vllm`: what our frontend costs; only every `--frontend-every` K-th round) and
+`moe-serve` (`python -m service`, as shipped), on the same model (bench/models/<name> with dummy
+weights, `--model embedded`, or `--model-dir` any local HF dir) with identical engine flags
+(servers.py). Round r runs the variants in rotated order (three variants: every second cycle of
+rotations reversed, so each variant takes each position and precedes each other one equally often).
+
+Expert load (`--routing`): `weights` routes as the model's router does (dummy weights crowd a
+batch's tokens onto few experts; at c = 1 a token reads its top-k experts whatever the weights);
+a vLLM routing-simulation strategy (`uniform_random`, `normal_routing`) is set identically in every
+server, which is how a real model's traffic loads the experts at c >= 8.
+
+Each server gets closed-loop streaming loads at every `--concurrency` c: first an untimed pass
+over every level (one-time compiles of a fresh server), then per level a warm-up and
+`--requests-per-level` requests with exactly c in flight, fixed prompt and output lengths
+(load.py); then the fixed prompts of answers.py (teacher-forced log-probabilities, to compare the
+servers' answers). Ratios, intervals and the byte floor come from stats.py, the tables from
+render.py.
+
+Files: DIR/<variant>/r<round>/ meta.json (host, GPU, commit and dirty flag, versions, flags,
+start/ready/end times, copy ceiling, byte-floor bytes per c, the engine configuration vLLM logged),
+requests.jsonl (one line per request, as it finishes), api_cpu.json (CPU seconds of the server's
+API process over each timed level), answers.json, server.log, version.json and moe_metrics.txt
+(what the server reports it ran), profile.json (with --profile) and `complete` once the process
+finished. A process with a `complete` marker is never run again; an unfinished one is redone from
+scratch. `--budget-s` stops before a process the budget cannot hold (the longest of the variant's
+last two processes on this host, or `--expect-process-s`): run the same command again to go on.
+`--profile` profiles the next process of every variant that has no profile in DIR yet (after its
+timed levels, c in `--profile-levels`; profile.py). On the GPU the copy ceiling is measured once
+per invocation before any server starts (host.py) unless `--copy-ceiling-tbs` gives it; on the CPU
+engine the floor column stays empty.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import signal
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.model_dirs import config_sha, dummy_model_dir
+from bench.serve import answers
+from bench.serve import host as serve_host
+from bench.serve import profile as serve_profile
+from bench.serve import roofline
+from bench.serve import stats as serve_stats
+from bench.serve.load import LoadClient
+from bench.serve.servers import (ALL_VARIANTS, CPU_KV_CACHE_BYTES, FRONTEND, SERVED_NAME, VARIANTS, WEIGHTS,
+                                 EngineFlags, Server, engine_config)
+
+T0 = time.monotonic()
+PROBE_S = 60.0                 # what the host probe (imports, copy ceiling) may take before the first process
+
+
+def log(msg: str) -> None:
+    print(f"[bench serve {time.strftime('%H:%M:%S')} +{time.monotonic() - T0:6.0f}s] {msg}", flush=True)
+
+
+def round_order(variants: list[str], r: int) -> list[str]:
+    """Round r's order: rotated left by r; with an odd count, reversed in every second cycle."""
+    n = len(variants)
+    order = variants[r % n:] + variants[:r % n]
+    return order[::-1] if n % 2 == 1 and n > 1 and (r // n) % 2 == 1 else order
+
+
+def plan(variants: list[str], processes: int, frontend_every: int) -> list[tuple[int, str]]:
+    """(round, variant) in run order; the frontend variant only in rounds r % frontend_every == 0."""
+    return [(r, v) for r in range(processes) for v in round_order(variants, r)
+            if v != FRONTEND or r % frontend_every == 0]
+
+
+def warmup_count(c: int) -> int:
+    """At least 4 warm-up requests, a whole number of waves of c."""
+    return c * -(-4 // c)
+
+
+def warmup_pass_count(c: int) -> int:
+    """Requests per level of the warm-up pass: at least 16, two waves of c or more."""
+    return c * max(2, -(-16 // c))
+
+
+def requests_at(c: int, per_level: int | None) -> int:
+    return per_level if per_level else max(2 * c, 32)
+
+
+def model_setup(a: argparse.Namespace) -> tuple[Path, str, str | None]:
+    """(model dir, model name, load format): bench/models/<name> with dummy weights, the embedded
+    model, or a local directory."""
+    if a.model_dir:
+        return Path(a.model_dir).resolve(), Path(a.model_dir).name, None if a.load_format == "auto" else a.load_format
+    if a.model == "embedded":
+        from service.embedded_model import ensure_embedded_model
+
+        return ensure_embedded_model(), "embedded", None
+    return dummy_model_dir(a.model, a.out).resolve(), a.model, "dummy"
+
+
+def on_gpu() -> bool:
+    """An NVIDIA GPU is visible (device nodes or the driver's list)."""
+    return any(Path("/dev").glob("nvidia[0-9]*")) or any(Path("/proc/driver/nvidia/gpus").glob("*"))
+
+
+def workload_of(a: argparse.Namespace, name: str, cfg: dict[str, Any], flags: EngineFlags) -> dict[str, Any]:
+    return {"model": name, "config_sha256": config_sha(cfg), "levels": a.levels, "prompt_tokens": a.prompt_tokens,
+            "output_tokens": a.output_tokens, "engine": flags.as_dict(), "warmup_pass": a.warmup_pass}
+
+
+def floor_bytes(cfg: dict[str, Any], tp: int, levels: list[int], context: float) -> dict[str, float] | None:
+    """Per level c: the bytes a decode step of c sequences reads (weights, experts hit under uniform
+    routing, KV cache of `context` tokens each); None for a model family roofline.py does not know."""
+    try:
+        return {str(c): roofline.byte_floor(cfg, tp, c, context)["total"] for c in levels}
+    except (ValueError, KeyError):
+        return None
+
+
+def expected_walls(out: Path, host: str) -> dict[tuple[str, bool], float]:
+    """(variant, profiled) -> the longer wall seconds of its last two complete processes on this host."""
+    walls: dict[tuple[str, bool], list[tuple[float, float]]] = {}
+    for m in out.glob(f"*/r*/{serve_stats.COMPLETE}"):
+        meta = json.loads((m.parent / "meta.json").read_text())
+        if meta.get("host") == host:
+            walls.setdefault((meta["variant"], meta["profiled"]), []).append((meta["end"], meta["wall_s"]))
+    return {k: max(w for _, w in sorted(ws)[-2:]) for k, ws in walls.items()}
+
+
+def profiled_variants(out: Path) -> set[str]:
+    """Variants with a complete process in `out` whose profile succeeded."""
+    return {p.variant for p in serve_stats.load([out]) if "levels" in p.meta.get("profile", {})}
+
+
+async def drive(server: Server, a: argparse.Namespace, vocab: int, pdir: Path, profile: bool) -> None:
+    """The timed levels, then (profile) the profiled bursts; every request into requests.jsonl, the
+    API process's CPU time per timed level (warm-up and measured requests) into api_cpu.json."""
+    client = LoadClient(server.base_url, SERVED_NAME, a.prompt_tokens, vocab, pdir / "requests.jsonl")
+    api_cpu: dict[str, dict[str, float]] = {}
+    try:
+        if a.warmup_pass:   # every level once before any is timed: one-time compiles and
+            for stage, c in enumerate(a.levels):   # allocations of every batch size land here
+                await client.level(stage, c, warmup_pass_count(c), 0, a.output_tokens)
+        for stage, c in enumerate(a.levels):
+            cpu_before = server.api_cpu_s()
+            recs = await client.level(stage, c, warmup_count(c), requests_at(c, a.requests_per_level), a.output_tokens)
+            api_cpu[str(c)] = {"cpu_s": server.api_cpu_s() - cpu_before, "requests": len(recs),
+                               "output_tokens": sum(r.output_tokens for r in recs if r.status == "ok")}
+            (pdir / serve_stats.API_CPU).write_text(json.dumps(api_cpu))
+            measured = [asdict(r) for r in recs if r.phase == "measured"]
+            x = serve_stats.cell(measured, a.output_tokens, None)
+            if x["errors"] == len(measured):
+                raise RuntimeError(f"c={c}: every measured request failed, e.g. {x['error']}")
+            log(f"  c={c}: " + (f"{x['errors']} of {len(measured)} requests failed: {x['error']}" if x["errors"] else
+                                f"ITL p50 {x['itl_p50_ms']:.3f} ms, TTFT p50 {x['ttft_p50_ms']:.1f} ms, "
+                                f"{x['tok_s']:.1f} tok/s ({len(measured)} requests)"))
+        if a.routing == WEIGHTS:  # a routing simulation draws experts at random: answers only as the weights route
+            try:
+                said = await answers.collect(client.http, server.base_url, SERVED_NAME, vocab)
+                (pdir / answers.ANSWERS).write_text(json.dumps(said))
+                log(f"  answers: {len(said['prompts'])} prompts, teacher-forced")
+            except (httpx.HTTPError, ValueError, KeyError) as e:
+                log(f"  answers failed: {type(e).__name__}: {str(e)[:300]}")
+        if profile:
+            out: dict[str, Any] = {"levels": {}}
+            try:
+                for c in a.profile_levels:
+                    out["levels"][str(c)] = await serve_profile.capture(
+                        client, len(a.levels), c, a.profile_tokens, pdir / "traces",
+                        pdir / "kept-traces" if a.keep_traces else None)
+                    log(f"  c={c}: profiled")
+            except Exception as e:  # noqa: BLE001 - the timed levels stand; the next process profiles again
+                log(f"  profile failed: {type(e).__name__}: {e}")
+                out = {"error": f"{type(e).__name__}: {e}"[:500]}
+            (pdir / "profile.json").write_text(json.dumps(out))
+            shutil.rmtree(pdir / "traces", ignore_errors=True)
+    finally:
+        await client.close()
+
+
+def snapshot(base_url: str, pdir: Path) -> None:
+    """What the server says it ran, after its loads: /version (JSON) into version.json and its
+    moe_serve_* Prometheus samples (kernel launches by path, fallbacks, fused-router calls, JIT
+    compiles) into moe_metrics.txt. `vllm serve` has no moe_serve_* samples: the file is empty."""
+    for route, name in (("/version", "version.json"), ("/metrics", "moe_metrics.txt")):
+        try:
+            r = httpx.get(base_url + route, timeout=10.0)
+            r.raise_for_status()
+        except httpx.HTTPError as e:
+            log(f"  {route}: {type(e).__name__}: {e}")
+            continue
+        text = r.text if route == "/version" else "".join(
+            line + "\n" for line in r.text.splitlines() if line.startswith("moe_serve_"))
+        (pdir / name).write_text(text)
+
+
+def run_process(a: argparse.Namespace, variant: str, rnd: int, model: tuple[Path, dict[str, Any]],
+                flags: EngineFlags, meta0: dict[str, Any], profile: bool) -> float:
+    """One server start, its loads, its stop; returns wall seconds. Raises on failure (files kept)."""
+    model_dir, cfg = model
+    pdir = a.out / variant / f"r{rnd}"
+    shutil.rmtree(pdir, ignore_errors=True)         # an unfinished earlier try is redone whole
+    pdir.mkdir(parents=True)
+    began = time.time()
+    meta = {**meta0, "variant": variant, "round": rnd, "profiled": profile, "start": began}
+
+    def write() -> None:
+        (pdir / "meta.json").write_text(json.dumps(meta, indent=1))
+
+    server = Server(variant, pdir / "server.log", model_dir, flags, pdir / "traces" if profile else None)
+    meta["argv"] = server.argv
+    write()
+    try:
+        meta["ready_s"] = server.wait_ready(a.ready_timeout_s, log)
+        meta["ready"] = time.time()
+        log(f"  ready in {meta['ready_s']:.0f} s")
+        meta["engine_config"] = engine_config((pdir / "server.log").read_text(errors="replace"))
+        if meta["engine_config"] is None:
+            log("  the server log holds no engine configuration line")
+        write()
+        asyncio.run(drive(server, a, cfg["vocab_size"], pdir, profile))
+        snapshot(server.base_url, pdir)
+    except BaseException as e:
+        meta["error"] = f"{type(e).__name__}: {e}"[:2000]
+        raise
+    finally:
+        meta["exit_code"] = server.stop()
+        meta["end"] = time.time()
+        meta["wall_s"] = meta["end"] - began
+        write()
+    (pdir / serve_stats.COMPLETE).write_text(json.dumps({"end": meta["end"]}))
+    return meta["wall_s"]
+
+
+def host_meta(a: argparse.Namespace, host: str, work: dict[str, Any], cfg: dict[str, Any],
+              model_dir: Path) -> dict[str, Any]:
+    """What every process of this call records: machine, versions, commit, copy ceiling, workload.
+    Also gives every variant's server the environment moe-serve gives vLLM."""
+    from service.engine import default_engine_env
+
+    default_engine_env()
+    probe = serve_host.probe()                  # in a subprocess: the GPU is free again after it
+    ceiling = a.copy_ceiling_tbs * 1e12 if a.copy_ceiling_tbs else probe["copy_ceiling_bps"]
+    log(f"host {host}, {probe['gpu']}, copy ceiling " + (f"{ceiling / 1e12:.2f} TB/s" if ceiling else "n/a")
+        + f", vLLM {probe['vllm']}, torch {probe['torch']}")
+    return {"host": host, **probe, "copy_ceiling_bps": ceiling,
+            "copy_ceiling_source": "flag" if a.copy_ceiling_tbs else "measured",
+            **serve_host.commit(a.commit), "workload": work,
+            "requests_per_level": {str(c): requests_at(c, a.requests_per_level) for c in a.levels},
+            "warmup_per_level": {str(c): warmup_count(c) for c in a.levels},
+            "floor_bytes": floor_bytes(cfg, a.tensor_parallel_size, a.levels, a.prompt_tokens + a.output_tokens / 2),
+            "model_dir": str(model_dir)}
+
+
+def _terminate(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")     # unwinds through every finally: servers are stopped
+
+
+def run(a: argparse.Namespace) -> int:
+    started = time.monotonic()
+    a.out.mkdir(parents=True, exist_ok=True)
+    model_dir, name, load_format = model_setup(a)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    gpu = on_gpu()
+    flags = EngineFlags(load_format=load_format, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+                        tensor_parallel_size=a.tensor_parallel_size,
+                        gpu_memory_utilization=a.gpu_memory_utilization if gpu else None,
+                        kv_cache_memory_bytes=None if gpu else CPU_KV_CACHE_BYTES, routing=a.routing)
+    work = workload_of(a, name, cfg, flags)
+    others = [p.dir for p in serve_stats.load([a.out]) if serve_stats.workload(p.meta) != work]
+    if others:
+        log(f"{len(others)} processes in {a.out} ran another workload (e.g. {others[0]}); use another --out")
+        return 2
+    todo = [(r, v) for r, v in plan(a.variants, a.processes, a.frontend_every)
+            if not (a.out / v / f"r{r}" / serve_stats.COMPLETE).is_file()]
+    log(f"{name}: {len(todo)} processes to run in {a.out} (expert load: {a.routing}); primary metrics: c = 1 ITL "
+        "p50 (as the weights route) and c = 8 output tok/s (uniform routing)")
+    if not todo:
+        return 0
+    signal.signal(signal.SIGTERM, _terminate)
+    host, meta0 = serve_host.host_name(), None
+    failed: set[str] = set()
+    for i, (r, v) in enumerate(todo):
+        if v in failed:
+            continue
+        profile = a.profile and v not in profiled_variants(a.out)
+        walls = expected_walls(a.out, host)
+        need = walls.get((v, profile)) or (walls.get((v, False), a.expect_process_s)
+                                            + (a.expect_profile_s if profile else 0))
+        need += PROBE_S if meta0 is None else 0
+        left = a.budget_s - (time.monotonic() - started)
+        if left < need:
+            log(f"budget: {left:.0f} s left < {need:.0f} s for {v}; stopping with {len(todo) - i} processes to go "
+                "(run the same command to resume)")
+            return 3
+        meta0 = meta0 or host_meta(a, host, work, cfg, model_dir)
+        log(f"process {i + 1}/{len(todo)}: round {r} {v}" + (" (profiled)" if profile else ""))
+        try:
+            wall = run_process(a, v, r, (model_dir, cfg), flags, meta0, profile)
+        except (RuntimeError, TimeoutError, OSError) as e:
+            log(f"FAILED {v} r{r}: {type(e).__name__}: {str(e)[-1500:]}\n  skipping {v}'s other processes in this call")
+            failed.add(v)
+            continue
+        log(f"round {r} {v} done in {wall:.0f} s")
+    return 1 if failed else 0
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="moe-serve bench serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Time on one H200: 2-4 min per process (engine start 75-170 s, the loads "
+                                       "1-2 min); 4 processes of each of two variants ~25-30 min.")
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    p.add_argument("--model", default="qwen3-30b-a3b", help="bench/models/<name> (dummy weights) or 'embedded'")
+    p.add_argument("--model-dir", help="a local HF model directory instead of --model")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto", help="with --model-dir")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS),
+                   help=f"comma list of {', '.join(ALL_VARIANTS)} (default: {', '.join(VARIANTS)})")
+    p.add_argument("--processes", type=int, default=4, help="rounds: processes per variant")
+    p.add_argument("--frontend-every", type=int, default=2, help=f"{FRONTEND} runs in every K-th round only")
+    p.add_argument("--concurrency", dest="levels", type=ints, default=[1, 8, 32, 64, 128])
+    p.add_argument("--routing", default=WEIGHTS,
+                   help=f"expert load: '{WEIGHTS}' (as the model routes) or a vLLM routing simulation strategy "
+                        "set in every server (uniform_random, normal_routing)")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--no-warmup-pass", dest="warmup_pass", action="store_false",
+                   help="skip the untimed pass over every level before the timed one (then a fresh "
+                        "server's one-time JIT compiles and allocations fall into the timed levels)")
+    p.add_argument("--requests-per-level", type=int, default=None, help="default max(2c, 32)")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--budget-s", type=float, default=float("inf"), help="start no process this call cannot finish")
+    p.add_argument("--expect-process-s", type=float, default=240.0,
+                   help="a variant's process time until one has run on this host")
+    p.add_argument("--expect-profile-s", type=float, default=90.0, help="what a profile adds, until one ran here")
+    p.add_argument("--ready-timeout-s", type=float, default=900.0)
+    p.add_argument("--copy-ceiling-tbs", type=float, default=None, help="instead of measuring it (TB/s, read+written)")
+    p.add_argument("--commit", default=None, help="the commit to record where this checkout has no .git")
+    p.add_argument("--profile", action="store_true", help="profile one process per variant (see above)")
+    p.add_argument("--profile-levels", type=ints, default=[1, 32])
+    p.add_argument("--profile-tokens", type=lambda s: tuple(ints(s)), default=(16, 80), help="short,long")
+    p.add_argument("--keep-traces", action="store_true", help="keep the raw traces in kept-traces/")
+    a = p.parse_args(argv)
+    unknown = set(a.variants) - set(ALL_VARIANTS)
+    if unknown or len(a.profile_tokens) != 2 or a.profile_tokens[0] >= a.profile_tokens[1]:
+        p.error(f"unknown variants {sorted(unknown)}" if unknown else "--profile-tokens wants short,long with short < long")
+    return a
+
+
+def report(argv: list[str]) -> int:
+    from bench.serve.render import results_table
+
+    p = argparse.ArgumentParser(prog="moe-serve bench serve report", description="pooled table of yardstick runs")
+    p.add_argument("dirs", nargs="+", type=Path)
+    print("\n".join(results_table(*p.parse_args(argv).dirs)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["report"]:
+        return report(argv[1:])
+    a = parse_args(argv)
+    code = run(a)
+    if code in (0, 3) and serve_stats.load([a.out]):
+        try:
+            report([str(a.out)])
+        except ImportError as e:         # scipy (the intervals) is not on every GPU host
+            log(f"no table here ({e}): run `moe-serve bench serve report {a.out}` where scipy is installed")
+    return code
+

@@ -1,0 +1,119 @@
+"""The generated tables of bench/RESULTS.md and README.md, recomputed from bench/results/.
+
+    moe-serve bench tables            # rewrite every generated block from the raw files
+    moe-serve bench tables --check    # exit 1 with a diff where a document differs (CI runs it)
+
+A generated block sits between two marker lines::
+
+    <!-- results_tables: NAME -->
+    ...generated, do not edit...
+    <!-- /results_tables -->
+
+REGISTRY maps NAME to the function that renders it from one claim's folder under bench/results/
+(named by what it measures: serve-<model>-<format>-<gpu>-<date>, kernels-...-<date>). A new
+claim: its folder, one REGISTRY entry, the two marker lines where the table goes.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from bench.experts.render import shape_table
+from bench.serve.render import HeadlineRow, headline, results_table, step_budget
+
+BENCH = Path(__file__).resolve().parent
+RESULTS = BENCH / "results"
+DOCS = (BENCH / "RESULTS.md", BENCH.parent / "README.md")
+BLOCK = re.compile(r"(<!-- results_tables: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /results_tables -->)", re.S)
+
+
+def runs(claim: str) -> tuple[Path, ...]:
+    """The run directories of one claim's folder (each holds <variant>/r<round>/ processes)."""
+    found = tuple(sorted(p for p in (RESULTS / claim).iterdir() if p.is_dir()))
+    if not found:
+        raise FileNotFoundError(f"no runs under {RESULTS / claim}")
+    return found
+
+
+QWEN3_BF16 = "serve-qwen3-30b-a3b-bf16-h200-2026-12-04"
+QWEN3_BF16_ENGINE = "serve-qwen3-30b-a3b-bf16-engine-as-vllm-serve-h200-2026-12-04"
+MIXTRAL_BF16 = "serve-mixtral-8x7b-bf16-h200-2026-12-03"
+QWEN3_FP8_BLOCK = "serve-qwen3-30b-a3b-fp8-block-h200-2026-12-04"
+QWEN3_FP8_DYNAMIC = "serve-qwen3-30b-a3b-fp8-dynamic-h200-2026-12-03"
+KERNELS = "kernels-moe-layer-h200-2026-12-04"
+PREFILL_2048 = "prefill budget 2048 tokens (`vllm serve`: 8192)"
+
+
+def _headline() -> list[str]:
+    return headline([
+        HeadlineRow("qwen3-30b-a3b", runs(QWEN3_BF16_ENGINE), settings="as `vllm serve` builds the engine"),
+        HeadlineRow("qwen3-30b-a3b", runs(QWEN3_BF16), variant="moe-serve-fused-router", settings=PREFILL_2048),
+        HeadlineRow("mixtral-8x7b", runs(MIXTRAL_BF16), settings=PREFILL_2048),
+        HeadlineRow("qwen3-30b-a3b-fp8-block", runs(QWEN3_FP8_BLOCK), settings=PREFILL_2048),
+        HeadlineRow("qwen3-30b-a3b-fp8-dynamic", runs(QWEN3_FP8_DYNAMIC), settings=PREFILL_2048),
+    ])
+
+
+def _kernels(*names: str) -> Callable[[], list[str]]:
+    return lambda: shape_table(*(RESULTS / KERNELS / n for n in names))
+
+
+REGISTRY: dict[str, Callable[[], list[str]]] = {
+    "headline": _headline,
+    "serve-qwen3-30b-a3b-bf16": lambda: results_table(*runs(QWEN3_BF16), note=False),
+    "serve-qwen3-30b-a3b-bf16-engine": lambda: results_table(*runs(QWEN3_BF16_ENGINE), note=False),
+    "serve-mixtral-8x7b-bf16": lambda: results_table(*runs(MIXTRAL_BF16), note=False),
+    "serve-qwen3-30b-a3b-fp8-block": lambda: results_table(*runs(QWEN3_FP8_BLOCK), note=False),
+    "serve-qwen3-30b-a3b-fp8-dynamic": lambda: results_table(*runs(QWEN3_FP8_DYNAMIC), note=False),
+    "step-budget": lambda: step_budget(*runs(QWEN3_BF16), *runs(MIXTRAL_BF16)),
+    "kernels-moe-layer": _kernels("2026-12-01-tuned-fine-m.json", "2026-12-01-untuned.json",
+                                  "2026-12-01-tp2-tp1-validation.json"),
+    "kernels-fp8-formats": _kernels("2026-12-04-fp8-formats.json"),
+}
+
+
+def _names(texts: dict[Path, str]) -> set[str]:
+    """The block names the documents hold; raises on a name REGISTRY does not know or on a REGISTRY
+    entry no document holds (before any rendering)."""
+    names = {m["name"] for text in texts.values() for m in BLOCK.finditer(text)}
+    if unknown := names - set(REGISTRY):
+        raise KeyError(f"blocks {sorted(unknown)} are not in REGISTRY")
+    if unused := set(REGISTRY) - names:
+        raise KeyError(f"REGISTRY entries without a block in {', '.join(p.name for p in texts)}: {sorted(unused)}")
+    return names
+
+
+def render(texts: dict[Path, str]) -> dict[Path, str]:
+    """Every document with every block regenerated from its raw files (each block rendered once)."""
+    cache = {name: "\n".join(REGISTRY[name]()) for name in sorted(_names(texts))}
+    return {path: BLOCK.sub(lambda m: m.group(1) + cache[m["name"]] + "\n" + m.group(4), text)
+            for path, text in texts.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="moe-serve bench tables", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true", help="compare only; exit 1 when a document differs")
+    p.add_argument("docs", nargs="*", type=Path, default=list(DOCS),
+                   help="the documents holding every block (default: bench/RESULTS.md, README.md)")
+    a = p.parse_args(argv)
+    old = {d: d.read_text() for d in a.docs}
+    new = render(old)
+    changed = [d for d in a.docs if new[d] != old[d]]
+    if a.check:
+        for d in changed:
+            sys.stdout.writelines(difflib.unified_diff(old[d].splitlines(True), new[d].splitlines(True),
+                                                       str(d), "regenerated from bench/results/"))
+            print(f"\n{d} differs from its raw files: run `moe-serve bench tables`", file=sys.stderr)
+        if changed:
+            return 1
+        print(f"{', '.join(d.name for d in a.docs)}: {len(REGISTRY)} blocks match their raw files")
+        return 0
+    for d in changed:
+        d.write_text(new[d])
+    print(f"{', '.join(d.name for d in a.docs)}: {len(REGISTRY)} blocks written")
+    return 0

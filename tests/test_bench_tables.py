@@ -1,0 +1,71 @@
+"""The generated tables of bench/RESULTS.md and README.md match the committed raw files
+(`moe-serve bench tables --check`), and the evidence stays what RESULTS.md promises: compact,
+named by what it measures, every claim folder used."""
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bench import tables
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_document_matches_its_raw_files(capsys: pytest.CaptureFixture[str]) -> None:
+    assert tables.main(["--check"]) == 0, capsys.readouterr().out[-4000:]
+    assert "RESULTS.md, README.md: " in capsys.readouterr().out
+
+
+def test_an_edited_number_in_a_block_fails_the_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    docs = []
+    for doc in tables.DOCS:
+        text = doc.read_text()
+        assert "**1.058 [1.056, 1.060]**" in text                     # Mixtral's c = 1 row in both
+        copy = tmp_path / doc.name
+        copy.write_text(text.replace("**1.058 [1.056, 1.060]**", "**1.158 [1.156, 1.160]**"))
+        docs.append(str(copy))
+    assert tables.main(["--check", *docs]) == 1
+    out = capsys.readouterr()
+    assert "-| mixtral-8x7b | bf16 |" in out.out and "+| mixtral-8x7b | bf16 |" in out.out
+    assert "RESULTS.md differs" in out.err and "README.md differs" in out.err
+
+
+def test_every_block_is_registered_and_every_entry_used() -> None:
+    texts = {d: d.read_text() for d in tables.DOCS}
+    with pytest.raises(KeyError, match="nope"):
+        tables.render({**texts, Path("x.md"): "<!-- results_tables: nope -->\nx\n<!-- /results_tables -->\n"})
+    results = tables.DOCS[0]
+    text = texts[results]
+    start = text.index("<!-- results_tables: kernels-fp8-formats -->")
+    end = text.index("<!-- /results_tables -->", start) + len("<!-- /results_tables -->")
+    with pytest.raises(KeyError, match="kernels-fp8-formats"):
+        tables.render({**texts, results: text[:start] + text[end:]})
+
+
+def test_the_first_screen_of_results_and_readme_is_the_headline_table() -> None:
+    results = tables.DOCS[0].read_text()
+    assert re.findall(r"<!-- results_tables: ([\w-]+) -->", results)[0] == "headline"
+    assert results.index("<!-- results_tables: headline -->") < 400          # after one sentence
+    readme = (REPO / "README.md").read_text()
+    first = readme[:readme.index("## Talking to it")]
+    assert re.findall(r"<!-- results_tables: ([\w-]+) -->", first) == ["headline"]
+
+
+def test_every_claim_folder_backs_a_table_and_the_evidence_is_compact() -> None:
+    claims = {p.name for p in tables.RESULTS.iterdir() if p.is_dir()}
+    source = (REPO / "bench" / "tables.py").read_text()
+    assert claims and all(f'"{c}"' in source for c in claims), claims
+    size = sum(p.stat().st_size for p in tables.RESULTS.rglob("*") if p.is_file())
+    assert size < 5 * 1024 ** 2, size
+
+
+def test_no_tracked_path_or_text_is_named_by_a_run_counter() -> None:
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert not re.findall(r"(?i)session_?\d+", tracked)
+    texts = [p for p in tracked.splitlines() if p.endswith((".py", ".md", ".sh", ".toml", ".yml", ".json"))
+             and not p.endswith(".jsonl.xz")]
+    named = [p for p in texts if re.search(r"(?i)\bsession_?\d+\b|\bs\d\d_serve|session\d+_", (REPO / p).read_text(errors="replace"))]
+    assert named == []
