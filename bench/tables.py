@@ -40,7 +40,8 @@ def runs(claim: str) -> tuple[Path, ...]:
 
 
 QWEN3_BF16 = "serve-qwen3-30b-a3b-bf16-h200-2026-12-04"
-QWEN3_BF16_ENGINE = "serve-qwen3-30b-a3b-bf16-engine-as-vllm-serve-h200-2026-12-04"
+QWEN3_BF16_NOW = "serve-qwen3-30b-a3b-bf16-h200-2026-12-06"
+QWEN3_BF16_UNIFORM = "serve-qwen3-30b-a3b-bf16-uniform-h200-2026-12-06"
 MIXTRAL_BF16 = "serve-mixtral-8x7b-bf16-h200-2026-12-03"
 QWEN3_FP8_BLOCK = "serve-qwen3-30b-a3b-fp8-block-h200-2026-12-04"
 QWEN3_FP8_DYNAMIC = "serve-qwen3-30b-a3b-fp8-dynamic-h200-2026-12-03"
@@ -50,7 +51,7 @@ PREFILL_2048 = "prefill budget 2048 tokens (`vllm serve`: 8192)"
 
 def _headline() -> list[str]:
     return headline([
-        HeadlineRow("qwen3-30b-a3b", runs(QWEN3_BF16_ENGINE), settings="as `vllm serve` builds the engine"),
+        HeadlineRow("qwen3-30b-a3b", runs(QWEN3_BF16_NOW), runs(QWEN3_BF16_UNIFORM)),
         HeadlineRow("qwen3-30b-a3b", runs(QWEN3_BF16), variant="moe-serve-fused-router", settings=PREFILL_2048),
         HeadlineRow("mixtral-8x7b", runs(MIXTRAL_BF16), settings=PREFILL_2048),
         HeadlineRow("qwen3-30b-a3b-fp8-block", runs(QWEN3_FP8_BLOCK), settings=PREFILL_2048),
@@ -65,7 +66,8 @@ def _kernels(*names: str) -> Callable[[], list[str]]:
 REGISTRY: dict[str, Callable[[], list[str]]] = {
     "headline": _headline,
     "serve-qwen3-30b-a3b-bf16": lambda: results_table(*runs(QWEN3_BF16), note=False),
-    "serve-qwen3-30b-a3b-bf16-engine": lambda: results_table(*runs(QWEN3_BF16_ENGINE), note=False),
+    "serve-qwen3-30b-a3b-bf16-now": lambda: results_table(*runs(QWEN3_BF16_NOW), *runs(QWEN3_BF16_UNIFORM),
+                                                          note=False),
     "serve-mixtral-8x7b-bf16": lambda: results_table(*runs(MIXTRAL_BF16), note=False),
     "serve-qwen3-30b-a3b-fp8-block": lambda: results_table(*runs(QWEN3_FP8_BLOCK), note=False),
     "serve-qwen3-30b-a3b-fp8-dynamic": lambda: results_table(*runs(QWEN3_FP8_DYNAMIC), note=False),

@@ -139,8 +139,8 @@ def results_table(*dirs: Path, note: bool = True) -> list[str]:
     if not procs:
         raise FileNotFoundError(f"no complete yardstick process under {', '.join(map(str, dirs))}")
     out = [NOTE, ""] if note else []
-    for model, ps in serve_stats.by_model(procs, BASELINE).items():
-        out += ab_table(model, ps) + [""]
+    for ps in serve_stats.by_model(procs, BASELINE).values():
+        out += ab_table(ps[0].meta["workload"]["model"], ps) + [""]
     prof = profile_table(procs)
     if prof:
         out += ["Where a decode step goes (ms per step; GPU idle = step - GPU busy; kernels that overlap "

@@ -47,9 +47,13 @@ SERVED_NAME = "yardstick"
 CPU_KV_CACHE_BYTES = 512 * 1024 ** 2
 ROUTING_ENV = "VLLM_MOE_ROUTING_SIMULATION_STRATEGY"   # vLLM's routing simulation (0.26 and later)
 WEIGHTS = "weights"                            # routing mode: as the model's router routes
-# Settings a variant changes on purpose (its own switch): left out when runs are compared.
-VARIANT_CONFIG_KEYS = {VLLM_TRITON: ("moe_backend",)}
+# Settings a variant changes on purpose (its own switch), left out when runs are compared: the MoE
+# backend of the Triton control, and moe-serve's with its kernels (its backend policy picks Triton).
+_MOE_BACKEND = ("kernel_config.moe_backend",)
+VARIANT_CONFIG_KEYS = {VLLM_TRITON: _MOE_BACKEND, OURS: _MOE_BACKEND, FUSED_ROUTER: _MOE_BACKEND,
+                       NO_ROUTER: _MOE_BACKEND, BLOCK_PDL: _MOE_BACKEND}
 CONFIG_LINE = re.compile(r"with config: (.*)$", re.M)
+DATACLASS_VALUE = re.compile(r"^\w+\((.*)\)$", re.S)
 
 
 @dataclass(frozen=True)
@@ -142,18 +146,31 @@ def split_top_level(text: str) -> list[str]:
     return [p for p in parts if p]
 
 
+def _settings(text: str, prefix: str = "") -> dict[str, str]:
+    """{key: value text} of "k=v, ..." at the top level; a value written `Name(k=v, ...)` (a config
+    dataclass) becomes one entry per field, keyed `key.field`."""
+    out: dict[str, str] = {}
+    for part in split_top_level(text):
+        key, sep, value = part.partition("=")
+        if not sep:
+            continue
+        key, value = prefix + key.strip(), value.strip()
+        nested = DATACLASS_VALUE.match(value)
+        out.update(_settings(nested.group(1), key + ".") if nested else {key: value})
+    return out
+
+
 def engine_config(log_text: str) -> dict[str, str] | None:
     """The engine configuration vLLM logged as it built the engine ("... with config: k=v, ..."),
-    as {key: value text}; None where the log holds no such line."""
+    as {key: value text} (config dataclasses field by field); None where the log holds no such line."""
     lines = CONFIG_LINE.findall(log_text)
-    if not lines:
-        return None
-    items = (p.split("=", 1) for p in split_top_level(lines[-1]))
-    return {kv[0].strip(): kv[1].strip() for kv in items if len(kv) == 2}
+    return _settings(lines[-1]) if lines else None
 
 
 def config_differences(a: dict[str, str], b: dict[str, str], ignore: tuple[str, ...] = ()) -> dict[str, tuple]:
-    """{key: (a's value, b's value)} where two engine configurations differ, but for `ignore`."""
+    """{key: (a's value, b's value)} where two engine configurations differ, but for `ignore`
+    (config dataclasses compared field by field, also where a run recorded them whole)."""
+    a, b = (_settings(", ".join(f"{k}={v}" for k, v in c.items())) for c in (a, b))
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if k not in ignore and a.get(k) != b.get(k)}
 
 

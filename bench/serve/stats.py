@@ -37,7 +37,7 @@ from typing import Any
 
 from bench.model_dirs import config_sha, model_config
 from bench.serve import answers, roofline
-from bench.serve.servers import VARIANT_CONFIG_KEYS, config_differences
+from bench.serve.servers import VARIANT_CONFIG_KEYS, WEIGHTS, config_differences
 from bench.stats import ratio_ci
 
 COMPLETE = "complete"
@@ -143,11 +143,12 @@ def load(dirs: list[Any]) -> list[Process]:
 
 
 def by_model(procs: list[Process], baseline: str) -> dict[str, list[Process]]:
-    """Processes grouped by model; SystemExit when one model's processes ran different workloads
-    or engine configurations (config_mismatches)."""
+    """Processes grouped by model and expert-load mode ("model (routing)"); SystemExit when one
+    group's processes ran different workloads or engine configurations (config_mismatches)."""
     out: dict[str, list[Process]] = {}
     for p in procs:
-        out.setdefault(p.meta["workload"]["model"], []).append(p)
+        w = p.meta["workload"]
+        out.setdefault(f"{w['model']} ({w['engine'].get('routing', WEIGHTS)})", []).append(p)
     for model, ps in out.items():
         kinds = {json.dumps(workload(p.meta), sort_keys=True) for p in ps}
         if len(kinds) > 1:
