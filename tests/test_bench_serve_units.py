@@ -149,13 +149,17 @@ def test_the_expert_load_mode_is_set_alike_in_every_server_and_the_triton_contro
 CONFIG_LINE = ("(EngineCore pid=7) INFO 12-06 03:10:01 [core.py:93] Initializing a V1 LLM engine (v0.26.0) with "
                "config: model='/m', speculative_config=None, tokenizer='/m', dtype=torch.bfloat16, "
                "max_seq_len=4096, quantization=None, seed=0, served_model_name=yardstick, "
-               "compilation_config={'level': 3, 'cudagraph_capture_sizes': [512, 256, 1], 'x': 'a, b'}\n")
+               "compilation_config={'level': 3, 'cudagraph_capture_sizes': [512, 256, 1], 'x': 'a, b'}, "
+               "kernel_config=KernelConfig(ir_op_priority=IrOpPriorityConfig(rms_norm=['native']), "
+               "moe_backend='auto', linear_backend='auto')\n")
 
 
 def test_engine_config_reads_the_line_vllm_logs_and_splits_only_top_level_commas() -> None:
     cfg = engine_config("some start-up line\n" + CONFIG_LINE + "later line\n")
     assert cfg["max_seq_len"] == "4096" and cfg["served_model_name"] == "yardstick"
     assert cfg["compilation_config"] == "{'level': 3, 'cudagraph_capture_sizes': [512, 256, 1], 'x': 'a, b'}"
+    assert cfg["kernel_config.moe_backend"] == "'auto'" and "kernel_config" not in cfg
+    assert cfg["kernel_config.ir_op_priority.rms_norm"] == "['native']"
     assert engine_config("no such line\n") is None
     other = engine_config(CONFIG_LINE.replace("max_seq_len=4096", "max_seq_len=8192"))
     assert config_differences(cfg, other) == {"max_seq_len": ("4096", "8192")}
@@ -344,12 +348,14 @@ def test_process_cpu_seconds_count_this_process_work() -> None:
 
 
 def test_report_refuses_processes_whose_engine_ran_other_settings(tmp_path: Path) -> None:
-    cfg = {"max_seq_len": "4096", "moe_backend": "auto"}
+    cfg = {"max_seq_len": "4096", "kernel_config.moe_backend": "'auto'"}
+    triton = {**cfg, "kernel_config.moe_backend": "'triton'"}       # the switch of both variants
     _write_process(tmp_path, BASELINE, 0, WORK, 4000, config=cfg)
-    _write_process(tmp_path, VLLM_TRITON, 0, WORK, 3900, config={**cfg, "moe_backend": "triton"})   # its switch
-    _write_process(tmp_path, OURS, 0, WORK, 3000, config=cfg)
+    _write_process(tmp_path, VLLM_TRITON, 0, WORK, 3900, config=triton)
+    _write_process(tmp_path, OURS, 0, WORK, 3000, config=triton)
+    _write_process(tmp_path, FRONTEND, 0, WORK, 4000, config=cfg)
     assert "| qwen3-30b-a3b | 1 | vllm-serve-triton |" in "\n".join(serve_render.results_table(tmp_path))
-    _write_process(tmp_path, OURS, 1, WORK, 3000, config={**cfg, "max_seq_len": "2048"})
+    _write_process(tmp_path, OURS, 1, WORK, 3000, config={**triton, "max_seq_len": "2048"})
     with pytest.raises(SystemExit, match=r"(?s)engine configuration differs.*moe-serve/r1: .*max_seq_len.*'4096', '2048'"):
         serve_render.results_table(tmp_path)
 
