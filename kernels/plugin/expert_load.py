@@ -43,6 +43,7 @@ from kernels.plugin.plugin_host import PluginHost
 
 ENV = "MOE_SERVE_EXPERT_STATS"
 SLOT_ATTR = "_moe_serve_expert_load"   # on vLLM's router objects
+ROW_ALIGN = 16   # load rows padded to 16 int64 (128 B): every row's pointer has the same Triton specialization
 
 
 def enabled_from_env() -> bool:
@@ -77,7 +78,7 @@ class ExpertLoad:
     def __init__(self, plugin: PluginHost) -> None:
         self.plugin = plugin
         self.layers: list[LayerInfo] = []
-        self.load: torch.Tensor | None = None         # [L, E_max] int64, on the model's device
+        self.load: torch.Tensor | None = None         # [L, E_max padded] int64, on the model's device
         self.num_tokens: torch.Tensor | None = None   # [1] int32
         self.lock = threading.Lock()                  # counts zeroed vs. read
         self.writer: SnapshotWriter | None = None
@@ -144,7 +145,8 @@ class ExpertLoad:
             return
         device = worker.device
         self.layers = [info for info, _ in found]
-        self.load = torch.zeros(len(found), max(i.experts for i in self.layers), dtype=torch.int64, device=device)
+        width = -(-max(i.experts for i in self.layers) // ROW_ALIGN) * ROW_ALIGN
+        self.load = torch.zeros(len(found), width, dtype=torch.int64, device=device)
         self.num_tokens = torch.zeros(1, dtype=torch.int32, device=device)
         for row, (info, router) in enumerate(found):
             setattr(router, SLOT_ATTR, LayerSlot(self.load, row, info.experts, self.num_tokens))

@@ -5,7 +5,8 @@ it begins serving. Every INTERVAL_S it reads its counts (a host copy off the dec
 reader is given) and writes them into the runtime dir as ``expert-load-<pid>.npz`` (replaced
 atomically):
 
-- ``total`` int64 [L, E]: tokens routed to each expert of each MoE layer since serving began,
+- ``total`` int64 [L, E]: tokens routed to each expert of each MoE layer since serving began (E at
+  least the layers' most experts; a layer's columns past its experts stay 0),
 - ``window`` int64 [L, E]: the same over the last ``window_s`` seconds (the newest snapshot minus
   the one at or just before the window's start; shorter while serving is younger than the window),
 - ``meta``: JSON (rank, pid, node, time of the snapshot, serving start, window span, and per layer
