@@ -78,7 +78,7 @@ def kernel_checks(dev: str) -> None:
         x = torch.randn(M, K, device=dev).to(dtype)
         w = (torch.randn(E, K, device=dev) / K ** 0.5).to(dtype)
         counts = torch.randint(0, 1 << 40, (E,), dtype=torch.int64, device=dev)
-        before = counts.cpu()
+        before = counts.cpu().clone()                            # .cpu() of a CPU tensor is itself
         _, ids = router_topk(x, w, topk, counts=(counts, torch.tensor([M - 1], dtype=torch.int32, device=dev)))
         check(torch.equal(counts.cpu(), before + reference(ids, E, M - 1)),
               f"router_topk counts M={M} gate [{E}, {K}] top-{topk} (last row padding)")

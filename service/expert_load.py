@@ -10,8 +10,9 @@ stage's own layers. (moe-serve runs one engine: no data-parallel ranks whose tok
 Three views of each layer's tokens per expert [E]:
 - ``total``: since serving began (warm-up excluded: kernels/plugin/expert_load.py); the Prometheus
   counter's source, never reset.
-- ``window``: the last ``window_s`` seconds (each worker's newest snapshot minus its snapshot at the
-  window's start; snapshots every second). Imbalance, idle experts and the load spread in Prometheus
+- ``window``: the last ``window_s`` seconds (each worker's newest snapshot minus its snapshot at or
+  just before the window's start; snapshots every second, so it spans up to a second more:
+  ``window_span_s``). Imbalance, idle experts and the load spread in Prometheus
   are the window's.
 - ``since_reset``: since the last ``POST /v1/moe/expert-load/reset`` (`reset`), or ``total`` if none
   since serving began. A reset changes nothing else.

@@ -71,5 +71,6 @@ class ExpertLoadCollector:
                 spread.add_metric([layer], share_buckets(window), float(info.experts))
         yield from (routed, imbalance, idle, spread)
         yield GaugeMetricFamily("moe_serve_expert_load_window_seconds", "Seconds of serving the expert load "
-                                "window covers now (its length once serving is older than it)",
+                                "window covers now: its length (up to a snapshot interval more) once serving "
+                                "is older than it",
                                 value=load.window_span_s)

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kernels.plugin.expert_snapshot import INTERVAL_S
 from loadtest.server_proc import MODEL_NAME, ServerProcess
 from tests.conftest import STRICT_METRICS_KEY
 from tests.monitoring_helpers import EXPERT_LOAD_PATH as PATH
@@ -100,7 +101,8 @@ def test_reset_starts_since_reset_and_prometheus_agrees(server: ServerProcess) -
             want = sum(c <= float(le) * mean for c in layer["window"])
             assert value(metrics, "moe_serve_expert_load_experts_bucket", layer=n, le=le) == want
         assert value(metrics, "moe_serve_expert_load_experts_bucket", layer=n, le="+Inf") == EXPERTS
-    assert 0 < value(metrics, "moe_serve_expert_load_window_seconds") <= body["window_s"] == 60.0
+    span = value(metrics, "moe_serve_expert_load_window_seconds")      # from a snapshot at or before its start
+    assert span == body["window_span_s"] and 0 < span <= body["window_s"] + 2 * INTERVAL_S and body["window_s"] == 60
 
 
 def test_the_endpoint_needs_the_api_key(server: ServerProcess) -> None:

@@ -8,7 +8,8 @@ atomically):
 - ``total`` int64 [L, E]: tokens routed to each expert of each MoE layer since serving began (E at
   least the layers' most experts; a layer's columns past its experts stay 0),
 - ``window`` int64 [L, E]: the same over the last ``window_s`` seconds (the newest snapshot minus
-  the one at or just before the window's start; shorter while serving is younger than the window),
+  the one at or just before the window's start, so up to INTERVAL_S more; since serving began
+  while that is younger than the window),
 - ``meta``: JSON (rank, pid, node, time of the snapshot, serving start, window span, and per layer
   its name, number in the model, experts and top-k).
 
