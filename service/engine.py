@@ -159,7 +159,7 @@ class EngineHandle:
         began = time.perf_counter()
         os.environ["MOE_SERVE_MOE_KERNELS"] = self.settings.moe_kernels  # read by the plugin in every worker
         os.environ["MOE_SERVE_FUSED_ROUTER"] = "1" if self.settings.uses_fused_router else "0"
-        os.environ["MOE_SERVE_EXPERT_STATS"] = "1" if self.settings.expert_stats else "0"  # kernels/plugin/expert_load.py
+        os.environ["MOE_SERVE_EXPERT_STATS"] = "1" if self.settings.expert_stats else "0"  # plugin/expert_load.py
         os.environ["MOE_SERVE_EXPERT_STATS_WINDOW"] = f"{self.settings.expert_stats_window_s:g}"
         try:
             from service import vllm_compat
