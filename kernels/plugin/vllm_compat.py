@@ -58,6 +58,7 @@ COMPUTE_ROUTING_PARAMS = ("self", "hidden_states", "router_logits", "indices_typ
 GPU_WORKER = ("vllm.v1.worker.gpu_worker", "Worker")
 ROUTER_BASE = ("vllm.model_executor.layers.fused_moe.router.fused_moe_router", "FusedMoERouter")
 SELECT_EXPERTS_PARAMS = ("self", "hidden_states", "router_logits", "topk_indices_dtype", "input_ids")
+ROUTER_FACTORY = "vllm.model_executor.layers.fused_moe.router.router_factory"
 SCHEDULER_OUTPUT = ("vllm.v1.core.sched.output", "SchedulerOutput")
 WARMUP_METHOD = "compile_or_warm_up_model"
 APPLY_PARAMS = ("self", "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids",
@@ -246,8 +247,12 @@ def pin_expert_load() -> str:
     assert _params(base.select_experts) == SELECT_EXPERTS_PARAMS
     src = inspect.getsource(inspect.unwrap(base.select_experts))
     assert "self._select_experts(" in src, "select_experts no longer returns the routing it computes"
-    for where in (*ROUTERS, ("vllm.model_executor.layers.fused_moe.router.base_router", "BaseRouter")):
-        assert "select_experts" not in vars(load(where)), where
+    importlib.import_module(ROUTER_FACTORY)                      # every router class vLLM builds
+    pending, seen = [base], []
+    while pending:
+        seen.append(cls := pending.pop())
+        pending.extend(cls.__subclasses__())
+    assert len(seen) > len(ROUTERS) and not [c for c in seen[1:] if "select_experts" in vars(c)], seen
     runner = load(MOE_RUNNER)
     init = inspect.getsource(inspect.unwrap(runner.__init__))
     assert "self.router = router" in init and "register_layer_for_moe_forward_op(" in init
