@@ -22,6 +22,7 @@ from __future__ import annotations
 import glob
 import io
 import json
+import logging
 import os
 import socket
 import threading
@@ -35,6 +36,7 @@ import numpy as np
 INTERVAL_S = 1.0            # seconds between a worker's snapshots
 DEFAULT_WINDOW_S = 60.0     # the sliding window's length
 WINDOW_ENV = "MOE_SERVE_EXPERT_STATS_WINDOW"
+LOGGER = "vllm.moe_serve_plugin"   # the plugin's logger (kernels.plugin.vllm_plugin.MoePlugin)
 PREFIX = "expert-load-"
 SUFFIX = ".npz"
 
@@ -102,13 +104,18 @@ class SnapshotWriter:
             self._thread.start()
 
     def _run(self) -> None:
+        failing = False
         while True:
             time.sleep(INTERVAL_S)
             try:
                 with self.lock:
                     self._write_locked()
-            except Exception:  # noqa: BLE001 - a failed snapshot is skipped; the next one tries again
-                continue
+                failing = False
+            except Exception as exc:  # noqa: BLE001 - skipped (the file's time says how old it is); retried
+                if not failing:
+                    logging.getLogger(LOGGER).warning("moe-serve expert load: snapshot failed, retrying every "
+                                                      "%.0f s: %r", INTERVAL_S, exc)
+                failing = True
 
     def _write_locked(self) -> None:
         now, total = time.time(), self.read()
