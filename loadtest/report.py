@@ -1,7 +1,8 @@
 """The report of one run directory: report.json, report.md and the PNG plots.
 
 A run directory holds meta.json (scenario, target, engine), requests.jsonl (one record per
-request) and metrics_before.prom / metrics_after.prom (when /metrics could be read).
+request), metrics_before.prom / metrics_after.prom (when /metrics could be read) and
+expert_load_before.json / expert_load_after.json (when the server has GET /v1/moe/expert-load).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from loadtest import prom
+from loadtest import expert_load, prom
 from loadtest.records import RECORDS_FILE, read_records
 from loadtest.scenarios import Stage
 from loadtest.stats import all_stages, error_samples
@@ -29,6 +30,11 @@ def _read_text(path: Path) -> str | None:
     return path.read_text() if path.is_file() else None
 
 
+def _read_json(path: Path) -> dict | None:
+    text = _read_text(path)
+    return json.loads(text) if text else None
+
+
 def build_report(run_dir: Path) -> dict:
     """Compute the report dict of `run_dir` from its records (no files written)."""
     meta = json.loads((run_dir / "meta.json").read_text())
@@ -38,7 +44,9 @@ def build_report(run_dir: Path) -> dict:
     for row, st in zip(stages, stages_def):
         row["start"] = st["start"]
     compiles = prom.compiles_delta(_read_text(run_dir / "metrics_before.prom"), _read_text(run_dir / "metrics_after.prom"))
-    return {"meta": meta, "stages": stages, "serving_jit_compiles": compiles,
+    load = expert_load.run_load(_read_json(run_dir / expert_load.BEFORE_FILE),
+                                _read_json(run_dir / expert_load.AFTER_FILE))
+    return {"meta": meta, "stages": stages, "serving_jit_compiles": compiles, "expert_load": load,
             "totals": {"requests": sum(s["requests"] for s in stages), "errors": sum(s["errors"] for s in stages),
                        "cancelled": sum(r.status == "cancelled" for r in records)},
             "error_samples": error_samples(records)}
@@ -69,6 +77,7 @@ def markdown(report: dict) -> str:
     lines += ["", "TTFT: send to first non-empty content chunk. ITL: per request, (last - first content chunk) / "
               "(output tokens - 1); percentiles over requests. Latencies: requests started in the stage. "
               "Output tok/s: tokens generated inside the stage's window.", ""]
+    lines += [*expert_load.markdown_lines(report.get("expert_load")), ""]
     if report["error_samples"]:
         lines += ["Errors seen:", ""] + [f"- `{e}`" for e in report["error_samples"]] + [""]
     lines += [f"![{p}]({p})" for p in ("ttft_vs_users.png", "throughput_vs_users.png", "latency_over_time.png")]

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtest import prom
+from loadtest import expert_load, prom
 from loadtest.records import RECORDS_FILE
 from loadtest.report import write_report
 from loadtest.scenarios import Options, Scenario, build
@@ -66,9 +66,15 @@ def _command_line() -> str:
     return shlex.join(argv) if argv else ""
 
 
+def _save_expert_load(path: Path, body: dict | None) -> None:
+    if body is not None:
+        path.write_text(json.dumps(body))
+
+
 def run(scenario: str, options: Options, target: Target, out: Path, engine: str = "locust",
         grace_s: float = 60.0, plots: bool = True) -> dict:
-    """Scrape /metrics, run the load, scrape again, write the report into `out`; returns the report."""
+    """Scrape /metrics (and read the expert load), run the load, scrape again, write the report into
+    `out`; returns the report."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / RECORDS_FILE).unlink(missing_ok=True)
@@ -81,6 +87,7 @@ def run(scenario: str, options: Options, target: Target, out: Path, engine: str 
     before = prom.scrape(target.host, key)
     if before is not None:
         (out / "metrics_before.prom").write_text(before)
+    _save_expert_load(out / expert_load.BEFORE_FILE, expert_load.fetch(target.host, target.api_key, time.time()))
     print(f"[loadtest] {sc.name} on {target.host} with {engine}: {len(sc.stages)} stages, "
           f"{sc.duration:.0f} s", flush=True)
     if engine == "locust":
@@ -92,9 +99,11 @@ def run(scenario: str, options: Options, target: Target, out: Path, engine: str 
         run_async(sc, target.host, target.model, target.api_key, out / RECORDS_FILE)
     else:
         raise ValueError(f"unknown engine {engine!r}")
+    ended = time.time()
     after = prom.scrape(target.host, key)
     if after is not None:
         (out / "metrics_after.prom").write_text(after)
+    _save_expert_load(out / expert_load.AFTER_FILE, expert_load.fetch(target.host, target.api_key, ended))
     report = write_report(out, plots=plots)
     print(f"[loadtest] report: {out / 'report.md'}", flush=True)
     return report

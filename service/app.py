@@ -16,6 +16,7 @@ from service import __version__
 from service import kernel_tables
 from service.engine import EngineHandle
 from service.errors import install_error_handlers
+from service.expert_load_api import router as expert_load_router
 from service.grammar_checker import tokenizer_info_json
 from service.memory_trim import trim_periodically
 from service.middleware import (AUTHENTICATED, AccessLogMiddleware, AuthMiddleware, BodyLimitMiddleware,
@@ -116,6 +117,8 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
     app.state.server = state
     install_error_handlers(app)
     app.include_router(openai_router)
+    if settings.expert_stats:
+        app.include_router(expert_load_router)  # GET /v1/moe/expert-load, POST .../reset
     if profiler_configured(settings):          # as vllm serve: only with a profiler configured
         app.include_router(profiling_router)
     if docs:

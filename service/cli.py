@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a MoE layer's gate GEMM + top-k at small decode batches in one launch of ours, where "
                    "vLLM's runner holds the gate (Qwen3-MoE style; Mixtral's is moved there); default on with "
                    "--moe-kernels optimized")
+    p.add_argument("--expert-stats", action=argparse.BooleanOptionalAction, default=_env_switch("expert_stats"),
+                   help="count the tokens routed to each expert of each MoE layer on the GPU, in every worker, "
+                   "for /metrics (per layer) and GET /v1/moe/expert-load (layer x expert); default on")
+    p.add_argument("--expert-stats-window", type=float, default=float(e("expert_stats_window", 60.0)),
+                   help="seconds of the expert load's sliding window (imbalance, idle experts; default 60)")
     p.add_argument("--host", default=e("host", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(e("port", 8000)))
     p.add_argument("--api-key", action="append", default=None,
@@ -164,6 +169,7 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
         gpu_memory_utilization=opt_float(args.gpu_memory_utilization),
         max_num_seqs=opt_int(args.max_num_seqs),
         moe_kernels=args.moe_kernels, fused_router=args.fused_router, host=args.host, port=args.port,
+        expert_stats=args.expert_stats is not False, expert_stats_window_s=args.expert_stats_window,
         api_keys=tuple(keys),
         metrics_api_key=args.metrics_api_key, engine_args=dict(args.engine_arg),
         max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,

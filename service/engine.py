@@ -27,6 +27,8 @@ WORKER_EXIT_GRACE_S = 45
 ENGINE_EXIT_GRACE_S = 75.0
 JIT_PHASE_RPC_TIMEOUT_S = 30.0
 RUNNER_GATE_KEY = "moe_serve_runner_gate"  # in vLLM's additional_config: a compile-cache key of its own
+EXPERT_STATS_KEY = "moe_serve_expert_stats"  # likewise, for the expert load counting the graph holds
+EXPERT_STATS_GRAPH = 1  # its value: change it when the counting traced into the graph changes
 
 
 class EngineNotReady(RuntimeError):
@@ -89,6 +91,11 @@ def build_engine_args(settings: Settings, model_path: str) -> Any:
         # files: without a key of its own, a graph traced with or without the move could load in a
         # server of the other kind.
         kwargs["additional_config"] = {**(kwargs.get("additional_config") or {}), RUNNER_GATE_KEY: True}
+    if settings.expert_stats and visible_gpu_count() == 0:
+        # On vLLM's CPU engine the counting (kernels/plugin/expert_load.py) is traced into the
+        # compiled graph (on CUDA it runs inside vLLM's opaque MoE op, the graph is the same): a
+        # graph traced without it must not load in a server that counts.
+        kwargs["additional_config"] = {**(kwargs.get("additional_config") or {}), EXPERT_STATS_KEY: EXPERT_STATS_GRAPH}
     from kernels.plugin import backend_policy
 
     backend_policy.apply(kwargs, settings.moe_kernels, model_path)  # an explicit moe_backend wins
@@ -152,6 +159,8 @@ class EngineHandle:
         began = time.perf_counter()
         os.environ["MOE_SERVE_MOE_KERNELS"] = self.settings.moe_kernels  # read by the plugin in every worker
         os.environ["MOE_SERVE_FUSED_ROUTER"] = "1" if self.settings.uses_fused_router else "0"
+        os.environ["MOE_SERVE_EXPERT_STATS"] = "1" if self.settings.expert_stats else "0"  # plugin/expert_load.py
+        os.environ["MOE_SERVE_EXPERT_STATS_WINDOW"] = f"{self.settings.expert_stats_window_s:g}"
         try:
             from service import vllm_compat
             from service.engine_client import ObservedEngineClient, report_acceptance

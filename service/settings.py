@@ -44,6 +44,8 @@ class Settings:
     max_num_seqs: int | None = None
     moe_kernels: MoeKernels = "optimized"
     fused_router: bool | None = None  # kernels/plugin/router_hook.py in every worker; None: on with optimized
+    expert_stats: bool = True  # per-layer expert load counted in the workers (kernels/plugin/expert_load.py)
+    expert_stats_window_s: float = 60.0  # its sliding window (service/expert_load.py)
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = ()
@@ -150,6 +152,8 @@ class Settings:
         for name in ("structured_output_compile_budget_s", "header_timeout_s", "body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"--{name.removesuffix('_s').replace('_', '-')} must be > 0")
+        if self.expert_stats_window_s <= 0:
+            raise SettingsError("--expert-stats-window must be > 0")
         if self.malloc_trim_interval_s < 0:
             raise SettingsError("--malloc-trim-interval must be >= 0 (0 disables)")
         return self

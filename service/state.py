@@ -11,6 +11,8 @@ from prometheus_client import CollectorRegistry
 
 from service.admission import Admission
 from service.engine import EngineHandle
+from service.expert_load import ExpertLoadSource
+from service.expert_load_metrics import ExpertLoadCollector
 from service.grammar_checker import GrammarChecker
 from service.metrics import ServiceMetrics
 from service.settings import Settings
@@ -33,6 +35,7 @@ class ServerState:
     runtime_dir: Path | None = None  # where vLLM workers write their metrics (service/worker_metrics.py)
     owns_runtime_dir: bool = False  # a temp dir we made (removed at exit)
     remote_workers: RemoteWorkers | None = None  # workers whose metrics files are on other nodes
+    expert_load: ExpertLoadSource | None = None  # the workers' expert load; None with --no-expert-stats
 
     @classmethod
     def create(cls, settings: Settings, engine: EngineHandle) -> "ServerState":
@@ -40,6 +43,9 @@ class ServerState:
         runtime_dir, owns_runtime_dir = prepare_runtime_dir()
         remote_workers = RemoteWorkers(runtime_dir)
         registry.register(WorkerMetricsCollector(runtime_dir, remote_workers))
+        expert_load = ExpertLoadSource(runtime_dir, remote_workers) if settings.expert_stats else None
+        if expert_load is not None:
+            registry.register(ExpertLoadCollector(expert_load))
         admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests,
                               settings.max_prompt_tokens_in_flight)
         return cls(
@@ -55,6 +61,7 @@ class ServerState:
             runtime_dir=runtime_dir,
             owns_runtime_dir=owns_runtime_dir,
             remote_workers=remote_workers,
+            expert_load=expert_load,
         )
 
     async def refresh_worker_reports(self) -> None:

@@ -31,6 +31,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.samples import Sample
 
+from kernels.plugin import expert_snapshot
 from kernels.plugin import plugin_metrics as pm
 
 logger = logging.getLogger(__name__)
@@ -38,8 +39,9 @@ REPORT_TIMEOUT_S = 5.0  # a scrape waits this long for the workers on other node
 
 
 def prepare_runtime_dir() -> tuple[Path, bool]:
-    """(dir, created): $MOE_SERVE_RUNTIME_DIR with an earlier server's files removed, or a fresh
-    temp dir (created=True: remove it at exit); exported in the env so workers inherit it. A new
+    """(dir, created): $MOE_SERVE_RUNTIME_DIR with an earlier server's files (metrics, expert load
+    snapshots) removed, or a fresh temp dir (created=True: remove it at exit); exported in the env
+    so workers inherit it. A new
     server id in it (pm.SERVER_ID_FILE) tells the workers on this node from those on others."""
     given = os.environ.get(pm.RUNTIME_DIR_ENV)
     if given:
@@ -47,6 +49,7 @@ def prepare_runtime_dir() -> tuple[Path, bool]:
         path.mkdir(parents=True, exist_ok=True)
         for old in path.glob("*.db"):
             old.unlink(missing_ok=True)
+        expert_snapshot.remove_snapshots(str(path))
     else:
         path = Path(tempfile.mkdtemp(prefix="moe-serve-runtime-"))
     (path / pm.SERVER_ID_FILE).write_text(uuid.uuid4().hex)

@@ -55,6 +55,35 @@ def delta(before: dict[SampleKey, float], after: dict[SampleKey, float], name: s
     return value(after, name, **labels) - value(before, name, **labels)
 
 
+EXPERT_LOAD_PATH = "/v1/moe/expert-load"
+
+
+def fresh_expert_load(base_url: str, headers: Mapping[str, str] | None = None, method: str = "GET",
+                      path: str = EXPERT_LOAD_PATH, timeout: float = 30.0) -> dict:
+    """The expert load endpoint's body once every worker snapshot merged is younger than this call
+    (workers snapshot every second): everything the engine did before the call is in it."""
+    since = time.time()
+    deadline = time.monotonic() + timeout
+    while True:
+        resp = httpx.request(method, base_url + path, headers=headers, timeout=30)
+        resp.raise_for_status()
+        body = resp.json()
+        if body["as_of"] is not None and body["as_of"] > since:
+            return body
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no worker snapshot after {since}: as_of {body['as_of']}")
+        time.sleep(0.2)
+
+
+def served_forward_tokens(samples: dict[SampleKey, float]) -> float:
+    """Tokens the model's forwards ran for the served requests, from the route metrics (warm-up
+    requests are not in them): prompt + generated - finished sequences (a sequence's last token is
+    sampled, never fed back). Exact for n = 1 and prompts shorter than a KV block (no prefix-cache
+    hit)."""
+    return (value(samples, "moe_serve_prompt_tokens_total") + value(samples, "moe_serve_generation_tokens_total")
+            - value(samples, "moe_serve_finish_reasons_total"))
+
+
 @dataclass(frozen=True)
 class Expr:
     """One PromQL expression shipped in monitoring/ (where it comes from, and the text)."""
@@ -98,8 +127,9 @@ def alert_exprs() -> list[Expr]:
 
 
 def substitute_grafana_vars(promql: str, model: str, rate_interval: str) -> str:
-    """Replace the dashboard's template variables the way Grafana would for one model."""
-    return promql.replace("$__rate_interval", rate_interval).replace("$model", model)
+    """Replace the dashboard's template variables the way Grafana would for one model (every MoE
+    layer: the variable's 'All')."""
+    return promql.replace("$__rate_interval", rate_interval).replace("$model", model).replace("$layer", ".*")
 
 
 class Prometheus:

@@ -18,8 +18,9 @@ from bench.serve import render as serve_render
 from bench.serve import stats as serve_stats
 from bench.serve import trace
 from bench.serve import yardstick as serve_ab
-from bench.serve.servers import (BASELINE, BLOCK_PDL, FRONTEND, FUSED_ROUTER, NO_ROUTER, OURS, ROUTING_ENV, VARIANTS,
-                                 VLLM_TRITON, EngineFlags, command, config_differences, engine_config)
+from bench.serve.servers import (BASELINE, BLOCK_PDL, FRONTEND, FUSED_ROUTER, NO_EXPERT_STATS, NO_ROUTER, OURS,
+                                 ROUTING_ENV, VARIANTS, VLLM_TRITON, EngineFlags, command, config_differences,
+                                 engine_config)
 
 MODELS = Path(__file__).resolve().parents[1] / "bench" / "models"
 
@@ -134,6 +135,7 @@ def test_every_variant_gets_the_same_engine_flags_in_its_own_spelling(tmp_path: 
     assert fused == ours + ["--fused-router"] and unfused == ours + ["--no-fused-router"]
     assert not any("fused-router" in a for a in ours)          # the default: on with our kernels
     assert command(BLOCK_PDL, tmp_path, gpu)[1:] == (ours, {"MOE_SERVE_BLOCK_PDL": "1", ROUTING_ENV: ""})
+    assert command(NO_EXPERT_STATS, tmp_path, gpu)[1] == ours + ["--no-expert-stats"]   # on by default
     assert command(OURS, tmp_path, gpu)[2] == {"MOE_SERVE_BLOCK_PDL": "0", ROUTING_ENV: ""}
 
 

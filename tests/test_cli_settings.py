@@ -11,7 +11,7 @@ from service.settings import Settings, SettingsError, visible_gpu_count
 @pytest.fixture(autouse=True)
 def _no_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("REQUEST_TIMEOUT", "ENABLE_DOCS", "FORWARDED_ALLOW_IPS", "MODEL", "SERVED_MODEL_NAME",
-                 "FUSED_ROUTER", "MOE_KERNELS"):
+                 "FUSED_ROUTER", "MOE_KERNELS", "EXPERT_STATS", "EXPERT_STATS_WINDOW"):
         monkeypatch.delenv("MOE_SERVE_" + name, raising=False)
 
 
@@ -54,17 +54,32 @@ def test_fused_router_is_on_with_our_kernels_unless_turned_off(monkeypatch: pyte
         settings_from_args([])
 
 
-def test_the_router_hook_keys_its_own_compile_cache(embedded_model_dir: str) -> None:
-    """runner_gate changes the traced graph of Mixtral-style blocks; vLLM's AOT compile cache keys on
-    the config, so a server with the hook must not share compiled graphs with one without."""
-    from service.engine import RUNNER_GATE_KEY, build_engine_args
+def test_expert_stats_are_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    default = settings_from_args([])
+    assert default.expert_stats and default.expert_stats_window_s == 60.0
+    assert not settings_from_args(["--no-expert-stats"]).expert_stats
+    assert settings_from_args(["--expert-stats-window", "15"]).expert_stats_window_s == 15.0
+    with pytest.raises(SettingsError, match="--expert-stats-window"):
+        settings_from_args(["--expert-stats-window", "0"])
+    monkeypatch.setenv("MOE_SERVE_EXPERT_STATS", "off")
+    assert not settings_from_args([]).expert_stats
+    assert settings_from_args(["--expert-stats"]).expert_stats                   # the flag wins
+
+
+def test_the_router_hook_and_the_expert_stats_key_their_own_compile_cache(embedded_model_dir: str) -> None:
+    """runner_gate and the expert load counting change the traced graph (the counting on vLLM's CPU
+    engine, where torch.compile traces the MoE layer); vLLM's AOT compile cache keys on the config,
+    so a server with either must not share compiled graphs with one without."""
+    from service.engine import EXPERT_STATS_GRAPH, EXPERT_STATS_KEY, RUNNER_GATE_KEY, build_engine_args
 
     def extra(*flags: str) -> dict:
         return build_engine_args(settings_from_args(list(flags)), embedded_model_dir).additional_config or {}
 
-    assert extra() == {RUNNER_GATE_KEY: True}
-    assert extra("--no-fused-router") == {} and extra("--moe-kernels", "vllm") == {}
-    assert extra("--engine-arg", 'additional_config={"x": 1}') == {"x": 1, RUNNER_GATE_KEY: True}
+    stats = {EXPERT_STATS_KEY: EXPERT_STATS_GRAPH} if visible_gpu_count() == 0 else {}   # traced on CPU only
+    assert extra() == {RUNNER_GATE_KEY: True, **stats}
+    assert extra("--no-fused-router") == stats == extra("--moe-kernels", "vllm")
+    assert extra("--no-fused-router", "--no-expert-stats") == {}
+    assert extra("--engine-arg", 'additional_config={"x": 1}') == {"x": 1, RUNNER_GATE_KEY: True, **stats}
 
 
 def test_the_engine_gets_vllm_serves_batch_defaults(monkeypatch: pytest.MonkeyPatch, embedded_model_dir: str) -> None:
@@ -100,14 +115,15 @@ def test_the_engine_gets_vllm_serves_batch_defaults(monkeypatch: pytest.MonkeyPa
 
 def test_engine_args_are_vllm_serves_but_for_the_cpu_kv_budget(embedded_model_dir: str) -> None:
     """With vLLM's kernels, moe-serve's engine args are what `vllm serve --model M` parses, field by
-    field, but for the fixed CPU KV-cache budget (README: --gpu-memory-utilization). vLLM's CLI
-    defaults differ from its dataclass's (mm_device_do_normalize: None against True)."""
+    field, but for the fixed CPU KV-cache budget (README: --gpu-memory-utilization) and, on CPU, the
+    expert load's compile-cache key. vLLM's CLI defaults differ from its dataclass's
+    (mm_device_do_normalize: None against True)."""
     import dataclasses
 
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     from service import vllm_compat
-    from service.engine import build_engine_args
+    from service.engine import EXPERT_STATS_GRAPH, EXPERT_STATS_KEY, build_engine_args
 
     ours = build_engine_args(settings_from_args(["--model", embedded_model_dir, "--moe-kernels", "vllm"]),
                              embedded_model_dir)
@@ -116,6 +132,7 @@ def test_engine_args_are_vllm_serves_but_for_the_cpu_kv_budget(embedded_model_di
               if getattr(ours, f.name) != getattr(serve, f.name)}
     if visible_gpu_count() == 0:
         assert differ.pop("kv_cache_memory_bytes") == (settings_from_args([]).cpu_kv_cache_bytes, None)
+        assert differ.pop("additional_config") == ({EXPERT_STATS_KEY: EXPERT_STATS_GRAPH}, {})  # traced on CPU
     assert differ == {}
 
 

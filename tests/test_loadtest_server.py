@@ -113,6 +113,14 @@ def test_step_with_asyncio_engine(server: ServerProcess, tmp_path: Path) -> None
     assert all(s["requests"] > 0 and s["output_tok_s"] > 0 for s in report["stages"])
     check_records(tmp_path, report)
     check_pngs(tmp_path)
+    # the run's expert load, beside its latencies: every finished request ran at least its output
+    # tokens through each MoE layer (prompt tokens may come from the prefix cache)
+    load = report["expert_load"]
+    records = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    generated = sum(r["output_tokens"] for r in records if r["status"] == "ok")
+    assert [r["layer"] for r in load["layers"]] == [0, 1] and not load["restarted"]
+    assert all(r["tokens"] >= generated > 0 and r["imbalance"] >= 1.0 for r in load["layers"]), (load, generated)
+    assert "| layer | experts | top-k | tokens | imbalance |" in (tmp_path / "report.md").read_text()
 
 
 def test_ab_mode_ratios(server: ServerProcess, tmp_path: Path) -> None:

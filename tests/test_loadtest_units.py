@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from loadtest import prom
+from loadtest import expert_load, prom
 from loadtest.records import Record
 from loadtest.scenarios import SCENARIOS, Options, build, doubling
 from loadtest.stats import percentile, tokens_in_window
@@ -143,3 +143,25 @@ def test_serving_compiles_delta_and_na() -> None:
     assert prom.compiles_delta(METRICS % "2.0", METRICS % "2.0") == {"total": 0.0, "per_kernel": {}}
     assert prom.compiles_delta("other_metric 1\n", "other_metric 2\n") is None
     assert prom.compiles_delta(None, None) is None
+
+
+def _expert_body(since: float, totals: list[list[int]]) -> dict:
+    return {"serving_since": since, "layers": [{"layer": i, "name": f"model.layers.{i}.mlp.experts", "experts": 4,
+                                                "top_k": 2, "total": t} for i, t in enumerate(totals)]}
+
+
+def test_the_runs_expert_load_is_the_difference_of_the_endpoint_reads() -> None:
+    before = _expert_body(1.0, [[5, 5, 0, 0], [1, 1, 1, 1]])
+    after = _expert_body(1.0, [[11, 5, 2, 0], [1, 1, 1, 1]])
+    load = expert_load.run_load(before, after)
+    assert load == {"restarted": False, "layers": [
+        {"layer": 0, "experts": 4, "top_k": 2, "routed": 8, "tokens": 4, "imbalance": 3.0, "idle_experts": 2,
+         "busiest_share": 0.75},
+        {"layer": 1, "experts": 4, "top_k": 2, "routed": 0, "tokens": 0, "imbalance": None, "idle_experts": 4,
+         "busiest_share": None}]}
+    md = "\n".join(expert_load.markdown_lines(load))
+    assert "| 0 | 4 | 2 | 4 | 3.00 | 2 | 75.0% |" in md and "| 1 | 4 | 2 | 0 | - | 4 | - |" in md
+    restarted = expert_load.run_load(before, _expert_body(2.0, [[1, 1, 0, 0], [0, 0, 0, 0]]))
+    assert restarted["restarted"] and restarted["layers"][0]["routed"] == 2   # counts zeroed: after's alone
+    assert expert_load.run_load(None, after) is None
+    assert "n/a" in expert_load.markdown_lines(None)[0]

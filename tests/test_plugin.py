@@ -7,12 +7,13 @@ compile every variant in warm-up and none while serving; rank 1 must still reach
 serving, count the failure, and count the compiles its missing warm-up leaves to serving.
 That server runs eager (enforce_eager): on vLLM-CPU torch.compile traces the MoE layer into its
 graph, where a Python hook cannot run; on CUDA the layer is vLLM's opaque moe_forward custom
-op and the hook runs eagerly inside it, as it does here. TP=1 with --moe-kernels vllm: what
-stock mode reports.
+op and the hook runs eagerly inside it, as it does here. The expert load of the two ranks: counted
+alike, merged to one. TP=1 with --moe-kernels vllm: what stock mode reports.
 """
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,8 +22,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kernels.moe.router_topk import MAX_M
+from kernels.plugin import expert_snapshot as es
 from kernels.plugin.plugin_metrics import SERVER_ID_FILE
 from loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
+from tests.monitoring_helpers import fresh_expert_load
 from tests.plugin_env import plugin_server_env
 
 TP = 2
@@ -147,7 +151,32 @@ def test_version_reads_the_same_channel(tp2: ServerProcess) -> None:
     files = sorted(os.listdir(runtime))
     assert SERVER_ID_FILE in files, files  # the API process's id (service/worker_metrics.py)
     files.remove(SERVER_ID_FILE)
-    assert files and all(f.endswith(".db") for f in files), files  # else prometheus multiprocess files only
+    snapshots = [f for f in files if f.startswith(es.PREFIX) and f.endswith(es.SUFFIX)]   # expert load, per worker
+    assert len(snapshots) == TP, files
+    assert all(f.endswith(".db") for f in files if f not in snapshots), files  # else prometheus multiprocess files
+
+
+def test_expert_load_is_one_tp_ranks_over_both_router_paths(tp2: ServerProcess) -> None:
+    """Both TP ranks count the same routing (the gate is replicated) and the merge shows it once; a
+    prompt longer than our router's limit routes through vLLM's router (counted at select_experts),
+    its decode steps through ours (counted in the kernel): each forward token's top-k experts once."""
+    prompt_len, out_len, topk = 40, 5, 2
+    assert prompt_len > MAX_M
+    before = fresh_expert_load(tp2.base_url)
+    calls = _sum(tp2, "moe_serve_fused_router_calls")
+    r = httpx.post(tp2.base_url + "/v1/completions", timeout=180, json={
+        "model": MODEL_NAME, "prompt": [random.randrange(1000, 31000) for _ in range(prompt_len)],
+        "max_tokens": out_len, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == prompt_len, r.text
+    after = fresh_expert_load(tp2.base_url)
+    assert after["workers"] == TP
+    for b, a in zip(before["layers"], after["layers"]):
+        assert sum(a["total"]) - sum(b["total"]) == (prompt_len + out_len - 1) * topk
+    assert _sum(tp2, "moe_serve_fused_router_calls") - calls == TP * 2 * (out_len - 1)   # ranks x layers x decode
+    ranks = es.read_snapshots(str(Path(os.path.dirname(tp2.log_path)) / "runtime"))
+    assert len(ranks) == TP and sorted(s["meta"]["rank"] for s in ranks) == list(range(TP))
+    assert all((s["total"] == ranks[0]["total"]).all() for s in ranks)
+    assert [x["total"] for x in after["layers"]] == ranks[0]["total"].tolist()
 
 
 def test_stock_mode_changes_what_workers_report(stock: ServerProcess) -> None:

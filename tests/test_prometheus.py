@@ -62,7 +62,8 @@ def test_dashboard_uses_datasource_variable_only() -> None:
     assert refs and all(ref == {"type": "prometheus", "uid": "${datasource}"} for ref in refs), refs
     titles = " | ".join(p["title"] for p in dash["panels"])
     for needed in ("Time to first token", "Inter-token latency", "End-to-end", "Output tokens/s", "Requests/s",
-                   "Error ratio", "Running / waiting", "JIT compiles by kernel and phase", "MoE backend"):
+                   "Error ratio", "Running / waiting", "JIT compiles by kernel and phase", "MoE backend",
+                   "Expert load spread", "Expert load imbalance per layer"):
         assert needed in titles, f"no panel '{needed}'"
 
 

@@ -5,7 +5,8 @@ model, moved into the runner by kernels/plugin/runner_gate.py), dummy weights, e
 --fused-router and the test plugin's CPU switches (tests/vllm_test_plugin): every decode
 MoE call of M <= router_topk.MAX_M skips the gate GEMM and goes through our router path (our
 kernel compiled for sm_90; vLLM's CPU router computes from the gate's logits), every router
-variant compiled at warm-up, none while serving. Plus the eligibility rules on vLLM's routers.
+variant compiled at warm-up, none while serving, and the expert load counted on that path exactly.
+Plus the eligibility rules on vLLM's routers.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from kernels.moe.router_topk import MAX_M, launch_plan
 from kernels.plugin import vllm_compat as vc
 from kernels.plugin.router_hook import RouterSpec, eligibility, router_spec
 from loadtest.server_proc import ServerProcess, start_server
-from tests.monitoring_helpers import scrape, value
+from tests.monitoring_helpers import fresh_expert_load, scrape, served_forward_tokens, value
 from tests.plugin_env import plugin_server_env
 
 NAME = "tiny-qwen3-moe"
@@ -96,6 +97,22 @@ def test_decode_router_calls_take_our_path_and_compile_nothing_while_serving(
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     # 2 layers x (the prefill of a few tokens, also M <= MAX_M, and 3 decode steps)
     assert value(scrape(server.base_url), "moe_serve_fused_router_calls_total") == before + 2 * 4
+
+
+def test_expert_load_counts_each_served_token_once_and_no_warmup(served: tuple[ServerProcess, str]) -> None:
+    """Our router's path (the kernel adds the experts it picks: kernels/plugin/expert_load.py)
+    counts each served token's top-k experts once per layer, and nothing of the start-up (vLLM's
+    profile run and warm-up, the router warm-up, the API process's request warm-up) counts: the
+    totals since serving began are the served requests' forward tokens x top-k."""
+    server, name = served
+    body = fresh_expert_load(server.base_url)
+    metrics = scrape(server.base_url)
+    _, experts, topk = MODELS[name]
+    assert [(x["layer"], x["experts"], x["top_k"]) for x in body["layers"]] == [(0, experts, topk), (1, experts, topk)]
+    tokens = served_forward_tokens(metrics)                # prompts shorter than a KV block: no cache hit
+    # 2 layers x the fixture's 12 forwards (prefill and decode, all M <= MAX_M): our router served them
+    assert value(metrics, "moe_serve_fused_router_calls_total") >= 2 * 12 and tokens >= 3 + 2 * 9
+    assert [sum(x["total"]) for x in body["layers"]] == [tokens * topk] * 2
 
 
 # -- eligibility on vLLM's own router classes ----------------------------------------------------

@@ -9,6 +9,7 @@
 | `moe-serve-fused-router` | `python -m service --fused-router`: and the router at decode in one launch (on request: `--variants`) |
 | `moe-serve-no-fused-router` | `python -m service --no-fused-router`: vLLM's router, our experts (on request) |
 | `moe-serve-block-pdl` | `MOE_SERVE_BLOCK_PDL=1 python -m service`: the MoE block at decode chained by programmatic dependent launch (on request) |
+| `moe-serve-no-expert-stats` | `python -m service --no-expert-stats`: without the expert load counting, what it costs (on request) |
 
 `EngineFlags` are the engine settings every variant gets, each in its own CLI's spelling; the
 expert-load mode (`routing`) is vLLM's routing simulation, set in every variant's environment.
@@ -39,9 +40,11 @@ VLLM_TRITON = "vllm-serve-triton"              # vllm serve with its Triton MoE 
 FUSED_ROUTER = "moe-serve-fused-router"       # --fused-router spelled out (OURS runs it by default)
 NO_ROUTER = "moe-serve-no-fused-router"        # --no-fused-router: what the one-launch router adds
 BLOCK_PDL = "moe-serve-block-pdl"              # the block chained by PDL (kernels.moe.launch.block_pdl)
+NO_EXPERT_STATS = "moe-serve-no-expert-stats"  # --no-expert-stats: what counting the expert load costs
 VARIANTS = (BASELINE, FRONTEND, OURS)          # the yardstick's default run
-ALL_VARIANTS = (*VARIANTS, VLLM_TRITON, FUSED_ROUTER, NO_ROUTER, BLOCK_PDL)   # what --variants may name, and the table shows
-ROUTER_FLAG = {FUSED_ROUTER: ["--fused-router"], NO_ROUTER: ["--no-fused-router"]}
+ALL_VARIANTS = (*VARIANTS, VLLM_TRITON, FUSED_ROUTER, NO_ROUTER, BLOCK_PDL, NO_EXPERT_STATS)   # what --variants may name, and the table shows
+VARIANT_FLAGS = {FUSED_ROUTER: ["--fused-router"], NO_ROUTER: ["--no-fused-router"],
+                 NO_EXPERT_STATS: ["--no-expert-stats"]}
 BLOCK_PDL_ENV = "MOE_SERVE_BLOCK_PDL"           # set for every moe-serve variant, not inherited
 SERVED_NAME = "yardstick"
 CPU_KV_CACHE_BYTES = 512 * 1024 ** 2
@@ -123,8 +126,8 @@ def command(variant: str, model_dir: Path, flags: EngineFlags,
     if variant not in ALL_VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; known: {', '.join(ALL_VARIANTS)}")
     argv = moe_serve_argv(model_dir, flags, trace_dir, "vllm" if variant == FRONTEND else "optimized")
-    return "service", argv + ROUTER_FLAG.get(variant, []), {BLOCK_PDL_ENV: "1" if variant == BLOCK_PDL else "0",
-                                                             **routing_env(flags.routing)}
+    return "service", argv + VARIANT_FLAGS.get(variant, []), {BLOCK_PDL_ENV: "1" if variant == BLOCK_PDL else "0",
+                                                               **routing_env(flags.routing)}
 
 
 def split_top_level(text: str) -> list[str]:

@@ -18,6 +18,10 @@ router_topk_kernel   grid (M, cdiv(E, BLOCK_E), SPLIT_K)
     for the kernel before it before touching memory and lets the next kernel (our decode path's
     up kernel, itself a dependent launch that waits for us) launch during its tail.
 
+With `counts` (a layer's expert load, int64 [E]) the program that picks a token's experts also
+adds them there (kernels.moe.expert_count's sum, tokens m < num_tokens only): the expert load is
+counted inside this launch, at no extra launch at decode.
+
 Top-k is TOPK rounds of argmax over the E_P2 scores (ties to the lower expert id, as
 torch.topk's order on equal values is unspecified). Not covered (the caller keeps vLLM's
 router): grouped top-k, scoring functions other than softmax and sigmoid.
@@ -53,14 +57,15 @@ def max_tokens(E: int, K: int) -> int:
 @jit(do_not_specialize=["M", "K", "E"])
 def router_topk_kernel(
     # pointers (ws_ptr [>= M * E_P2] fp32 and cnt_ptr [>= M] int32: the split workspace, zero
-    # between calls; unused with one program per token)
-    x_ptr, w_ptr, bias_ptr, topk_w_ptr, topk_ids_ptr, ws_ptr, cnt_ptr,
+    # between calls; unused with one program per token; counts_ptr [E] int64 and num_tokens_ptr
+    # [1] int32: the expert load, with COUNT)
+    x_ptr, w_ptr, bias_ptr, topk_w_ptr, topk_ids_ptr, ws_ptr, cnt_ptr, counts_ptr, num_tokens_ptr,
     # sizes and strides (elements); scaling: routed scaling factor
     M, K, E, stride_xm, stride_we, scaling,
     # meta
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, SCORING_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
     RENORMALIZE: tl.constexpr, E_P2: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, ONE_PROGRAM: tl.constexpr, USE_PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, ONE_PROGRAM: tl.constexpr, USE_PDL: tl.constexpr, COUNT: tl.constexpr = False,
 ):
     if USE_PDL:                        # launched early: let the MoE kernels after us launch, and
         tl.extra.cuda.gdc_launch_dependents()   # wait for the kernel before us (the hidden
@@ -112,6 +117,9 @@ def router_topk_kernel(
     out = m * TOPK + slot
     tl.store(topk_w_ptr + out, top_w * scaling, mask=slot < TOPK)
     tl.store(topk_ids_ptr + out, top_id, mask=slot < TOPK)
+    if COUNT:                          # this token's experts into the layer's expert load
+        real = slot < tl.where(m < tl.load(num_tokens_ptr), TOPK, 0)
+        tl.atomic_add(counts_ptr + top_id, tl.full((TOPK_P2,), 1, tl.int64), mask=real, sem="relaxed")
 
 
 def launch_plan(M: int, E: int, K: int) -> tuple[int, int, int]:
@@ -132,11 +140,13 @@ def launch_plan(M: int, E: int, K: int) -> tuple[int, int, int]:
 def router_topk(x: torch.Tensor, gate_w: torch.Tensor, topk: int, scoring: str = "softmax",
                 renormalize: bool = True, bias: torch.Tensor | None = None, scaling: float = 1.0,
                 out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                counts: tuple[torch.Tensor, torch.Tensor] | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_weights fp32 [M, topk], topk_ids int32 [M, topk]) for hidden states x [M, K] and
     the gate's weight gate_w [E, K] (see the module doc); bias: [E] correction added for the
-    choice only; out: that pair to write into (else fresh tensors). No host sync: CUDA-graph
-    capturable."""
+    choice only; out: that pair to write into (else fresh tensors); counts: (expert load int64
+    [E], num_tokens int32 [1]) to add the first num_tokens tokens' experts to. No host sync:
+    CUDA-graph capturable."""
     if x.dim() != 2 or gate_w.dim() != 2 or x.shape[1] != gate_w.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and gate_w {tuple(gate_w.shape)} must be [M, K] and [E, K]")
     M, K = x.shape
@@ -157,6 +167,9 @@ def router_topk(x: torch.Tensor, gate_w: torch.Tensor, topk: int, scoring: str =
             ((M, topk), torch.float32, (M, topk), torch.int32) or not (
             topk_w.is_contiguous() and topk_ids.is_contiguous()):
         raise ValueError(f"out must be contiguous fp32 and int32 [M={M}, topk={topk}]")
+    if counts is not None and (tuple(counts[0].shape), counts[0].dtype, counts[1].numel(), counts[1].dtype) != \
+            ((E,), torch.int64, 1, torch.int32):
+        raise ValueError(f"counts must be (int64 [E={E}], int32 [1])")
     if M == 0:
         return topk_w, topk_ids
     e_p2 = triton.next_power_of_2(E)
@@ -166,26 +179,31 @@ def router_topk(x: torch.Tensor, gate_w: torch.Tensor, topk: int, scoring: str =
     ws, cnt = (topk_w, topk_ids) if one else split_workspace(x.device, M * e_p2, M)
     launch(router_topk_kernel, (M, triton.cdiv(E, block_e), split),
            x, gate_w, bias if bias is not None else topk_w, topk_w, topk_ids, ws, cnt,
+           *(counts if counts is not None else (topk_ids, topk_ids)),
            M, K, E, x.stride(0), gate_w.stride(0), float(scaling),
            TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), SCORING_FN=SCORING[scoring],
            HAS_BIAS=bias is not None, RENORMALIZE=renormalize, E_P2=e_p2, BLOCK_E=block_e,
-           BLOCK_K=block_k, SPLIT_K=split, ONE_PROGRAM=one, USE_PDL=pdl, num_warps=4,
+           BLOCK_K=block_k, SPLIT_K=split, ONE_PROGRAM=one, USE_PDL=pdl, COUNT=counts is not None, num_warps=4,
            **({"launch_pdl": True} if pdl else {}))
     return topk_w, topk_ids
 
 
 def warm_router_variants(gate_w: torch.Tensor, topk: int, scoring: str, has_bias: bool,
-                         max_m: int = MAX_M, compile_only: bool = False) -> int:
+                         max_m: int = MAX_M, compile_only: bool = False, count: bool = False) -> int:
     """Compile every variant router_topk launches for this gate at M = 1..max_m: run it on zero
     hidden states (or, compile_only, record the launches and compile them for sm_90 with
-    kernels.moe.aot, no GPU needed). Returns the number of distinct variants."""
+    kernels.moe.aot, no GPU needed); count: the variants that add the expert load (into scratch
+    counts, num_tokens 0). Returns the number of distinct variants."""
     E, K = gate_w.shape
-    bias = torch.zeros(E, dtype=torch.float32, device=gate_w.device) if has_bias else None
+    dev = gate_w.device
+    bias = torch.zeros(E, dtype=torch.float32, device=dev) if has_bias else None
+    counts = (torch.zeros(E, dtype=torch.int64, device=dev), torch.zeros(1, dtype=torch.int32, device=dev)) \
+        if count else None
     seen: set[tuple] = set()
     for M in range(1, max_m + 1):
-        x = torch.zeros((M, K), dtype=gate_w.dtype, device=gate_w.device)
+        x = torch.zeros((M, K), dtype=gate_w.dtype, device=dev)
         with record_launches() as launches:
-            router_topk(x, gate_w, topk, scoring, bias=bias)
+            router_topk(x, gate_w, topk, scoring, bias=bias, counts=counts)
         key = tuple(sorted(launches[0][3].items()))
         if key in seen:
             continue
@@ -193,5 +211,5 @@ def warm_router_variants(gate_w: torch.Tensor, topk: int, scoring: str, has_bias
         if compile_only:
             compile_launches(launches)
         else:
-            router_topk(x, gate_w, topk, scoring, bias=bias)
+            router_topk(x, gate_w, topk, scoring, bias=bias, counts=counts)
     return len(seen)

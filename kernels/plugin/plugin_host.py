@@ -1,5 +1,5 @@
 """What the plugin's parts (kernels/plugin/moe_hook.py, kernels/plugin/layer_warmup.py,
-kernels/plugin/router_hook.py) need from the plugin
+kernels/plugin/router_hook.py, kernels/plugin/expert_load.py) need from the plugin
 object (kernels.plugin.vllm_plugin.MoePlugin), as a Protocol: the parts import nothing above them."""
 from __future__ import annotations
 
@@ -24,6 +24,13 @@ class PluginHost(Protocol):
     def count_fallback(self, reason: str) -> None: ...
 
     def count_router(self) -> None: ...
+
+    @property
+    def counts_experts(self) -> bool: ...
+
+    def expert_counts(self, router: Any) -> tuple[Any, Any] | None:
+        """(counts [E] int64, num_tokens [1] int32) for our router kernel to add this call's
+        experts to (kernels/plugin/expert_load.py); None when the router's layer is not counted."""
 
     def log_once(self, kind: str, message: str, *args: Any) -> None: ...
 

@@ -27,6 +27,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, values
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from kernels.plugin import expert_snapshot
+
 RUNTIME_DIR_ENV = "MOE_SERVE_RUNTIME_DIR"
 SERVER_ID_FILE = "server-id"  # in the runtime dir: the id of the API process that reads it
 REPORT_METHOD = "moe_serve_plugin_report"  # a worker attribute, called through collective_rpc
@@ -79,7 +81,8 @@ def worker_report(runtime_dir: str, server_id: str) -> dict[str, Any] | None:
     """This worker's moe_serve_* series for an API process that cannot read its files: None
     when `runtime_dir` is that API process's (its SERVER_ID_FILE holds `server_id`), else
     {"node": host name, "pid": pid, "families": [{"name", "type", "help", "samples":
-    [[sample name, labels, value], ...]}, ...]} (prometheus-client's merge of this pid's files)."""
+    [[sample name, labels, value], ...]}, ...], "expert_load": its expert load snapshot or None}
+    (prometheus-client's merge of this pid's files; kernels/plugin/expert_snapshot.py)."""
     try:
         with open(os.path.join(runtime_dir, SERVER_ID_FILE)) as f:
             if f.read().strip() == server_id:
@@ -91,7 +94,8 @@ def worker_report(runtime_dir: str, server_id: str) -> dict[str, Any] | None:
     families = [{"name": fam.name, "type": fam.type, "help": fam.documentation,
                  "samples": [[s.name, dict(s.labels), s.value] for s in fam.samples]}
                 for fam in MultiProcessCollector.merge(files, accumulate=True) if fam.name.startswith(PREFIX)]
-    return {"node": socket.gethostname(), "pid": pid, "families": families}
+    return {"node": socket.gethostname(), "pid": pid, "families": families,
+            "expert_load": expert_snapshot.as_report(runtime_dir)}
 
 
 class PluginMetrics:

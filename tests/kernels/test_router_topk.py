@@ -108,7 +108,8 @@ def test_bad_arguments_are_refused():
 
 def test_variants_compile_for_sm90():
     """Both paths (split with the arrival counter, one program per token) compile for sm_90 with
-    the bundled ptxas, for bf16 gates of the served model families' sizes."""
+    the bundled ptxas, for bf16 gates of the served model families' sizes, one adding the expert
+    load; so does the expert count kernel, for int32 and int64 ids."""
     import json
     import os
     import subprocess
@@ -124,11 +125,14 @@ def test_variants_compile_for_sm90():
         return [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
 
     rows = compiled("0")
-    assert len(rows) == 5 and {r["kernel"] for r in rows} == {"router_topk_kernel"}
-    assert {r["one_program"] for r in rows} == {True, False}
+    counting = [r for r in rows if r["kernel"] == "count_experts_kernel"]   # kernels.moe.expert_count
+    assert len(counting) == 2 and all(r["atomics"] >= 1 for r in counting), counting
+    rows = [r for r in rows if r not in counting]
+    assert len(rows) == 6 and {r["kernel"] for r in rows} == {"router_topk_kernel"}
+    assert {r["one_program"] for r in rows} == {True, False} and sum(r["count"] for r in rows) == 1
     assert all(r["grid"][0] * r["grid"][1] * r["grid"][2] >= 64 for r in rows if not r["one_program"])
     assert not any(r["launch_pdl"] or r["gdc"] for r in rows), rows      # launched plainly
     # with the block chained (sm_90 is the target here, no CUDA device), each is a programmatic
     # dependent launch that waits for the kernel before it and lets the next one launch
-    chained = compiled("1")
-    assert len(chained) == 5 and all(r["launch_pdl"] and len(r["gdc"]) == 2 for r in chained), chained
+    chained = [r for r in compiled("1") if r["kernel"] == "router_topk_kernel"]
+    assert len(chained) == 6 and all(r["launch_pdl"] and len(r["gdc"]) == 2 for r in chained), chained

