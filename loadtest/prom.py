@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import re
-
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
-JIT_METRIC = "moe_serve_triton_jit_compiles_total"
-_LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+JIT_FAMILY = "moe_serve_triton_jit_compiles"           # a counter: its samples are JIT_FAMILY_total
+JIT_METRIC = JIT_FAMILY + "_total"
 
 
 def scrape(base_url: str, api_key: str = "", timeout_s: float = 10.0) -> str | None:
@@ -21,22 +19,20 @@ def scrape(base_url: str, api_key: str = "", timeout_s: float = 10.0) -> str | N
     return r.text if r.status_code == 200 else None
 
 
-def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
-    """(labels, value) of every sample of metric `name` in Prometheus text format."""
-    out = []
-    for line in text.splitlines():
-        m = _LINE.match(line)
-        if m and m["name"] == name:
-            out.append((dict(_LABEL.findall(m["labels"] or "")), float(m["value"])))
-    return out
+def samples(text: str, name: str) -> list[tuple[dict[str, str], float]] | None:
+    """(labels, value) of every sample named `name` (prometheus_client's parser of the text
+    format); None when no family holds such a sample nor is declared under that name."""
+    found, declared = [], False
+    for family in text_string_to_metric_families(text):
+        declared |= name in (family.name, family.name + "_total")
+        found += [(dict(s.labels), float(s.value)) for s in family.samples if s.name == name]
+    return found if found or declared else None
 
 
 def serving_compiles(text: str | None) -> dict[str, float] | None:
     """Serving-phase compiles per kernel; None when the server does not export the metric."""
-    if text is None:
-        return None
-    found = samples(text, JIT_METRIC)
-    if not found and f"# TYPE {JIT_METRIC.removesuffix('_total')}" not in text and JIT_METRIC not in text:
+    found = None if text is None else samples(text, JIT_METRIC)
+    if found is None:
         return None
     per_kernel: dict[str, float] = {}
     for labels, value in found:

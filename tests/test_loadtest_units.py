@@ -145,6 +145,15 @@ def test_serving_compiles_delta_and_na() -> None:
     assert prom.compiles_delta(None, None) is None
 
 
+def test_samples_read_label_values_that_hold_braces_quotes_and_escapes() -> None:
+    text = ('# TYPE moe_serve_triton_jit_compiles_total counter\n'
+            'moe_serve_triton_jit_compiles_total{kernel="k{1}",phase="serving",x="a \\"b\\" c"} 4.0\n'
+            'moe_serve_triton_jit_compiles_created{kernel="k{1}",phase="serving",x="a \\"b\\" c"} 1.7e9\n')
+    assert prom.samples(text, prom.JIT_METRIC) == [({"kernel": "k{1}", "phase": "serving", "x": 'a "b" c'}, 4.0)]
+    assert prom.serving_compiles(text) == {"k{1}": 4.0}
+    assert prom.samples("# TYPE moe_serve_triton_jit_compiles counter\n", prom.JIT_METRIC) == []
+
+
 def _expert_body(since: float, totals: list[list[int]]) -> dict:
     return {"serving_since": since, "layers": [{"layer": i, "name": f"model.layers.{i}.mlp.experts", "experts": 4,
                                                 "top_k": 2, "total": t} for i, t in enumerate(totals)]}
