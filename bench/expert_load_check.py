@@ -1,4 +1,4 @@
-"""GPU check of the expert load (issue 48): the count kernels on CUDA and under CUDA graphs, their
+"""GPU check of the expert load: the count kernels on CUDA and under CUDA graphs, their
 cost in a graph, and exact per-layer counts from real servers.
 
     python bench/expert_load_check.py --out runs/expert-load-check             # H100/H200 with vLLM
