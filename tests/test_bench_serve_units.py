@@ -19,6 +19,7 @@ from bench.serve import stats as serve_stats
 from bench.serve import trace
 from bench.serve import yardstick as serve_ab
 from bench.serve.servers import (BASELINE, BLOCK_PDL, FRONTEND, FUSED_ROUTER, NO_EXPERT_STATS, NO_ROUTER, OURS,
+                                 QK_NORM_ROPE,
                                  ROUTING_ENV, VARIANTS, VLLM_TRITON, EngineFlags, command, config_differences,
                                  engine_config)
 
@@ -136,6 +137,9 @@ def test_every_variant_gets_the_same_engine_flags_in_its_own_spelling(tmp_path: 
     assert not any("fused-router" in a for a in ours)          # the default: on with our kernels
     assert command(BLOCK_PDL, tmp_path, gpu)[1:] == (ours, {"MOE_SERVE_BLOCK_PDL": "1", ROUTING_ENV: ""})
     assert command(NO_EXPERT_STATS, tmp_path, gpu)[1] == ours + ["--no-expert-stats"]   # on by default
+    fused = command(QK_NORM_ROPE, tmp_path, gpu)[1]
+    assert fused[:-2] == ours and fused[-2] == "--engine-arg"
+    assert json.loads(fused[-1].split("=", 1)[1]) == {"pass_config": {"enable_qk_norm_rope_fusion": True}}
     assert command(OURS, tmp_path, gpu)[2] == {"MOE_SERVE_BLOCK_PDL": "0", ROUTING_ENV: ""}
 
 
