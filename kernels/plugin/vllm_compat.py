@@ -1,37 +1,45 @@
-"""Where the plugin touches vLLM internals (vLLM 0.26 on the GPU host, 0.32 here), and the pins of
+"""Where the plugin touches vLLM internals (vLLM 0.26 on the GPU host, 0.32 here, 0.33), and the pins of
 the kernel-side pieces kernels.moe.vllm_kernels loads.
 
 Every point below is checked by a pin in ``PINS``; tests/test_vllm_compat.py runs them on the CPU
-(0.32), bench/check_vllm_pins.py on the GPU host (0.26). Where the versions differ, the
-difference is dispatched here on ``vllm_minor()``:
+(0.32), bench/check_vllm_pins.py on the GPU host (0.26); 0.33's were run on its wheel's source
+without a GPU (every pin held, the device name stubbed for pin_config_chooser). The plugin runs
+them too (``check_pins``) before it patches anything: where one fails it installs no kernel hook,
+and vLLM's kernels serve. Where the versions differ, the difference is dispatched here on
+``vllm_minor()``:
 
-| point (vLLM module)                                   | 0.26            | 0.32                        |
-|-------------------------------------------------------|-----------------|-----------------------------|
-| ``TritonExperts.apply`` (fused_moe/experts/triton_moe) | APPLY_PARAMS    | APPLY_PARAMS                |
-| ``FusedMoEExpertsModular.apply`` return               | None            | None or UnfinalizedMoEOutput |
-| ``WorkerBase.__init__(vllm_config, local_rank, rank)`` | same            | same                        |
-| ``<Worker>.compile_or_warm_up_model(self)``           | same            | same                        |
-| ``try_get_optimal_moe_config(w1, w2, top_k, dtype, M, block_shape)`` | same | same          |
-| ``_resize_cache(flat, shape)`` views a workspace's front | same         | same                        |
-| ``moe_align_block_size(topk_ids, block_size, E)``      | same            | same                        |
-| ``fused_experts(x, w1, w2, tw, ids, quant_config=)``   | same            | same                        |
-| ``fp8_w8a8_moe_quant_config(w1_scale=, w2_scale=, a1_scale=, a2_scale=)`` | same | same |
-| ``fp8_w8a8_moe_quant_config(..., per_act_token_quant=, block_shape=)`` | same  | same                        |
-| ``FusedMoEExperts.block_shape`` / ``.per_act_token_quant`` (its quant_config's) | same | same |
-| VllmConfig fields read by ``worker_facts``            | same            | same                        |
-| ``MixtralMoE`` computes its gate, then ``self.experts(h, logits)`` (models/mixtral) | same | same |
+| point (vLLM module)                                   | 0.26            | 0.32                        | 0.33 |
+|-------------------------------------------------------|-----------------|-----------------------------|------|
+| ``TritonExperts.apply`` (fused_moe/experts/triton_moe) | APPLY_PARAMS    | APPLY_PARAMS                | same |
+| ``FusedMoEExpertsModular.apply`` return               | None            | None or UnfinalizedMoEOutput | same |
+| the experts' own GEMM2 finish (FINISH_POINTS)         | absent          | absent                      | post_gemm2_hook, overridable |
+| ``WorkerBase.__init__(vllm_config, local_rank, rank)`` | same            | same                        | same |
+| ``<Worker>.compile_or_warm_up_model(self)``           | same            | same                        | same |
+| ``try_get_optimal_moe_config(w1, w2, top_k, dtype, M, block_shape)`` | same | same          | same |
+| ``_resize_cache(flat, shape)`` views a workspace's front | same         | same                        | same |
+| ``moe_align_block_size(topk_ids, block_size, E)``      | same            | same                        | same |
+| ``fused_experts(x, w1, w2, tw, ids, quant_config=)``   | same            | same                        | same |
+| ``fp8_w8a8_moe_quant_config(w1_scale=, w2_scale=, a1_scale=, a2_scale=)`` | same | same | same |
+| ``fp8_w8a8_moe_quant_config(..., per_act_token_quant=, block_shape=)`` | same  | same                        | same |
+| ``FusedMoEExperts.block_shape`` / ``.per_act_token_quant`` (its quant_config's) | same | same | same |
+| VllmConfig fields read by ``worker_facts``            | same            | same                        | same |
+| ``MixtralMoE`` computes its gate, then ``self.experts(h, logits)`` (models/mixtral) | same | same | same |
 
 The return of apply: our kernel writes the final [M, K] sum into ``output`` and returns
 ``OUTPUT_WRITTEN`` (None), which both versions read as "output is final" (0.32 also accepts an
 UnfinalizedMoEOutput, which TritonExperts never returns). vLLM's own results pass through
 unchanged. ``FusedMoE`` (0.26) is ``FusedMoEFactory`` in 0.32; the plugin never names that
-layer (it hooks the experts class below it), so nothing dispatches on it.
+layer (it hooks the experts class below it), so nothing dispatches on it. 0.33's TritonExperts
+lets a model finish GEMM2's rows its own way (a ``post_gemm2_hook``, or a subclass overriding a
+FINISH_POINTS method) and reads UVA-offloaded weights from host memory: ``custom_finish`` names
+such a call, which the hook leaves to vLLM.
 """
 from __future__ import annotations
 
 import functools
 import importlib
 import inspect
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -56,9 +64,12 @@ WARMUP_METHOD = "compile_or_warm_up_model"
 APPLY_PARAMS = ("self", "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids",
                 "activation", "global_num_experts", "expert_map", "a1q_scale", "a2_scale",
                 "workspace13", "workspace2", "expert_tokens_meta", "apply_router_weight_on_input")
-SUPPORTED = ((0, 26), (0, 32))
+SUPPORTED = ((0, 26), (0, 32), (0, 33))
 OUTPUT_WRITTEN = None
-APPLY_RETURNS = {(0, 26): "None", (0, 32): "UnfinalizedMoEOutput | None"}
+APPLY_RETURNS = {(0, 26): "None", (0, 32): "UnfinalizedMoEOutput | None", (0, 33): "UnfinalizedMoEOutput | None"}
+# TritonExperts methods through which vLLM 0.33 lets a subclass finish GEMM2's rows its own way
+FINISH_POINTS = ("_finalize_expert_output", "_apply_router_weight_in_gemm2", "finalize_weight_and_reduce_impl")
+UVA_MARK = "_vllm_is_uva_offloaded"  # vLLM 0.33: a weight read from host memory in place
 MARK = "__moe_serve__"
 
 
@@ -126,6 +137,22 @@ def apply_wrapper(handler: Handler) -> Callable[[Callable], Callable]:
                 expert_tokens_meta, apply_router_weight_on_input))
         return apply
     return make
+
+
+def custom_finish(experts: Any, call: ApplyCall) -> str | None:
+    """A reason when this call finishes GEMM2 other than TritonExperts' own top-k sum (vLLM 0.33:
+    a post_gemm2_hook, or a subclass overriding a FINISH_POINTS method) or reads host-resident
+    weights; None otherwise (always on 0.26 and 0.32)."""
+    if getattr(experts, "post_gemm2_hook", None) is not None:
+        return "post_gemm2_hook"
+    base = load(EXPERTS)
+    cls = type(experts)
+    for name in FINISH_POINTS:
+        if isinstance(experts, base) and getattr(cls, name, None) is not getattr(base, name, None):
+            return f"custom_finish:{name}"
+    if any(getattr(w, UVA_MARK, False) for w in (call.w1, call.w2)):
+        return "host_resident_weights"
+    return None
 
 
 def call_apply(orig: Callable, experts: Any, call: ApplyCall) -> Any:
@@ -206,6 +233,22 @@ def pin_apply() -> str:
     impl = load(EXPERTS).finalize_weight_and_reduce_impl
     assert impl.__qualname__.startswith("TritonExperts"), impl  # NoOP: output is the final sum
     return "TritonExperts.apply parameters and return"
+
+
+def pin_finish_points() -> str:
+    """What custom_finish reads: where TritonExperts.apply finishes GEMM2 through other code than
+    its own top-k sum (0.33), it does so only through the names custom_finish checks."""
+    src = inspect.getsource(inspect.unwrap(load(EXPERTS).apply))
+    names = set(re.findall(r"self\.(_uses_post_gemm2_hook|_run_post_gemm2_hook|_finalize_expert_output|"
+                           r"_apply_router_weight_in_gemm2)\(", src))
+    if vllm_minor() >= (0, 33):
+        assert names == {"_uses_post_gemm2_hook", "_run_post_gemm2_hook", "_finalize_expert_output",
+                         "_apply_router_weight_in_gemm2"}, names
+        assert "post_gemm2_hook" in vars(load(MODULAR).__mro__[1]), "FusedMoEExperts.post_gemm2_hook"
+        assert UVA_MARK in inspect.getsource(importlib.import_module(vk.FUSED_EXPERTS[0]))
+    else:
+        assert not names, names
+    return "TritonExperts' GEMM2 finish (post_gemm2_hook, overridable finish, UVA weights)"
 
 
 def pin_router() -> str:
@@ -302,6 +345,30 @@ def pin_fp8_layout() -> str:
     return "FusedMoEExperts.block_shape / per_act_token_quant, fp8 quant config block and per-token"
 
 
-PINS: tuple[Callable[[], str], ...] = (pin_version, pin_apply, pin_worker, pin_config_fields,
+PINS: tuple[Callable[[], str], ...] = (pin_version, pin_apply, pin_finish_points, pin_worker, pin_config_fields,
                                        pin_config_chooser, pin_workspace_views,
                                        pin_kernel_baselines, pin_fp8_layout, pin_router, pin_runner_gate)
+
+
+class _DropDefaultMoEConfigWarning(logging.Filter):
+    """vLLM's "Using default MoE config" warning for the pins' made-up shape: not about the model."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Using default MoE config")
+
+
+def check_pins() -> dict[str, str]:
+    """Run every pin on this process's vLLM: {pin name: error} of those that fail (empty: they all hold)."""
+    failed: dict[str, str] = {}
+    noisy = logging.getLogger("vllm.model_executor.layers.fused_moe.fused_moe")  # a pin's config lookup
+    quiet = _DropDefaultMoEConfigWarning()
+    noisy.addFilter(quiet)  # a filter, not a level: vLLM's logging set-up may reset levels meanwhile
+    try:
+        for pin in PINS:
+            try:
+                pin()
+            except Exception as exc:  # noqa: BLE001 - every failing pin is reported
+                failed[pin.__name__] = repr(exc)[:300]
+    finally:
+        noisy.removeFilter(quiet)
+    return failed
