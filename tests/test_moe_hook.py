@@ -106,12 +106,13 @@ E, N, K, M, TOPK = 4, 16, 32, 5, 2
 
 def _why(experts=None, act=SILU, expert_map=None, gne=-1, dtype=torch.float32, w_dtype=None,
          out_dtype=None, a1q_scale=None, require_cuda=False, n_w1=2 * N, a2_scale=None) -> str | None:
+    base = vllm_compat.load(vllm_compat.EXPERTS)
     call = vllm_compat.ApplyCall(
         torch.zeros(M, K, dtype=out_dtype or dtype), torch.zeros(M, K, dtype=dtype),
         torch.zeros(E, n_w1, K, dtype=w_dtype or dtype), torch.zeros(E, K, N, dtype=w_dtype or dtype),
         torch.ones(M, TOPK), torch.zeros(M, TOPK, dtype=torch.int32), act, gne, expert_map, a1q_scale,
         a2_scale, torch.zeros(1), torch.zeros(1), None, False)
-    return unsupported_reason(experts or _experts(), call, require_cuda=require_cuda)
+    return unsupported_reason(experts or _experts(), call, require_cuda=require_cuda, experts_base=base)
 
 
 def test_unsupported_reasons() -> None:
@@ -205,7 +206,7 @@ def test_a_call_whose_gemm2_finishes_elsewhere_stays_vllms() -> None:
     call = vllm_compat.ApplyCall(*[None] * 15)
     call.w1, call.w2 = torch.zeros(1), torch.zeros(1)
     setattr(call.w2, vllm_compat.UVA_MARK, True)
-    assert vllm_compat.custom_finish(experts(), call) == "host_resident_weights"
+    assert vllm_compat.custom_finish(experts(), call, base) == "host_resident_weights"
 
 
 def test_our_path_maps_arguments_correctly() -> None:

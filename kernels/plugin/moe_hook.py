@@ -27,8 +27,10 @@ from kernels.plugin.plugin_host import PluginHost
 from kernels.plugin.vllm_compat import OUTPUT_WRITTEN, ApplyCall, call_apply, custom_finish, fp8_layout
 
 
-def unsupported_reason(experts: Any, call: ApplyCall, require_cuda: bool = True) -> str | None:
-    """None when our kernel can compute this call, else a short reason (for the metrics)."""
+def unsupported_reason(experts: Any, call: ApplyCall, require_cuda: bool = True,
+                       experts_base: type | None = None) -> str | None:
+    """None when our kernel can compute this call, else a short reason (for the metrics).
+    experts_base: vLLM's TritonExperts, whose own GEMM2 finish ours replaces (vllm_compat.custom_finish)."""
     q = getattr(experts, "quant_config", None)
     x, w1, w2, out = call.hidden_states, call.w1, call.w2, call.output
     act = getattr(call.activation, "name", str(call.activation))
@@ -54,14 +56,14 @@ def unsupported_reason(experts: Any, call: ApplyCall, require_cuda: bool = True)
     if w1.size(1) != 2 * w2.size(2) or w1.size(2) != x.size(1):
         return "not_gated"
     if q is not None and getattr(q, "use_fp8_w8a8", False):
-        return _fp8_reason(experts, call) or custom_finish(experts, call)
+        return _fp8_reason(experts, call) or custom_finish(experts, call, experts_base)
     if q is not None and getattr(q, "quant_dtype", None) is not None:
         return f"quant:{q.quant_dtype}"
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"dtype:{x.dtype}"
     if not (x.dtype == w1.dtype == w2.dtype == out.dtype):
         return "mixed_dtypes"
-    return custom_finish(experts, call)
+    return custom_finish(experts, call, experts_base)
 
 
 def _fp8_reason(experts: Any, call: ApplyCall) -> str | None:
@@ -133,6 +135,7 @@ class MoeHook:
     its layer warm-up. require_cuda: our kernels run on CUDA tensors only."""
 
     require_cuda = True
+    experts_base: type | None = None  # vLLM's TritonExperts, set when the hook is installed
 
     def __init__(self, plugin: PluginHost, layers: LayerWarmup) -> None:
         self.plugin = plugin
@@ -140,7 +143,7 @@ class MoeHook:
         self._shapes: dict[int, LayerShape] = {}  # id(experts) -> its layer's shape (fixed per layer)
 
     def handle(self, orig: Callable, experts: Any, call: ApplyCall) -> Any:
-        why = unsupported_reason(experts, call, self.require_cuda)
+        why = unsupported_reason(experts, call, self.require_cuda, self.experts_base)
         if why is not None:
             return self._fallback(orig, experts, call, why)
         try:

@@ -139,17 +139,17 @@ def apply_wrapper(handler: Handler) -> Callable[[Callable], Callable]:
     return make
 
 
-def custom_finish(experts: Any, call: ApplyCall) -> str | None:
-    """A reason when this call finishes GEMM2 other than TritonExperts' own top-k sum (vLLM 0.33:
-    a post_gemm2_hook, or a subclass overriding a FINISH_POINTS method) or reads host-resident
-    weights; None otherwise (always on 0.26 and 0.32)."""
+def custom_finish(experts: Any, call: ApplyCall, base: type | None) -> str | None:
+    """A reason when this call finishes GEMM2 other than `base`'s (TritonExperts') own top-k sum
+    (vLLM 0.33: a post_gemm2_hook, or a subclass overriding a FINISH_POINTS method) or reads
+    host-resident weights; None otherwise (always on 0.26 and 0.32). Runs per MoE call: no import."""
     if getattr(experts, "post_gemm2_hook", None) is not None:
         return "post_gemm2_hook"
-    base = load(EXPERTS)
     cls = type(experts)
-    for name in FINISH_POINTS:
-        if isinstance(experts, base) and getattr(cls, name, None) is not getattr(base, name, None):
-            return f"custom_finish:{name}"
+    if base is not None and cls is not base and isinstance(experts, base):
+        for name in FINISH_POINTS:
+            if getattr(cls, name, None) is not getattr(base, name, None):
+                return f"custom_finish:{name}"
     if any(getattr(w, UVA_MARK, False) for w in (call.w1, call.w2)):
         return "host_resident_weights"
     return None

@@ -152,7 +152,8 @@ class MoePlugin:
             self.hooks.append("WorkerBase.__init__")
 
     def _install_moe_hook(self) -> None:
-        if vc.wrap_method(vc.load(vc.EXPERTS), "apply", vc.apply_wrapper(self.moe.handle)):
+        self.moe.experts_base = vc.load(vc.EXPERTS)
+        if vc.wrap_method(self.moe.experts_base, "apply", vc.apply_wrapper(self.moe.handle)):
             self.hooks.append("TritonExperts.apply")
 
     def _install_router_hook(self) -> None:

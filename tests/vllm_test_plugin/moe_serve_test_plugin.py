@@ -6,7 +6,8 @@ moe-serve's own plugin (kernels.plugin.vllm_plugin), then changes that plugin ob
 switches say; where moe-serve's plugin is inert (a vLLM process moe-serve did not start), so is this one.
 
 MOE_SERVE_TEST_FAIL_PIN=1
-    One more pin on vLLM's internals, failing: the plugin must fall back to vLLM's kernels.
+    One more pin on vLLM's internals, failing (added by sitecustomize.py beside this file, at
+    interpreter start, before any vLLM plugin loads): the plugin must fall back to vLLM's kernels.
 
 MOE_SERVE_TEST_PROBE_KERNEL=1
     Each worker compiles a tiny probe kernel for sm_90 (kernels.moe.aot's fake driver) at worker
@@ -168,13 +169,7 @@ def _fail_warmup(plugin: vllm_plugin.MoePlugin, rank: int) -> None:
     plugin.layers.warm_pending = warm_pending
 
 
-def _failing_pin() -> str:
-    raise AssertionError("a pin forced to fail by MOE_SERVE_TEST_FAIL_PIN=1")
-
-
 def register() -> None:
-    if os.environ.get("MOE_SERVE_TEST_FAIL_PIN") == "1":
-        vllm_compat.PINS = (*vllm_compat.PINS, _failing_pin)
     vllm_plugin.register()
     plugin = vllm_plugin.PLUGIN
     if plugin is None:  # inert
