@@ -67,14 +67,15 @@ def _event_error(event: str) -> APIError:
 async def _raced(work: asyncio.Future, verdict: ConstraintVerdict | None) -> Any:
     """`work`'s result, raced against the constraints' compile check: a refusal that comes first
     cancels `work` (aborting its engine requests) and raises its 400; an answer that comes first was
-    compiled by the engine, and ends the check (a stream's own race is in _stream_response)."""
+    compiled by the engine, and ends the check; a failure that comes first waits for the verdict (a
+    stream's own race is in _stream_response)."""
     if verdict is None:
         return await work
     checking = asyncio.ensure_future(verdict.wait())
     try:
         await asyncio.wait({work, checking}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
-            await checking  # passed, or its 400
+        if not work.done() or work.exception() is not None or isinstance(work.result(), compat.ErrorResponse):
+            await checking  # passed, or its 400 (which explains an engine failure better than the engine does)
             return await work
         result = work.result()
         if not isinstance(result, AsyncIterator):
@@ -182,12 +183,15 @@ async def _accepted_before_first_event(events: _Events, ctx: RequestContext) -> 
 
 async def _verdict_or_first_event(events: _Events, verdict: ConstraintVerdict) -> None:
     """Returns once the constraints' compile check passed or the first event is there (the engine
-    compiled them); raises the check's 400 when it fails first."""
+    compiled them); raises the check's 400 when it fails first, or when the first event is a failure."""
     checking = asyncio.ensure_future(verdict.wait())
     try:
         await asyncio.wait({events.first, checking}, return_when=asyncio.FIRST_COMPLETED)
-        if checking.done():
-            checking.result()
+        first = events.first
+        failed = first.done() and (first.exception() is not None or not first.result()
+                                   or first.result().startswith(_ERROR_EVENT))
+        if checking.done() or failed:
+            await checking  # passed, or its 400 (which explains an engine failure better than the engine does)
         else:
             verdict.cancel()
     finally:
