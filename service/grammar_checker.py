@@ -8,7 +8,7 @@ seen before. A check has two halves: the screen (conversion, rules that can neve
 against the engine's own compile (service.request_flow): whichever ends first decides, so an
 accepted constraint costs the screen only. After a compile over budget, checks wait for their
 whole verdict (the engine sees nothing first) for SERIAL_AFTER_REFUSAL_S: a stream of slow
-constraints keeps at most one compile in the engine at a time. Verdicts are cached by content, so
+constraints gets at most one compile into the engine per such window. Verdicts are cached by content, so
 a schema sent again costs nothing, a rejected one is rejected at once. Until the checker answers
 (start, restart after a crash) a check is a 503 with Retry-After; a caller that goes away cancels
 its check (the checker kills the compile). Beyond MAX_WAITING checks in flight: 429.
