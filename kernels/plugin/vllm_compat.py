@@ -2,10 +2,12 @@
 the kernel-side pieces kernels.moe.vllm_kernels loads.
 
 Every point below is checked by a pin in ``PINS``; tests/test_vllm_compat.py runs them on the CPU
-(0.32), bench/check_vllm_pins.py on the GPU host (0.26); 0.33's were run on its wheel's source
-without a GPU (every pin held, the device name stubbed for pin_config_chooser). The plugin runs
-them too (``check_pins``) before it patches anything: where one fails it installs no kernel hook,
-and vLLM's kernels serve. Where the versions differ, the difference is dispatched here on
+(0.32), bench/check_vllm_pins.py on the GPU host (0.26). 0.33's were run on its wheel's source
+without a GPU: ``pip download vllm==0.33.0 --no-deps``, its ``vllm/*.py`` unzipped into DIR, then
+``VLLM_TARGET_DEVICE=cpu PYTHONPATH=DIR:. pytest tests/test_vllm_compat.py
+tests/test_service_vllm_compat.py`` in this venv: all passed (2026-12-06). The plugin runs the pins
+too (``check_pins``) before it patches anything: where one fails it installs no kernel hook, and
+vLLM's kernels serve. Where the versions differ, the difference is dispatched here on
 ``vllm_minor()``:
 
 | point (vLLM module)                                   | 0.26            | 0.32                        | 0.33 |
