@@ -101,8 +101,7 @@ class MoePlugin:
         """Install every hook this mode needs; a hook that fails is logged, never raised."""
         steps: list[tuple[str, Callable[[], None]]] = [("jit_monitor", self._install_jit_monitor),
                                                        ("worker", self._install_worker_hook)]
-        if self.mode == "optimized":
-            self._check_pins()
+        self._check_pins()  # every mode: a patch of vLLM's internals needs them to hold
         if self.mode == "optimized":
             steps.append(("moe", self._install_moe_hook))
             if os.environ.get(ROUTER_ENV, "1").strip().lower() not in ("0", "false", "no", "off"):
@@ -117,7 +116,8 @@ class MoePlugin:
                          self.hooks)
 
     def _check_pins(self) -> None:
-        """Fall back to mode 'vllm' where a pin on vLLM's internals fails: no kernel hook then."""
+        """Fall back to mode 'vllm' where a pin on vLLM's internals fails: no kernel hook then
+        (`pins_failed` says so to every part that would patch vLLM's internals)."""
         try:
             self.pins_failed = vc.check_pins()
         except Exception as exc:  # noqa: BLE001 - a check that cannot run proves nothing holds
