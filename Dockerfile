@@ -22,7 +22,7 @@ ENTRYPOINT ["moe-serve"]
 # ---- GPU target: vLLM 0.26.0 (CUDA) + moe-serve's Triton MoE kernels --------------------
 FROM vllm/vllm-openai:v0.26.0 AS gpu
 ENV PYTHONUNBUFFERED=1 MOE_SERVE_HOST=0.0.0.0 MOE_SERVE_PORT=8000 MOE_SERVE_CACHE=/var/cache/moe-serve \
-    VLLM_WORKER_MULTIPROC_METHOD=spawn NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    VLLM_WORKER_MULTIPROC_METHOD=spawn
 WORKDIR /app
 COPY pyproject.toml README.md LICENSE ./
 COPY service ./service

@@ -12,6 +12,13 @@ from typing import Any
 from service.settings import DEFAULT_REQUEST_TIMEOUT_S, EXECUTOR_BACKENDS, Settings, SettingsError, env_default
 
 KEEP_ALIVE_S = 75  # seconds an idle HTTP connection is kept open
+SUBCOMMANDS = """subcommands (each has its own --help):
+  moe-serve tune --model DIR [--tensor-parallel-size N]      tune the MoE kernels for a model on this GPU
+  moe-serve bench serve|kernels|tables ...                  benchmarks: against `vllm serve` over HTTP, the kernels
+                                                            against vLLM's, the results' tables
+  moe-serve explain --model DIR [--device NAME]             which kernel and config serve each MoE shape and M
+                                                            (on another machine: --device and --triton-version of the target)
+"""
 
 
 def _engine_arg(text: str) -> tuple[str, Any]:
@@ -52,7 +59,8 @@ def _env_switch(name: str) -> bool | None:
 def build_parser() -> argparse.ArgumentParser:
     e = env_default
     p = argparse.ArgumentParser(prog="moe-serve", description="OpenAI-compatible server for MoE models on vLLM. "
-                                "Every flag also reads MOE_SERVE_<FLAG> from the environment.")
+                                "Every flag also reads MOE_SERVE_<FLAG> from the environment.",
+                                epilog=SUBCOMMANDS, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=e("model"), help="local HF model dir or hub id (default: embedded tiny Mixtral)")
     p.add_argument("--served-model-name", default=e("served_model_name"))
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=e("tensor_parallel_size"),

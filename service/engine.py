@@ -156,8 +156,13 @@ class EngineHandle:
 
     async def start(self) -> None:
         """Build the engine (blocking work runs in a thread); set `ready` or `start_error`."""
+        from kernels.plugin.vllm_plugin import ENABLE_ENV as PLUGIN_ENABLE_ENV
+
         began = time.perf_counter()
-        os.environ["MOE_SERVE_MOE_KERNELS"] = self.settings.moe_kernels  # read by the plugin in every worker
+        # Read by the plugin in every engine process, which inherits them: the first marks the processes
+        # moe-serve starts (elsewhere, e.g. a plain `vllm serve` in this environment, the plugin is inert).
+        os.environ[PLUGIN_ENABLE_ENV] = "1"
+        os.environ["MOE_SERVE_MOE_KERNELS"] = self.settings.moe_kernels
         os.environ["MOE_SERVE_FUSED_ROUTER"] = "1" if self.settings.uses_fused_router else "0"
         os.environ["MOE_SERVE_EXPERT_STATS"] = "1" if self.settings.expert_stats else "0"  # plugin/expert_load.py
         os.environ["MOE_SERVE_EXPERT_STATS_WINDOW"] = f"{self.settings.expert_stats_window_s:g}"
@@ -256,7 +261,7 @@ class EngineHandle:
 
 def check_vllm_pins() -> dict[str, Any]:
     """service.vllm_compat.pins_report(), logged: the vLLM version and whether moe-serve's pins on
-    its internals hold (a warning naming the failed pins when not)."""
+    its internals hold (the failed pins named when not: a warning unless the plugin gave it)."""
     from service import vllm_compat
 
     try:
@@ -269,9 +274,13 @@ def check_vllm_pins() -> dict[str, Any]:
         logger.info("vLLM %s: moe-serve's pins on its internals hold (checked for vLLM %s)",
                     report["version"], checked)
     else:
-        logger.warning("vLLM %s: moe-serve's pins on its internals do not hold (checked for vLLM %s); our MoE "
-                       "kernels may not hook in: %s", report["version"], checked,
-                       "; ".join(f"{name}: {error}" for name, error in report["failed"].items()))
+        from kernels.plugin.vllm_plugin import PINS_WARNED_ENV
+
+        # Where this process's plugin already warned (optimized mode), once is enough.
+        level = logging.INFO if os.environ.get(PINS_WARNED_ENV) else logging.WARNING
+        logger.log(level, "vLLM %s: moe-serve's pins on its internals do not hold (checked for vLLM %s); vLLM's "
+                   "MoE kernels serve: %s", report["version"], checked,
+                   "; ".join(f"{name}: {error}" for name, error in report["failed"].items()))
     return report
 
 
@@ -310,9 +319,6 @@ def default_engine_env(embedded_model: bool = False) -> None:
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     # Read by the engine core when it stops its workers (see WORKER_EXIT_GRACE_S).
     os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(WORKER_EXIT_GRACE_S))
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     # vLLM's legacy Ray executor (VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0) copies only some env vars
     # to its workers: add ours (kernel mode, runtime dir); the V2 executor copies them all.
     prefixes = [p for p in os.environ.get(RAY_ENV_PREFIXES, "").split(",") if p]

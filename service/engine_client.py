@@ -57,7 +57,7 @@ _ON_ACCEPTED: ContextVar[Callable[[], None] | None] = ContextVar("moe_serve_on_a
 
 def report_acceptance(engine: Any) -> None:
     """Make `engine.add_request` (called by `AsyncLLM.generate` before it waits for outputs; same
-    in vLLM 0.26 and 0.32) tell the observed generate() that started it once it has returned."""
+    in vLLM 0.26, 0.32 and 0.33) tell the observed generate() that started it once it has returned."""
     add_request = engine.add_request
 
     @functools.wraps(add_request)

@@ -1,9 +1,15 @@
 """The API process's side of the structured-output checker (service.grammar_worker).
 
 One checker process per server: started with the app (importing xgrammar takes seconds and runs
-while the engine loads), given the served model's vocabulary once the engine is up, then asked
-to check each constraint the server has not seen before. Verdicts are cached by content, so a
-schema sent again costs nothing, a rejected one is rejected at once. Until the checker answers
+while the engine loads), given the served model's vocabulary (and the engine's whitespace and
+cache settings) once the engine is up, then asked to check each constraint the server has not
+seen before. A check has two halves: the screen (conversion, rules that can never finish), which
+`check()` waits for, and the compile, which it hands back as a `Verdict` for the request to race
+against the engine's own compile (service.request_flow): whichever ends first decides, so an
+accepted constraint costs the screen only. After a compile over budget, checks wait for their
+whole verdict (the engine sees nothing first) for SERIAL_AFTER_REFUSAL_S: a stream of slow
+constraints gets at most one compile into the engine per such window. Verdicts are cached by content, so
+a schema sent again costs nothing, a rejected one is rejected at once. Until the checker answers
 (start, restart after a crash) a check is a 503 with Retry-After; a caller that goes away cancels
 its check (the checker kills the compile). Beyond MAX_WAITING checks in flight: 429.
 """
@@ -29,6 +35,7 @@ CACHE_ENTRIES = 4096
 MAX_WAITING = 64
 RESPAWN_DELAY_S = 2.0
 CLOSE_TIMEOUT_S = 5.0
+SERIAL_AFTER_REFUSAL_S = 60.0
 
 
 class CheckFailed(Exception):
@@ -52,21 +59,43 @@ def tokenizer_info_json(tokenizer: Any, vocab_size: int) -> str | None:
         return None
 
 
+class Verdict:
+    """The compile half of one check: `wait()` returns once the constraints compiled within the
+    budget and raises CheckFailed when not; `cancel()` stops the compile (the engine's was first)."""
+
+    def __init__(self, final: asyncio.Future | None = None, cancel: Any = None) -> None:
+        self._final, self._cancel = final, cancel
+
+    async def wait(self) -> None:
+        if self._final is None:
+            return
+        answer = await asyncio.shield(self._final)
+        if not answer["ok"]:
+            raise CheckFailed(answer.get("index"), answer.get("error"))
+
+    def cancel(self) -> None:
+        if self._final is not None and not self._final.done():
+            self._cancel()
+
+
 class GrammarChecker:
-    """`check(specs)` returns when every (kind, text) spec converts, can finish and compiles within
-    `budget_s`; raises CheckFailed otherwise, APIError 429/503 when it cannot check now."""
+    """`check(specs)` returns a Verdict once every (kind, text) spec converts and can finish;
+    raises CheckFailed otherwise, APIError 429/503 when it cannot check now. The Verdict says
+    whether they compile within `budget_s` of CPU time."""
 
     def __init__(self, budget_s: float, max_parallel: int) -> None:
         self.budget_s = budget_s
         self.max_parallel = max_parallel
         self._info_path: Path | None = None
+        self._config: dict[str, Any] = {}
         self._configured = False
         self._proc: asyncio.subprocess.Process | None = None
         self._ready: asyncio.Future | None = None
         self._reader: asyncio.Task | None = None
-        self._pending: dict[int, asyncio.Future] = {}
+        self._pending: dict[int, tuple[asyncio.Future, asyncio.Future]] = {}  # id -> (screened, final)
         self._next_id = 0
         self._cache: OrderedDict[str, tuple[int | None, str | None] | None] = OrderedDict()
+        self._serial_until = 0.0
         self.closed = False
 
     async def spawn(self) -> None:
@@ -81,12 +110,15 @@ class GrammarChecker:
 
     def _send_config(self) -> None:
         config = {"tokenizer_info": str(self._info_path) if self._info_path else None,
-                  "max_parallel": self.max_parallel}
+                  "max_parallel": self.max_parallel, **self._config}
         self._proc.stdin.write((json.dumps(config) + "\n").encode())
 
-    async def configure(self, info_json: str | None, timeout_s: float = 300.0) -> None:
+    async def configure(self, info_json: str | None, any_whitespace: bool = True, cache_limit_bytes: int = 512 << 20,
+                        timeout_s: float = 300.0) -> None:
         """Hand the checker the model's vocabulary (through a temp file of its own, removed by
-        close) and wait until it answers checks."""
+        close) and the engine's xgrammar settings (whitespace in JSON, cache size), and wait until
+        it answers checks."""
+        self._config = {"any_whitespace": any_whitespace, "cache_limit_bytes": cache_limit_bytes}
         if info_json is not None:
             fd, name = tempfile.mkstemp(prefix="moe-serve-xgrammar-", suffix=".json")
             os.close(fd)
@@ -108,12 +140,17 @@ class GrammarChecker:
                 continue
             if message.get("ready"):
                 ready.set_result(None)
-            elif (future := self._pending.pop(message["id"], None)) is not None and not future.done():
-                future.set_result(message)
+            elif message.get("screened"):
+                if (futures := self._pending.get(message["id"])) is not None and not futures[0].done():
+                    futures[0].set_result(True)
+            elif (futures := self._pending.pop(message["id"], None)) is not None:
+                for future in futures:
+                    if not future.done():
+                        future.set_result(message)
         await proc.wait()
         gone = APIError(503, "the structured-output checker restarted; retry", code="checker_restarting",
                         headers={"Retry-After": "1"})
-        for future in self._pending.values():
+        for future in (f for futures in self._pending.values() for f in futures):
             if not future.done():
                 future.set_exception(gone)
         self._pending.clear()
@@ -128,14 +165,14 @@ class GrammarChecker:
     def _key(specs: list[tuple[str, str]]) -> str:
         return hashlib.sha256(json.dumps(specs).encode()).hexdigest()
 
-    async def check(self, specs: list[tuple[str, str]]) -> None:
+    async def check(self, specs: list[tuple[str, str]]) -> Verdict:
         key = self._key(specs)
         if key in self._cache:
             self._cache.move_to_end(key)
             verdict = self._cache[key]
             if verdict is not None:
                 raise CheckFailed(*verdict)
-            return
+            return Verdict()
         if len(self._pending) >= MAX_WAITING:
             raise APIError(429, "server is at capacity (structured-output checks); retry later",
                            code="rate_limit_exceeded", headers={"Retry-After": "1"})
@@ -143,23 +180,42 @@ class GrammarChecker:
             raise APIError(503, "structured-output checks are not available yet; retry shortly",
                            code="checker_starting", headers={"Retry-After": "5"})
         check_id, self._next_id = self._next_id, self._next_id + 1
-        future = asyncio.get_running_loop().create_future()
-        self._pending[check_id] = future
+        loop = asyncio.get_running_loop()
+        screened, final = loop.create_future(), loop.create_future()
+        self._pending[check_id] = (screened, final)
+        final.add_done_callback(lambda done: self._record(key, done))
         self._proc.stdin.write((json.dumps({"id": check_id, "specs": specs, "budget_s": self.budget_s})
                                 + "\n").encode())
+        verdict = Verdict(final, lambda: self._cancel(check_id))
         try:
-            answer = await future
+            if loop.time() < self._serial_until:
+                await verdict.wait()  # after a refusal: nothing reaches the engine unchecked for a while
+            elif not await screened:  # the check ended in its screen
+                await verdict.wait()
         except asyncio.CancelledError:  # the client went away: stop its compile
-            self._pending.pop(check_id, None)
-            with contextlib.suppress(ConnectionError, RuntimeError):
-                self._proc.stdin.write((json.dumps({"cancel": check_id}) + "\n").encode())
+            verdict.cancel()
             raise
+        return verdict
+
+    def _cancel(self, check_id: int) -> None:
+        """Kill a check's child (its request no longer needs the verdict)."""
+        futures = self._pending.pop(check_id, None)
+        for future in futures or ():
+            future.cancel()
+        with contextlib.suppress(ConnectionError, RuntimeError, AttributeError):
+            self._proc.stdin.write((json.dumps({"cancel": check_id}) + "\n").encode())
+
+    def _record(self, key: str, final: asyncio.Future) -> None:
+        """Cache a finished check's verdict; after a compile over budget, check serially for a while."""
+        if final.cancelled() or final.exception() is not None:
+            return
+        answer = final.result()
         verdict = None if answer["ok"] else (answer.get("index"), answer.get("error"))
         self._cache[key] = verdict
         if len(self._cache) > CACHE_ENTRIES:
             self._cache.popitem(last=False)
-        if verdict is not None:
-            raise CheckFailed(*verdict)
+        if verdict is not None and verdict[1] is None:
+            self._serial_until = asyncio.get_running_loop().time() + SERIAL_AFTER_REFUSAL_S
 
     async def close(self) -> None:
         """Stop the checker process: end of its input (it kills its compiles and exits), else a kill."""

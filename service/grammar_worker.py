@@ -3,16 +3,22 @@ service.grammar_checker.
 
 It imports xgrammar once, reads the served model's vocabulary (xgrammar's TokenizerInfo, as JSON
 in a file the API process wrote), then answers checks: for each check it forks a child that
-converts each grammar spec the way vLLM's xgrammar backend does, rejects rules that can never
-finish (service.grammar_productive), and compiles the grammar against the vocabulary, so the
-child's run time is what the engine would spend compiling. A child past its budget is killed:
-the compile stops, its memory goes with it, and the process stays free for the next check. A
-child may allocate at most MAX_CHECK_MEMORY (more: the check fails, a 400).
+converts each grammar spec the way vLLM's xgrammar backend does (its whitespace settings
+included) and rejects rules that can never finish (service.grammar_productive): the screen, which
+the request waits for. The child then says so, lowers its priority (nice 19) and compiles the
+grammars against the vocabulary with the compiler settings of vLLM's backend (its cache on) but
+one thread, while the engine compiles its own copy: the API process takes whichever verdict
+comes first (the engine's first token, or this one). The budget is the child's CPU time (not
+wall time: a child the engine starves is not over budget); a child past it is killed: the compile
+stops, its memory goes with it, and the process stays free for the next check. A child may
+allocate at most MAX_CHECK_MEMORY (more: the check fails, a 400).
 
-Protocol, one JSON object per line. In: first `{"tokenizer_info": PATH | null, "max_parallel": N}`,
-then `{"id": I, "specs": [[KIND, TEXT], ...], "budget_s": S}` or `{"cancel": I}`.
-Out: `{"ready": true}` once, then `{"id": I, "ok": bool, "index": K, "error": TEXT, "seconds": S}`
-(`index`: the spec that failed; `error` null with ok false: the budget ran out).
+Protocol, one JSON object per line. In: first `{"tokenizer_info": PATH | null, "max_parallel": N,
+"any_whitespace": bool, "cache_limit_bytes": N}`, then `{"id": I, "specs": [[KIND, TEXT], ...],
+"budget_s": S}` or `{"cancel": I}`. Out: `{"ready": true}` once, then per check
+`{"id": I, "screened": true}` once its specs converted and can finish, and
+`{"id": I, "ok": bool, "index": K, "error": TEXT, "seconds": S}` at the end (`index`: the spec that
+failed; `error` null with ok false: the budget ran out; a failed screen ends a check with this line alone).
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ _XGRAMMAR_LOG_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s*\S+:\d+:\s*")  # "[07:20:53
 MAX_ERROR_CHARS = 300
 PR_SET_PDEATHSIG = 1  # prctl(2)
 MAX_CHECK_MEMORY = 2 << 30  # bytes one check may allocate
+POLL_S = 0.05  # how often a running child's CPU time is read
+CHILD_NICE = 19  # the compile yields the CPU to the engine and everyone else
+_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def _grammar_is_likely_lark(text: str) -> bool:
@@ -59,10 +68,12 @@ def _choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join('"' + "".join(map(escape, c)) + '"' for c in choices)
 
 
-def _grammar(xgr: Any, kind: str, text: str) -> Any:
-    """The xgrammar Grammar vLLM's xgrammar backend would compile for this spec."""
+def _grammar(xgr: Any, kind: str, text: str, any_whitespace: bool = True) -> Any:
+    """The xgrammar Grammar vLLM's xgrammar backend would compile for this spec (its
+    compile_json_schema arguments for the engine's disable_any_whitespace)."""
     if kind == "json":
-        return xgr.Grammar.from_json_schema(text)
+        return xgr.Grammar.from_json_schema(text, any_whitespace=any_whitespace,
+                                            separators=None if any_whitespace else (",", ":"))
     if kind == "regex":
         return xgr.Grammar.from_regex(text)
     if kind == "choice":
@@ -84,26 +95,43 @@ def _message(exc: BaseException) -> str:
     return _XGRAMMAR_LOG_PREFIX.sub("", text.splitlines()[0] if text else text)[:MAX_ERROR_CHARS]
 
 
-def check_specs(xgr: Any, compiler: Any, specs: list[list[str]]) -> dict[str, Any]:
-    """Convert, check for dead rules and compile each spec; the first failure is the answer."""
+def screen_specs(xgr: Any, specs: list[list[str]], any_whitespace: bool = True) -> tuple[list[Any], dict[str, Any] | None]:
+    """Convert each spec and check it for dead rules: (grammars, None), or (.., the first failure)."""
+    grammars = []
     for index, (kind, text) in enumerate(specs):
         try:
-            grammar = _grammar(xgr, kind, text)
+            grammar = _grammar(xgr, kind, text, any_whitespace)
         except Exception as exc:  # noqa: BLE001 - xgrammar's own wording is the client's answer
-            return {"ok": False, "index": index, "error": f"it is not a valid {kind}: {_message(exc)}"}
+            return grammars, {"ok": False, "index": index, "error": f"it is not a valid {kind}: {_message(exc)}"}
         try:
             dead = dead_rules(str(grammar))
         except (UnknownSyntax, RecursionError):
             dead = []  # a form the reader does not know: compiling still bounds the cost
         if dead:
-            return {"ok": False, "index": index, "error": "no finite output satisfies it: it refers to itself "
-                    f"with no way out (a $ref cycle or a rule that only repeats itself; grammar rules "
-                    f"{', '.join(dead[:3])})"}
+            return grammars, {"ok": False, "index": index, "error": "no finite output satisfies it: it refers to "
+                              f"itself with no way out (a $ref cycle or a rule that only repeats itself; grammar "
+                              f"rules {', '.join(dead[:3])})"}
+        grammars.append(grammar)
+    return grammars, None
+
+
+def compile_grammars(compiler: Any, grammars: list[Any]) -> dict[str, Any]:
+    """Compile each grammar for the vocabulary; the first failure is the answer."""
+    for index, grammar in enumerate(grammars):
         try:
             compiler.compile_grammar(grammar)
         except Exception as exc:  # noqa: BLE001 - the engine would fail the same way mid-request
             return {"ok": False, "index": index, "error": f"it does not compile: {_message(exc)}"}
     return {"ok": True}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime: fields 14 and 15 of stat(5)
 
 
 def _bound_memory(extra_bytes: int) -> None:
@@ -155,11 +183,12 @@ class _Lines:
 class _Zygote:
     """Forks one child per check (at most `max_parallel` at a time), kills children past budget."""
 
-    def __init__(self, xgr: Any, compiler: Any, max_parallel: int, commands: _Lines) -> None:
+    def __init__(self, xgr: Any, compiler: Any, max_parallel: int, commands: _Lines, any_whitespace: bool) -> None:
         self.xgr, self.compiler, self.max_parallel, self.commands = xgr, compiler, max_parallel, commands
+        self.any_whitespace = any_whitespace
         self.sel = selectors.DefaultSelector()
         self.waiting: deque[dict[str, Any]] = deque()
-        self.running: dict[int, dict[str, Any]] = {}  # child pid -> check (+ fd, deadline, started)
+        self.running: dict[int, dict[str, Any]] = {}  # child pid -> check (+ fd, started, data)
 
     def reply(self, message: dict[str, Any]) -> None:
         sys.stdout.write(json.dumps(message) + "\n")
@@ -173,14 +202,17 @@ class _Zygote:
             _bound_memory(MAX_CHECK_MEMORY)
             os.close(read_fd)
             try:
-                result = check_specs(self.xgr, self.compiler, check["specs"])
+                grammars, result = screen_specs(self.xgr, check["specs"], self.any_whitespace)
+                if result is None:
+                    os.write(write_fd, b'{"screened": true}\n')
+                    os.nice(CHILD_NICE)
+                    result = compile_grammars(self.compiler, grammars)
             except BaseException as exc:  # noqa: BLE001 - reported, never raised in a fork
                 result = {"ok": False, "index": 0, "error": f"the check failed: {_message(exc)}"}
-            os.write(write_fd, json.dumps(result).encode())
+            os.write(write_fd, json.dumps(result).encode() + b"\n")
             os._exit(0)
         os.close(write_fd)
-        started = time.monotonic()
-        check.update(pid=pid, fd=read_fd, started=started, deadline=started + check["budget_s"], data=b"")
+        check.update(pid=pid, fd=read_fd, started=time.monotonic(), data=b"")
         self.running[pid] = check
         self.sel.register(read_fd, selectors.EVENT_READ, pid)
 
@@ -200,6 +232,9 @@ class _Zygote:
         chunk = os.read(check["fd"], 65536)
         if chunk:
             check["data"] += chunk
+            if check["data"].startswith(b'{"screened": true}\n'):
+                check["data"] = check["data"][len(b'{"screened": true}\n'):]
+                self.reply({"id": check["id"], "screened": True})
             return
         try:
             result = json.loads(check["data"])
@@ -227,9 +262,7 @@ class _Zygote:
         while True:
             while self.waiting and len(self.running) < self.max_parallel:
                 self.start(self.waiting.popleft())
-            now = time.monotonic()
-            timeout = min((c["deadline"] - now for c in self.running.values()), default=None)
-            for key, _ in self.sel.select(None if timeout is None else max(timeout, 0.0)):
+            for key, _ in self.sel.select(POLL_S if self.running else None):
                 if key.data is None:
                     lines = self.commands.read()
                     if lines is None:  # the API process is gone
@@ -240,9 +273,8 @@ class _Zygote:
                         self.on_command(line)
                 elif key.data in self.running:
                     self.on_child_data(key.data)
-            now = time.monotonic()
             for pid, check in list(self.running.items()):
-                if check["deadline"] <= now:
+                if cpu_seconds(pid) >= check["budget_s"]:
                     self.finish(pid, {"ok": False, "index": None, "error": None}, kill=True)
 
 
@@ -259,10 +291,13 @@ def main() -> None:
             info = xgr.TokenizerInfo.deserialize_json(f.read())
     else:  # a vocabulary xgrammar cannot read: single bytes (conversion and dead-rule checks still hold)
         info = xgr.TokenizerInfo(encoded_vocab=[bytes([i]) for i in range(256)])
-    # As vLLM's xgrammar backend builds it (no cache: each child's compile is measured whole).
-    compiler = xgr.GrammarCompiler(info, max_threads=8, cache_enabled=False)
+    # As vLLM's xgrammar backend builds it (cache on, its size limit), but one thread: the budget
+    # counts the child's CPU time, which more threads would spend faster than the clock.
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True,
+                                   cache_limit_bytes=int(config.get("cache_limit_bytes", 512 << 20)))
     compiler.compile_builtin_json_grammar()  # one-time vocabulary setup, done before any fork
-    zygote = _Zygote(xgr, compiler, int(config.get("max_parallel", 1)), commands)
+    zygote = _Zygote(xgr, compiler, int(config.get("max_parallel", 1)), commands,
+                     bool(config.get("any_whitespace", True)))
     zygote.reply({"ready": True})
     zygote.run()
 

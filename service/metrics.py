@@ -19,6 +19,7 @@ from collections.abc import Callable, Hashable, Iterator
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.samples import Sample
 
 PREFIX = "moe_serve"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5,
@@ -99,18 +100,24 @@ class ScrapeTimeCollector:
         yield waiting
 
 
+COUNTED_TYPES = ("counter", "histogram", "summary")  # metric types whose samples only grow
+
+
 class DefaultRegistryBridge:
     """Re-exports what vLLM (and prometheus_client's process/GC collectors) put in the default registry.
 
     `AsyncLLM` registers its `vllm:*` metrics in `prometheus_client.REGISTRY` (or, when
     PROMETHEUS_MULTIPROC_DIR is set, writes them for a `MultiProcessCollector`). Registering
     this bridge in our own registry serves them in the same `/metrics` text; families named
-    `moe_serve_*` are skipped so nothing is exported twice.
+    `moe_serve_*` are skipped so nothing is exported twice. `offset_now()` (called once the
+    start-up warm-up is done) makes every counter, histogram and summary sample count from then on,
+    so vLLM's series, like ours, leave the warm-up requests out.
     """
 
     def __init__(self, source: CollectorRegistry | None = None, skip_prefix: str = PREFIX) -> None:
         self._source = source
         self.skip_prefix = skip_prefix
+        self._offsets: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
 
     def _registry(self) -> CollectorRegistry:
         if self._source is not None:
@@ -126,12 +133,29 @@ class DefaultRegistryBridge:
     def describe(self) -> list[Metric]:
         return []
 
-    def collect(self) -> Iterator[Metric]:
+    def _families(self) -> Iterator[Metric]:
         seen: set[str] = set()
         for family in self._registry().collect():
             if family.name.startswith(self.skip_prefix) or family.name in seen:
                 continue
             seen.add(family.name)
+            yield family
+
+    @staticmethod
+    def _key(sample: Sample) -> tuple[str, tuple[tuple[str, str], ...]]:
+        return sample.name, tuple(sorted(sample.labels.items()))
+
+    def offset_now(self) -> None:
+        """From now on, export counts minus what they are now (not gauges, not *_created times)."""
+        self._offsets = {self._key(s): s.value for family in self._families() if family.type in COUNTED_TYPES
+                         for s in family.samples if not s.name.endswith("_created")}
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._families():
+            if self._offsets and family.type in COUNTED_TYPES:
+                family.samples = [s if s.name.endswith("_created") else
+                                  s._replace(value=s.value - self._offsets.get(self._key(s), 0.0))
+                                  for s in family.samples]
             yield family
 
 
@@ -167,8 +191,10 @@ class ServiceMetrics:
                                registry=registry)
         self.rate = TokenRate()
         registry.register(ScrapeTimeCollector(model, self.rate, queued))
+        self.vllm_series: DefaultRegistryBridge | None = None
         if reexport_default_registry:
-            registry.register(DefaultRegistryBridge())
+            self.vllm_series = DefaultRegistryBridge()
+            registry.register(self.vllm_series)
         self._init_children()
         self.model_ttft, self.model_itl = self.ttft.labels(model), self.itl.labels(model)  # per token: no lookup
 

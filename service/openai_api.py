@@ -1,5 +1,5 @@
-"""OpenAI routes: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /tokenize,
-/detokenize; and `vllm serve`'s /load.
+"""OpenAI routes: /v1/completions, /v1/chat/completions, /v1/responses (and a stored response's
+retrieval and cancel), /v1/models, /tokenize, /detokenize; and `vllm serve`'s /load.
 
 Bodies are vLLM's own request models; vLLM's own handlers (built in service.vllm_compat) serve
 them. These routes add what moe-serve owns: strict unknown-field rejection, the model-name and
@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from openai.types.responses import ResponseOutputMessage
 
 from service import vllm_compat as compat
@@ -151,6 +151,39 @@ async def create_response(body: compat.ResponsesRequest, request: Request) -> Re
     _check_response_input(body)
     cap_output(body, ("max_output_tokens",), state.settings)
     return await serve(request, state, 1, lambda: _create_response(frontend, body, request))
+
+
+def _responses(request: Request) -> Any:
+    """vLLM's Responses handler; 400 for a model without the Responses API."""
+    frontend = _frontend(_state(request), None)
+    if frontend.responses is None:
+        raise APIError(400, "this model does not support the Responses API", code="not_supported")
+    return frontend.responses
+
+
+def _stored_answer(result: Any) -> Response:
+    """A stored response (JSON), its events (SSE), or vLLM's error as ours."""
+    if isinstance(result, compat.ErrorResponse):
+        raise from_vllm_error(result.error.model_dump())
+    if isinstance(result, compat.ResponsesResponse):
+        return JSONResponse(result.model_dump(mode="json", by_alias=True))
+    return StreamingResponse(_response_events(result), media_type="text/event-stream")
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, request: Request, starting_after: int | None = None,
+                            stream: bool = False) -> Response:
+    """As `vllm serve`: a response vLLM stored (VLLM_ENABLE_RESPONSES_API_STORE=1; with `stream`, a
+    background response's events after `starting_after`); vLLM's 404 for any other id."""
+    return _stored_answer(await _responses(request).retrieve_responses(response_id, starting_after=starting_after,
+                                                                        stream=stream))
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, request: Request) -> Response:
+    """As `vllm serve`: cancels a stored background response still queued or running (400 for a
+    finished one); vLLM's 404 for an id it has not stored."""
+    return _stored_answer(await _responses(request).cancel_responses(response_id))
 
 
 @router.get("/load")

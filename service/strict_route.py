@@ -5,7 +5,8 @@ lax validation of vLLM's models (whose validators may already run xgrammar on a 
 `StrictJSONRoute` reads the body first and, in order: parses it strictly (service.json_body),
 checks booleans and dataclass keys strictly (service.strict_types), and bounds the structured-
 output constraints (service.structured_limits; a client that disconnects meanwhile cancels the
-check). FastAPI then validates the already-parsed value as usual.
+check), whose compile verdict it leaves in the scope for service.request_flow (and ends, if the
+route never took it). FastAPI then validates the already-parsed value as usual.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from service.json_body import parse_json_body
 from service.metrics import CLIENT_CLOSED
 from service.streaming import ClientGone, until_disconnect
 from service.strict_types import check_strict_types
-from service.structured_limits import check_constraints, constraint_specs
+from service.structured_limits import VERDICT_KEY, check_constraints, constraint_specs
 
 
 
@@ -49,6 +50,7 @@ class StrictJSONRoute(APIRoute):
                 body = await checked.body()
             except ClientDisconnect:  # gone, or cut off by the body limits (which answer for it)
                 return Response(status_code=CLIENT_CLOSED)
+            verdict = None
             if body:
                 checked.parsed = parse_json_body(body)
                 check_strict_types(body_type, checked.parsed)
@@ -56,10 +58,15 @@ class StrictJSONRoute(APIRoute):
                 if specs:
                     state = request.app.state.server
                     try:
-                        await until_disconnect(checked, check_constraints(specs, state.settings,
-                                                                          state.grammar_checker))
+                        verdict = await until_disconnect(checked, check_constraints(specs, state.settings,
+                                                                                    state.grammar_checker))
                     except ClientGone:
                         return Response(status_code=CLIENT_CLOSED)
-            return await handler(checked)
+                    checked.scope[VERDICT_KEY] = verdict
+            try:
+                return await handler(checked)
+            finally:
+                if verdict is not None:
+                    verdict.cancel()
 
         return checked_handler

@@ -11,9 +11,11 @@ body before vLLM's own validators (some of which already run xgrammar):
 
 1. size: each constraint's bytes <= --max-structured-output-bytes, its enum values (summed over
    the schema) or choices <= --max-structured-output-choices (cheap, here);
-2. cost and soundness: the checker process (service.grammar_checker) converts and compiles it
-   for the served vocabulary within --structured-output-compile-budget, and rejects grammars
-   with rules that can never finish (`{"$ref": "#"}`, `$ref` cycles).
+2. soundness: the checker process (service.grammar_checker) converts it and rejects grammars
+   with rules that can never finish (`{"$ref": "#"}`, `$ref` cycles), before the engine sees it;
+3. cost: the checker compiles it for the served vocabulary within --structured-output-compile-budget
+   (CPU seconds) while the engine compiles its own copy; the request is refused if the budget runs
+   out before the engine's compile is done (service.request_flow races the two).
 Each refusal is a 400 naming the field and the limit.
 """
 
@@ -23,10 +25,11 @@ import json
 from typing import Any
 
 from service.errors import APIError
-from service.grammar_checker import CheckFailed, GrammarChecker
+from service.grammar_checker import CheckFailed, GrammarChecker, Verdict
 from service.settings import Settings
 
 Spec = tuple[str, str, str]  # (param, kind, text); kind: json | regex | grammar | choice | structural_tag
+VERDICT_KEY = "moe_serve.constraint_verdict"  # ASGI scope: the body's ConstraintVerdict, for request_flow
 _STRUCTURED_OUTPUT_KINDS = ("json", "regex", "grammar", "choice", "structural_tag")
 
 
@@ -129,18 +132,42 @@ def check_sizes(specs: list[Spec], settings: Settings) -> None:
                            param=param, code="structured_output_too_large")
 
 
-async def check_constraints(specs: list[Spec], settings: Settings, checker: GrammarChecker) -> None:
-    """Sizes here, then conversion, soundness and compile time in the checker; 400 on the first failure."""
+def _refusal(failed: CheckFailed, specs: list[Spec], settings: Settings) -> APIError:
+    """The 400 for a refused check, naming the constraint (all of them when the budget ran out on several)."""
+    if failed.index is not None:
+        param = specs[failed.index][0]
+    else:
+        param = specs[0][0] if len(specs) == 1 else specs[0][0].split(".")[0]
+    if failed.reason is None:
+        return APIError(400, f"'{param}' takes longer than {settings.structured_output_compile_budget_s:g} s to "
+                        "compile for this model (--structured-output-compile-budget); simplify it",
+                        param=param, code="structured_output_too_complex")
+    return APIError(400, f"'{param}': {failed.reason}", param=param, code="invalid_value")
+
+
+class ConstraintVerdict:
+    """The compile half of a request's check: `wait()` returns once it passed, raises the 400 when
+    refused; `cancel()` ends it (the engine compiled first)."""
+
+    def __init__(self, verdict: Verdict, specs: list[Spec], settings: Settings) -> None:
+        self._verdict, self._specs, self._settings = verdict, specs, settings
+
+    async def wait(self) -> None:
+        try:
+            await self._verdict.wait()
+        except CheckFailed as failed:
+            raise _refusal(failed, self._specs, self._settings) from None
+
+    def cancel(self) -> None:
+        self._verdict.cancel()
+
+
+async def check_constraints(specs: list[Spec], settings: Settings, checker: GrammarChecker) -> ConstraintVerdict:
+    """Sizes here, then conversion and soundness in the checker (400 on the first failure); the
+    compile's verdict comes back to be raced against the engine's."""
     check_sizes(specs, settings)
     try:
-        await checker.check([(kind, text) for _, kind, text in specs])
+        verdict = await checker.check([(kind, text) for _, kind, text in specs])
     except CheckFailed as failed:
-        if failed.index is not None:
-            param = specs[failed.index][0]
-        else:  # over budget: all of them together, when there are several
-            param = specs[0][0] if len(specs) == 1 else specs[0][0].split(".")[0]
-        if failed.reason is None:
-            raise APIError(400, f"'{param}' takes longer than {settings.structured_output_compile_budget_s:g} s to "
-                           "compile for this model (--structured-output-compile-budget); simplify it",
-                           param=param, code="structured_output_too_complex") from None
-        raise APIError(400, f"'{param}': {failed.reason}", param=param, code="invalid_value") from None
+        raise _refusal(failed, specs, settings) from None
+    return ConstraintVerdict(verdict, specs, settings)

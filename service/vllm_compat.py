@@ -1,17 +1,18 @@
 """Every use of vLLM's OpenAI serving layer and internals, with per-version dispatch.
 
-moe-serve runs on vLLM 0.32 (CPU: dev, CI) and 0.26 (GPU host). The two put the same classes in
-different modules and construct the serving objects with different keyword arguments. Instead of
+moe-serve runs on vLLM 0.32 (CPU: dev, CI), 0.26 (GPU host) and 0.33 (its wheel's source read and
+this module's pins run on it without a GPU: only the argument parser's module moved). 0.26 and 0.32
+put the same classes in different modules and construct the serving objects with different keyword arguments. Instead of
 calling those constructors, `build_frontend` runs vLLM's own `init_app_state` (what `vllm serve`
 runs) on an args namespace made by vLLM's own `vllm serve` argument parser, so the completion,
-chat, responses, tokenization and models handlers are built exactly as `vllm serve` builds them, on both
-versions. Each name imported here is pinned by tests/test_vllm_compat.py (on 0.32); the 0.26
+chat, responses, tokenization and models handlers are built exactly as `vllm serve` builds them, on every
+version. Each name imported here is pinned by tests/test_vllm_compat.py (on 0.32); the 0.26
 paths were read in vLLM 0.26.0's source, and the server runs on 0.26 on the GPU host.
 
 | what                          | 0.32                                        | 0.26                               |
 |-------------------------------|---------------------------------------------|------------------------------------|
 | init_app_state                | entrypoints.launchers.api_server.app_state  | entrypoints.openai.api_server      |
-| make_arg_parser, validate_... | entrypoints.launchers.cli_args              | entrypoints.openai.cli_args        |
+| make_arg_parser, validate_... | entrypoints.launchers.cli_args (0.33: common.cli_args) | entrypoints.openai.cli_args |
 | validate_api_server_args      | entrypoints.launchers.launcher              | entrypoints.openai.api_server      |
 | ErrorResponse                 | entrypoints.serve.engine.protocol           | entrypoints.openai.engine.protocol |
 | create_error_response         | entrypoints.serve                           | entrypoints.serve.utils.error_...  |
@@ -22,7 +23,6 @@ Versions between 0.26 and 0.32 are untested; the split below follows the module 
 
 from __future__ import annotations
 
-import logging
 import traceback
 from argparse import Namespace
 from dataclasses import dataclass
@@ -30,7 +30,7 @@ from typing import Any
 
 ENGINE_MISSING = ("moe-serve needs an inference engine, installed with one of its extras: "
                   "pip install 'moe-serve[cpu]' (vLLM CPU 0.32.0, torch 2.13.0 CPU) or "
-                  "pip install 'moe-serve[gpu]' (vLLM 0.26 or 0.32 for NVIDIA GPUs); from a checkout, "
+                  "pip install 'moe-serve[gpu]' (vLLM 0.26, 0.32 or 0.33 for NVIDIA GPUs); from a checkout, "
                   "bash service/setup.sh sets up the CPU engine")
 
 try:
@@ -63,8 +63,11 @@ def _version_tuple(text: str) -> tuple[int, int]:
 VLLM_VERSION = _version_tuple(vllm.__version__)
 NEW_LAYOUT = VLLM_VERSION >= (0, 27)  # launchers/ and serve/ modules (0.32); openai/ (0.26)
 
+if VLLM_VERSION >= (0, 33):
+    from vllm.entrypoints.common import cli_args as _cli_args
+elif NEW_LAYOUT:
+    from vllm.entrypoints.launchers import cli_args as _cli_args  # type: ignore[no-redef]
 if NEW_LAYOUT:
-    from vllm.entrypoints.launchers import cli_args as _cli_args
     from vllm.entrypoints.launchers import launcher as _launcher
     from vllm.entrypoints.launchers.api_server import app_state as _app_state
     from vllm.entrypoints.serve import create_error_response as _create_error_response
@@ -137,31 +140,14 @@ def error_response_for(exc: BaseException) -> Any:
     return _create_error_response(exc)
 
 
-class _DropDefaultMoEConfigWarning(logging.Filter):
-    """vLLM's "Using default MoE config" warning for the pins' made-up shape: not about the model."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Using default MoE config")
-
-
 def pins_report() -> dict[str, Any]:
     """vLLM's version and whether moe-serve's pins on its internals hold for it (the plugin's
-    kernels.plugin.vllm_compat.PINS, as bench/check_vllm_pins.py runs them):
+    kernels.plugin.vllm_pins.check_pins, as the plugin and bench/check_vllm_pins.py run them):
     {"version", "checked_versions", "pins_hold", "failed": {pin: error}}."""
     from kernels.plugin import vllm_compat as plugin_compat
+    from kernels.plugin import vllm_pins
 
-    failed: dict[str, str] = {}
-    noisy = logging.getLogger("vllm.model_executor.layers.fused_moe.fused_moe")  # a pin's config lookup
-    quiet = _DropDefaultMoEConfigWarning()
-    noisy.addFilter(quiet)  # a filter, not a level: vLLM's logging set-up may reset levels meanwhile
-    try:
-        for pin in plugin_compat.PINS:
-            try:
-                pin()
-            except Exception as exc:  # noqa: BLE001 - every failing pin is reported
-                failed[pin.__name__] = repr(exc)[:300]
-    finally:
-        noisy.removeFilter(quiet)
+    failed = vllm_pins.check_pins()
     return {"version": vllm.__version__, "checked_versions": [".".join(map(str, v)) for v in plugin_compat.SUPPORTED],
             "pins_hold": not failed, "failed": failed}
 

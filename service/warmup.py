@@ -104,8 +104,9 @@ async def _send(client: httpx.AsyncClient, kind: str, path: str, body: dict, hea
 
 
 async def warm_up_request_path(app: FastAPI, state: ServerState) -> None:
-    """Send the warm-up requests through `app`, the workers' JIT phase 'warmup' meanwhile; sets
-    state.warmed (also when they fail)."""
+    """Send the warm-up requests through `app`, the workers' JIT phase 'warmup' meanwhile; then
+    offset the re-exported vLLM counters by what the warm-up added and set state.warmed (also when
+    they fail)."""
     began = time.perf_counter()
     headers = {"Authorization": f"Bearer {state.settings.api_keys[0]}"} if state.settings.api_keys else {}
     requests = warmup_requests(state.settings.model_name)
@@ -127,6 +128,8 @@ async def warm_up_request_path(app: FastAPI, state: ServerState) -> None:
         logger.exception("warm-up of the request path failed; serving anyway")
     finally:
         await state.engine.set_worker_jit_phase("serving")
+        if state.metrics.vllm_series is not None:  # vLLM's own request counters leave the warm-up out too
+            state.metrics.vllm_series.offset_now()
         state.warmed = True
     logger.info("request path warmed up in %.0f ms (%d of %d kinds answered 200)",
                 (time.perf_counter() - began) * 1000, ok, len(requests))

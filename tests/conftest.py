@@ -55,8 +55,10 @@ def strict_server(tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: 
     by its path (default served name: the directory's name), an API key and a separate
     /metrics key, docs on, 127.0.0.1 as a trusted proxy, a JSON access log, 32 running engine
     sequences + 2 queued requests, a 300 s structured-output compile budget, no expert load
-    statistics. Its `headers` carry STRICT_KEY."""
-    srv = start_server(tmp_path_factory.mktemp("strict"), *strict_flags(embedded_model_dir), api_key=STRICT_KEY)
+    statistics; vLLM's Responses API store on (VLLM_ENABLE_RESPONSES_API_STORE=1). Its `headers` carry
+    STRICT_KEY."""
+    srv = start_server(tmp_path_factory.mktemp("strict"), *strict_flags(embedded_model_dir), api_key=STRICT_KEY,
+                       env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})
     yield srv
     srv.stop()
 

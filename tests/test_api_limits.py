@@ -134,7 +134,9 @@ def test_too_many_messages_is_a_400(small: ServerProcess) -> None:
 
 
 def test_a_maximum_size_prompt_does_not_stall_other_streams(server: ServerProcess) -> None:
-    """While the biggest batch is tokenized (seconds), a running stream keeps its pace."""
+    """While the biggest batch is tokenized (seconds), a running stream goes on: tokenized on the
+    event loop, the batch would hold every token of the stream back for the whole tokenization, so
+    no gap may come near the tokenization's own length (measured here, on however busy a machine)."""
     arrivals: list[float] = []
     big: dict = {}
 
@@ -161,4 +163,6 @@ def test_a_maximum_size_prompt_does_not_stall_other_streams(server: ServerProces
     assert window[1] - window[0] > 1.0, "tokenization must overlap the stream for this test to mean anything"
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:]) if window[0] <= b <= window[1]]
     assert len(gaps) >= 3, "the stream must go on while the batch is tokenized"
-    assert max(gaps) < 0.5, f"a stream stalled {max(gaps):.2f} s while a big batch was tokenized"
+    tokenizing = window[1] - window[0]
+    assert max(gaps) < tokenizing / 2, f"a stream stalled {max(gaps):.2f} s while a big batch was tokenized " \
+        f"for {tokenizing:.2f} s"

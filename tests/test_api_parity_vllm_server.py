@@ -1,9 +1,14 @@
 """The same requests (with vLLM's extension fields) to moe-serve and to vLLM's own api_server on the
-same embedded model: same status class, same response structure, same greedy text."""
+same embedded model: same status class, same response structure, same greedy text; structured
+outputs no slower than there. vLLM's api_server runs in this venv, where moe-serve is installed: its
+plugin stays inert there, and runs our kernels only where MOE_SERVE_VLLM_PLUGIN=1 opts in."""
 
 from __future__ import annotations
 
 import json
+import statistics
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,9 +16,14 @@ from typing import Any
 import httpx
 import pytest
 
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from kernels.plugin.plugin_metrics import RUNTIME_DIR_ENV, WORKER_INFO
+from kernels.plugin.vllm_plugin import ENABLE_ENV
 from loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
 from service.embedded_model import ensure_embedded_model
 from service.engine import EMBEDDED_STRUCTURED_OUTPUTS
+from tests.plugin_env import plugin_server_env
 
 pytestmark = pytest.mark.engine
 VOLATILE = {"id", "created", "system_fingerprint"}  # differ between any two responses
@@ -63,15 +73,24 @@ CASES: list[tuple[str, str, dict]] = [
 ]
 
 
+def _vllm_serve(tmp: Path, opt_in: bool) -> ServerProcess:
+    """vLLM's api_server, flags as moe-serve gives its frontend for the embedded model; moe-serve's
+    plugin (and the test plugin, which routes vLLM-CPU's MoE calls through our hook where ours is
+    active) installed, reporting into tmp/runtime; MOE_SERVE_VLLM_PLUGIN=1 only with `opt_in`."""
+    env = {**plugin_server_env(cpu_moe="0" if opt_in else "1"), RUNTIME_DIR_ENV: str(tmp / "runtime"),
+           ENABLE_ENV: "1" if opt_in else "0",  # "0": whatever an in-process app left in this env
+           "VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}  # as default_engine_env(embedded_model=True)
+    return start_server(tmp, "--model", str(ensure_embedded_model()),
+                        "--served-model-name", MODEL_NAME, "--kv-cache-memory-bytes", str(512 * 1024 ** 2),
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--structured-outputs-config",
+                        json.dumps(EMBEDDED_STRUCTURED_OUTPUTS),
+                        module="vllm.entrypoints.openai.api_server", ready_timeout=400, env=env)
+
+
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """vLLM's api_server, flags as moe-serve gives its frontend for the embedded model."""
-    srv = start_server(Path(tmp_path_factory.mktemp("vllm-api")), "--model", str(ensure_embedded_model()),
-                       "--served-model-name", MODEL_NAME, "--kv-cache-memory-bytes", str(512 * 1024 ** 2),
-                       "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--structured-outputs-config",
-                       json.dumps(EMBEDDED_STRUCTURED_OUTPUTS),
-                       module="vllm.entrypoints.openai.api_server", ready_timeout=400,
-                       env={"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"})  # as default_engine_env(embedded_model=True)
+    """`vllm serve` as a user runs it beside moe-serve: no opt-in."""
+    srv = _vllm_serve(Path(tmp_path_factory.mktemp("vllm-api")), opt_in=False)
     yield srv
     srv.stop()
 
@@ -136,3 +155,67 @@ def test_same_model_card_fields(server: ServerProcess, vllm_server: ServerProces
     theirs = httpx.get(vllm_server.base_url + "/v1/models").json()
     assert _shape(ours) == _shape(theirs)
     assert ours["data"][0]["root"] == MODEL_NAME  # vLLM says the model's path here; we never do
+
+
+def _worker_info(runtime: Path) -> list[dict[str, str]]:
+    """The moe_serve_vllm_worker_info series the plugin of a vLLM worker wrote into `runtime`."""
+    files = [str(f) for f in runtime.glob("*.db")] if runtime.is_dir() else []
+    return [dict(sample.labels) for fam in MultiProcessCollector.merge(files, accumulate=True)
+            if fam.name == WORKER_INFO for sample in fam.samples if sample.value]
+
+
+def test_vllm_serve_beside_moe_serve_runs_vllms_own_moe_path(vllm_server: ServerProcess) -> None:
+    """No opt-in: the plugin patched nothing in any process of `vllm serve` (no hook, no worker
+    report, no MoE call through our hook though the test plugin asks for it), and served."""
+    body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 4}
+    assert httpx.post(vllm_server.base_url + "/v1/completions", json=body, timeout=120).status_code == 200
+    assert _worker_info(Path(vllm_server.log_path).parent / "runtime") == []
+    assert "moe-serve plugin loaded" not in vllm_server.log()
+
+
+def test_vllm_serve_runs_our_kernels_with_the_opt_in(tmp_path: Path) -> None:
+    """MOE_SERVE_VLLM_PLUGIN=1: vLLM's own api_server loads our hooks in its worker (mode optimized,
+    MoE hook installed) and serves."""
+    srv = _vllm_serve(tmp_path, opt_in=True)
+    try:
+        body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 4}
+        assert httpx.post(srv.base_url + "/v1/completions", json=body, timeout=120).status_code == 200
+        workers = _worker_info(tmp_path / "runtime")
+        log = srv.log()
+    finally:
+        srv.stop()
+    assert [(w["mode"], w["moe_hook"], w["phase"]) for w in workers] == [("optimized", "installed", "serving")], workers
+    assert "moe-serve plugin loaded" in log and "TritonExperts.apply" in log
+
+
+def _pattern_schema(n: int, prefix: str) -> dict:
+    """The issue's pattern-heavy family: n string properties, each `[a-z]{2,30}[0-9]{1,5}`."""
+    names = [f"{prefix}{i}" for i in range(n)]
+    return {"type": "object", "properties": {k: {"type": "string", "pattern": "[a-z]{2,30}[0-9]{1,5}"} for k in names},
+            "required": names}
+
+
+def _timed(url: str, headers: dict, schema: dict) -> float:
+    body = {"model": MODEL_NAME, "messages": USER, "max_tokens": 8, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+    began = time.perf_counter()
+    resp = httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=300)
+    assert resp.status_code == 200, resp.text[:300]
+    return time.perf_counter() - began
+
+
+@pytest.mark.parametrize("n", [10, 100, 500])
+def test_pattern_heavy_schemas_are_served_about_as_fast_as_vllm_serve(server: ServerProcess,
+                                                                      vllm_server: ServerProcess, n: int) -> None:
+    """Each schema new to both servers (no verdict or grammar cached), the same one to each, in
+    alternating order: every one is accepted, and the median latency is within 1.5x of vLLM's."""
+    ours, theirs = [], []
+    for round_ in range(5):
+        schema = _pattern_schema(n, f"k{uuid.uuid4().hex[:6]}_")
+        pair = [(ours, server.base_url, server.headers), (theirs, vllm_server.base_url, {})]
+        for times, url, headers in pair[::1 if round_ % 2 == 0 else -1]:
+            times.append(_timed(url, headers, schema))
+    ratio = statistics.median(ours) / statistics.median(theirs)
+    print(f"N = {n}: moe-serve {statistics.median(ours):.3f} s, vllm serve {statistics.median(theirs):.3f} s, "
+          f"ratio {ratio:.2f}")
+    assert ratio <= 1.5, (ours, theirs)

@@ -145,3 +145,13 @@ def test_served_model_name_is_never_a_path(tmp_path) -> None:
     assert settings_from_args(["--model", "./some/dir"]).model_name == "dir"
     assert settings_from_args(["--model", "mistralai/Mixtral-8x7B-v0.1"]).model_name == "mistralai/Mixtral-8x7B-v0.1"
     assert settings_from_args(["--model", str(model_dir), "--served-model-name", "mx"]).model_name == "mx"
+
+
+def test_help_lists_the_subcommands() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "service", "--help"], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    assert "moe-serve tune" in out and "moe-serve explain" in out and "--triton-version" in out
+    assert "moe-serve bench serve|kernels|tables" in out

@@ -87,6 +87,20 @@ def test_tables_of_another_triton_are_refused_and_defaults_shown(tmp_path, capsy
     assert "default rule" in out and configs.SHIPPED not in rows[64]
 
 
+def test_on_another_machine_a_triton_mismatch_is_explained_with_the_flag(tmp_path, capsys, monkeypatch) -> None:
+    """Explaining for the H200 on a machine with another Triton: the refusal says which Triton made
+    the tables and names --triton-version; given it, the shipped tables serve and the note goes."""
+    monkeypatch.setattr(configs, "running_triton_version", lambda: "9.9.9-here")
+    assert explain.main(["--model", _model(tmp_path), "-tp", "8", "--device", "NVIDIA_H200", "--m", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"made under Triton {SHIPPED_TRITON}; this machine has Triton 9.9.9-here" in out
+    assert f"--triton-version {SHIPPED_TRITON}" in out
+    assert explain.main(["--model", _model(tmp_path), "-tp", "8", "--device", "NVIDIA_H200", "--m", "1",
+                         "--triton-version", SHIPPED_TRITON]) == 0
+    out = capsys.readouterr().out
+    assert "refused" not in out and "Triton: the refused tables" not in out and configs.SHIPPED in out
+
+
 def test_block_fp8_layers_are_selected_as_their_format(tmp_path, capsys) -> None:
     """A block-FP8 checkpoint's layers are named by their format and follow selection's route
     (untuned: vLLM at every M, since the format has no default rule), and the hook accepts a

@@ -7,7 +7,7 @@ import time
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from service.admission import Admission
 from service.metrics import (FINISH_REASONS, STATUSES, DefaultRegistryBridge, ServiceMetrics, TokenRate,
@@ -126,6 +126,31 @@ def test_bridge_reexports_default_registry_without_duplicates() -> None:
     samples = _samples(ours)  # parse_metrics raises on a duplicate sample
     assert value(samples, "vllm:num_requests_running") == 3
     assert value(samples, "moe_serve_generation_tokens_total") == 0  # ours, not the source's 5
+
+
+def test_bridge_offsets_counts_from_the_end_of_the_warm_up() -> None:
+    """After offset_now(), counters and histograms count from then on; gauges stay as they are."""
+    source = CollectorRegistry()
+    done = Counter("vllm:request_success", "finished", ["finished_reason"], registry=source)
+    e2e = Histogram("vllm:e2e_request_latency_seconds", "e2e", registry=source, buckets=(1.0,))
+    running = Gauge("vllm:num_requests_running", "running", registry=source)
+    bridge = DefaultRegistryBridge(source)
+    ours = CollectorRegistry()
+    ours.register(bridge)
+    done.labels("stop").inc(16)
+    e2e.observe(0.5)
+    running.set(2)
+    bridge.offset_now()
+    done.labels("stop").inc(3)
+    done.labels("length").inc()
+    e2e.observe(2.0)
+    samples = _samples(ours)
+    assert value(samples, "vllm:request_success_total", finished_reason="stop") == 3
+    assert value(samples, "vllm:request_success_total", finished_reason="length") == 1
+    assert value(samples, "vllm:e2e_request_latency_seconds_count") == 1
+    assert value(samples, "vllm:e2e_request_latency_seconds_bucket", le="1.0") == 0
+    assert value(samples, "vllm:e2e_request_latency_seconds_sum") == 2.0
+    assert value(samples, "vllm:num_requests_running") == 2
 
 
 # --- against the real server (shared session fixture; other tests use it too: deltas only) ---

@@ -27,28 +27,65 @@ def _run(code: str, **env: str) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+_REGISTER = """
+    import json, inspect, logging
+    logging.basicConfig(level=logging.DEBUG, format="LOG %(levelname)s %(message)s")
+    from kernels.plugin import vllm_pins, vllm_plugin as vp
+    if {fail_pin}:
+        vllm_pins.PINS = (*vllm_pins.PINS, lambda: (_ for _ in ()).throw(AssertionError("moved")))
+    vp.register(); vp.register()  # idempotent
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+    from vllm.v1.worker.worker_base import WorkerBase
+    p = vp.PLUGIN
+    print(json.dumps({{"hooks": p.hooks if p else None, "mode": p.mode if p else None,
+                      "pins_failed": list(p.pins_failed) if p else None,
+                      "wrapped": getattr(TritonExperts.apply, "__moe_serve__", False),
+                      "init": getattr(WorkerBase.__init__, "__moe_serve__", False),
+                      "params": list(inspect.signature(TritonExperts.apply).parameters)}}))
+"""
+
+
+def _register(fail_pin: bool = False, **env: str) -> tuple[dict, str]:
+    """register() twice in a fresh process: (what it installed, its log lines)."""
+    full = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "0", **env}
+    full.pop("MOE_SERVE_VLLM_PINS_WARNED", None)
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(_REGISTER.format(fail_pin=fail_pin))], env=full,
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(res.stdout.strip().splitlines()[-1]), res.stderr
+
+
 @pytest.mark.parametrize("mode,wrapped", [("optimized", True), ("vllm", False)])
 def test_register_per_mode(mode: str, wrapped: bool) -> None:
-    out = _run("""
-        import json, inspect
-        from kernels.plugin import vllm_plugin as vp
-        vp.register(); vp.register()  # idempotent
-        from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
-        from vllm.v1.worker.worker_base import WorkerBase
-        print(json.dumps({"hooks": vp.PLUGIN.hooks, "mode": vp.PLUGIN.mode,
-                          "wrapped": getattr(TritonExperts.apply, "__moe_serve__", False),
-                          "init": getattr(WorkerBase.__init__, "__moe_serve__", False),
-                          "params": list(inspect.signature(TritonExperts.apply).parameters)}))
-    """, MOE_SERVE_MOE_KERNELS=mode, TRITON_INTERPRET="0")
-    assert out["mode"] == mode and out["init"] is True
+    out, _ = _register(MOE_SERVE_MOE_KERNELS=mode, MOE_SERVE_VLLM_PLUGIN="1")
+    assert out["mode"] == mode and out["init"] is True and out["pins_failed"] == []
     assert out["wrapped"] is wrapped and ("TritonExperts.apply" in out["hooks"]) is wrapped
     assert out["params"] == list(vllm_compat.APPLY_PARAMS)
     assert out["hooks"].count("WorkerBase.__init__") == 1
 
 
+def test_register_is_inert_in_a_vllm_process_moe_serve_did_not_start() -> None:
+    """Installed beside vLLM, the plugin patches nothing unless MOE_SERVE_VLLM_PLUGIN=1: one debug line."""
+    env = {k: v for k, v in os.environ.items() if k != "MOE_SERVE_VLLM_PLUGIN"}
+    for value in (None, "0"):
+        out, log = _register(**{**env, **({"MOE_SERVE_VLLM_PLUGIN": value} if value else {})})
+        assert out["hooks"] is None and not out["wrapped"] and not out["init"], out
+        lines = [line for line in log.splitlines() if line.startswith("LOG") and "moe-serve plugin" in line]
+        assert len(lines) == 1 and lines[0].startswith("LOG DEBUG moe-serve plugin inert"), lines
+
+
+def test_a_failing_pin_leaves_vllm_kernels_serving_with_one_warning() -> None:
+    out, log = _register(fail_pin=True, MOE_SERVE_MOE_KERNELS="optimized", MOE_SERVE_VLLM_PLUGIN="1")
+    assert out["mode"] == "vllm" and out["pins_failed"] == ["<lambda>"]
+    assert not out["wrapped"] and not any("Router" in h or "Runner" in h for h in out["hooks"]), out["hooks"]
+    warnings = [line for line in log.splitlines() if line.startswith("LOG WARNING") and "moe-serve" in line]
+    assert len(warnings) == 1 and "internals do not match moe-serve's pins" in warnings[0], warnings
+    assert "<lambda>: AssertionError('moved')" in warnings[0]
+
+
 class _Experts(SimpleNamespace):
     """An experts object as the hook reads vLLM's: block_shape / per_act_token_quant are
-    FusedMoEExperts properties over its quant_config (pinned by vllm_compat.pin_fp8_layout)."""
+    FusedMoEExperts properties over its quant_config (pinned by vllm_pins.pin_fp8_layout)."""
 
     block_shape = property(lambda self: self.quant_config.block_shape)
     per_act_token_quant = property(lambda self: self.quant_config.per_act_token_quant)
@@ -69,12 +106,13 @@ E, N, K, M, TOPK = 4, 16, 32, 5, 2
 
 def _why(experts=None, act=SILU, expert_map=None, gne=-1, dtype=torch.float32, w_dtype=None,
          out_dtype=None, a1q_scale=None, require_cuda=False, n_w1=2 * N, a2_scale=None) -> str | None:
+    base = vllm_compat.load(vllm_compat.EXPERTS)
     call = vllm_compat.ApplyCall(
         torch.zeros(M, K, dtype=out_dtype or dtype), torch.zeros(M, K, dtype=dtype),
         torch.zeros(E, n_w1, K, dtype=w_dtype or dtype), torch.zeros(E, K, N, dtype=w_dtype or dtype),
         torch.ones(M, TOPK), torch.zeros(M, TOPK, dtype=torch.int32), act, gne, expert_map, a1q_scale,
         a2_scale, torch.zeros(1), torch.zeros(1), None, False)
-    return unsupported_reason(experts or _experts(), call, require_cuda=require_cuda)
+    return unsupported_reason(experts or _experts(), call, require_cuda=require_cuda, experts_base=base)
 
 
 def test_unsupported_reasons() -> None:
@@ -144,6 +182,31 @@ def test_wrapper_calls_vllm_with_every_argument() -> None:
     assert seen.pop("self") is ex and all(seen[k] is v for k, v in args.items()) and set(seen) == set(names)
     seen.clear()
     assert apply(ex, *args.values()) == "vllm-result" and all(seen[k] is v for k, v in args.items())
+
+
+def test_a_call_whose_gemm2_finishes_elsewhere_stays_vllms() -> None:
+    """vLLM 0.33 lets a model finish GEMM2's rows its own way (a post_gemm2_hook, a TritonExperts
+    subclass overriding the finish) and reads UVA-offloaded weights in place: vLLM's kernel serves."""
+    base = vllm_compat.load(vllm_compat.EXPERTS)
+
+    def experts(cls: type = base, **attrs: object) -> object:
+        ex = object.__new__(cls)  # no vLLM config needed: the hook reads attributes only
+        ex.quant_config = _experts().quant_config
+        for name, value in attrs.items():
+            setattr(ex, name, value)
+        return ex
+
+    class OwnReduce(base):
+        def finalize_weight_and_reduce_impl(self):  # noqa: ANN202 - a stand-in override
+            return None
+
+    assert _why(experts()) is None
+    assert _why(experts(post_gemm2_hook=lambda rows, out: None)) == "post_gemm2_hook"
+    assert _why(experts(OwnReduce)) == "custom_finish:finalize_weight_and_reduce_impl"
+    call = vllm_compat.ApplyCall(*[None] * 15)
+    call.w1, call.w2 = torch.zeros(1), torch.zeros(1)
+    setattr(call.w2, vllm_compat.UVA_MARK, True)
+    assert vllm_compat.custom_finish(experts(), call, base) == "host_resident_weights"
 
 
 def test_our_path_maps_arguments_correctly() -> None:

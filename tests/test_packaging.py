@@ -81,8 +81,8 @@ def test_gpu_extra_accepts_exactly_the_vllm_versions_whose_pins_are_checked() ->
     (vllm,) = [Requirement(r) for r in extras["gpu"]]
     assert vllm.name == "vllm"
     minors = {minor for minor in range(20, 40) if f"0.{minor}.0" in vllm.specifier}
-    assert minors == {minor for _, minor in SUPPORTED} == {26, 32}
-    assert "0.26.3" in vllm.specifier and "0.32.1" in vllm.specifier
+    assert minors == {minor for _, minor in SUPPORTED} == {26, 32, 33}
+    assert "0.26.3" in vllm.specifier and "0.32.1" in vllm.specifier and "0.33.0" in vllm.specifier
 
 
 def test_without_an_engine_the_import_error_names_the_extras() -> None:

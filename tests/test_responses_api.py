@@ -118,3 +118,28 @@ def test_load_counts_running_sequences_and_ping_takes_post(server, http: httpx.C
     thread.join(120)
     assert started.is_set() and loads == [1], loads
     assert http.get("/load").json() == {"server_load": 0}
+
+
+def test_a_response_is_not_stored_without_vllms_store(http: httpx.Client, model: str) -> None:
+    """As `vllm serve` without VLLM_ENABLE_RESPONSES_API_STORE: retrieve and cancel answer vLLM's 404."""
+    created = http.post("/v1/responses", json={"model": model, "input": "Hi", "max_output_tokens": 4}).json()
+    for method, path in (("GET", f"/v1/responses/{created['id']}"), ("POST", f"/v1/responses/{created['id']}/cancel")):
+        resp = http.request(method, path)
+        assert resp.status_code == 404, resp.text
+        err = resp.json()["error"]
+        assert err["param"] == "response_id" and f"'{created['id']}' not found" in err["message"]
+
+
+def test_a_stored_response_is_retrieved_and_a_finished_one_cannot_be_cancelled(strict_server) -> None:
+    """With vLLM's store on (the strict server): GET returns the response as created; cancelling
+    a finished one is vLLM's 400; an unknown id is its 404."""
+    with httpx.Client(base_url=strict_server.base_url, headers=strict_server.headers, timeout=60) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        created = http.post("/v1/responses", json={"model": model, "input": "Hi", "max_output_tokens": 4}).json()
+        got = http.get(f"/v1/responses/{created['id']}")
+        assert got.status_code == 200 and got.json()["id"] == created["id"]
+        assert got.json()["output"] == created["output"] and got.json()["status"] == created["status"]
+        cancel = http.post(f"/v1/responses/{created['id']}/cancel")
+        assert cancel.status_code == 400 and "Cannot cancel a synchronous response" in cancel.json()["error"]["message"]
+        assert http.get("/v1/responses/resp_unknown").status_code == 404
+        assert http.get(f"/v1/responses/{created['id']}", params={"starting_after": "x"}).status_code == 400

@@ -27,7 +27,8 @@ def test_dispatch_targets_exist_for_this_vllm() -> None:
     assert compat._app_state.__name__ == "vllm.entrypoints.launchers.api_server.app_state"
     assert list(inspect.signature(compat._app_state.init_app_state).parameters) == [
         "engine_client", "state", "args", "supported_tasks"]
-    assert compat._cli_args.__name__ == "vllm.entrypoints.launchers.cli_args"
+    assert compat._cli_args.__name__ == ("vllm.entrypoints.common.cli_args" if compat.VLLM_VERSION >= (0, 33)
+                                         else "vllm.entrypoints.launchers.cli_args")
     assert callable(compat._launcher.validate_api_server_args)
     assert compat.ErrorResponse.__module__ == "vllm.entrypoints.serve.engine.protocol"
     assert hasattr(RequestOutput, "add") and "aggregate" in inspect.signature(RequestOutput.add).parameters

@@ -1,4 +1,4 @@
-"""kernels/plugin/vllm_compat.py's pins on this machine's vLLM (0.32; bench/check_vllm_pins.py runs the
+"""kernels/plugin/vllm_pins.py's pins on this machine's vLLM (0.32; bench/check_vllm_pins.py runs the
 same on the GPU host's 0.26), its patch helper, and the vLLM-CPU points the test plugin uses."""
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import inspect
 import pytest
 
 from kernels.plugin import vllm_compat as vc
+from kernels.plugin import vllm_pins
 
 
-@pytest.mark.parametrize("pin", vc.PINS, ids=lambda p: p.__name__)
+@pytest.mark.parametrize("pin", vllm_pins.PINS, ids=lambda p: p.__name__)
 def test_pin_holds(pin) -> None:
     assert pin()
 

@@ -15,9 +15,9 @@ from service.engine import check_vllm_pins
 def test_pins_hold_on_this_vllm_and_are_logged(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="service.engine")
     report = check_vllm_pins()
-    assert report == {"version": vllm.__version__, "checked_versions": ["0.26", "0.32"], "pins_hold": True,
+    assert report == {"version": vllm.__version__, "checked_versions": ["0.26", "0.32", "0.33"], "pins_hold": True,
                       "failed": {}}
-    assert f"vLLM {vllm.__version__}: moe-serve's pins on its internals hold (checked for vLLM 0.26, 0.32)" \
+    assert f"vLLM {vllm.__version__}: moe-serve's pins on its internals hold (checked for vLLM 0.26, 0.32, 0.33)" \
         in caplog.text
 
 

@@ -44,7 +44,8 @@ def _state(api_keys: tuple[str, ...] = ()) -> SimpleNamespace:
         phases.append(phase)
 
     return SimpleNamespace(settings=SimpleNamespace(api_keys=api_keys, model_name="m"), warmed=False, phases=phases,
-                           engine=SimpleNamespace(set_worker_jit_phase=set_worker_jit_phase))
+                           engine=SimpleNamespace(set_worker_jit_phase=set_worker_jit_phase),
+                           metrics=SimpleNamespace(vllm_series=None))
 
 
 def test_warmup_sends_every_kind_with_the_first_key_in_the_workers_warmup_phase() -> None:

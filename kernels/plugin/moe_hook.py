@@ -1,7 +1,8 @@
 """The plugin's MoE hook: vLLM's TritonExperts.apply -> our fused_moe where we support the call
 and the routing (kernels/moe/selection.py) says ours is faster for (E, N, K, dtype, M).
 
-Supported: gated SiLU, no expert_map / LoRA / bias / clamp; bf16/fp16/fp32, or FP8 W8A8 in
+Supported: gated SiLU, no expert_map / LoRA / bias / clamp, GEMM2 finished by TritonExperts' own
+top-k sum (vllm_compat.custom_finish); bf16/fp16/fp32, or FP8 W8A8 in
 the three formats of kernels.moe.quant_format: per-tensor or per-channel weight scales with a
 per-tensor activation scale, or with dynamic per-token activations (FP8-dynamic), and block
 scales ([bn, bk] weight blocks, activations per token per bk columns; bk a power of two >= 16:
@@ -23,11 +24,13 @@ from kernels.moe import routing, selection
 from kernels.moe.fused_moe import FP8, Fp8Scales, fused_moe
 from kernels.plugin.layer_warmup import LayerShape, LayerWarmup, VllmCallTemplate
 from kernels.plugin.plugin_host import PluginHost
-from kernels.plugin.vllm_compat import OUTPUT_WRITTEN, ApplyCall, call_apply, fp8_layout
+from kernels.plugin.vllm_compat import OUTPUT_WRITTEN, ApplyCall, call_apply, custom_finish, fp8_layout
 
 
-def unsupported_reason(experts: Any, call: ApplyCall, require_cuda: bool = True) -> str | None:
-    """None when our kernel can compute this call, else a short reason (for the metrics)."""
+def unsupported_reason(experts: Any, call: ApplyCall, require_cuda: bool = True,
+                       experts_base: type | None = None) -> str | None:
+    """None when our kernel can compute this call, else a short reason (for the metrics).
+    experts_base: vLLM's TritonExperts, whose own GEMM2 finish ours replaces (vllm_compat.custom_finish)."""
     q = getattr(experts, "quant_config", None)
     x, w1, w2, out = call.hidden_states, call.w1, call.w2, call.output
     act = getattr(call.activation, "name", str(call.activation))
@@ -53,14 +56,14 @@ def unsupported_reason(experts: Any, call: ApplyCall, require_cuda: bool = True)
     if w1.size(1) != 2 * w2.size(2) or w1.size(2) != x.size(1):
         return "not_gated"
     if q is not None and getattr(q, "use_fp8_w8a8", False):
-        return _fp8_reason(experts, call)
+        return _fp8_reason(experts, call) or custom_finish(experts, call, experts_base)
     if q is not None and getattr(q, "quant_dtype", None) is not None:
         return f"quant:{q.quant_dtype}"
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"dtype:{x.dtype}"
     if not (x.dtype == w1.dtype == w2.dtype == out.dtype):
         return "mixed_dtypes"
-    return None
+    return custom_finish(experts, call, experts_base)
 
 
 def _fp8_reason(experts: Any, call: ApplyCall) -> str | None:
@@ -132,6 +135,7 @@ class MoeHook:
     its layer warm-up. require_cuda: our kernels run on CUDA tensors only."""
 
     require_cuda = True
+    experts_base: type | None = None  # vLLM's TritonExperts, set when the hook is installed
 
     def __init__(self, plugin: PluginHost, layers: LayerWarmup) -> None:
         self.plugin = plugin
@@ -139,7 +143,7 @@ class MoeHook:
         self._shapes: dict[int, LayerShape] = {}  # id(experts) -> its layer's shape (fixed per layer)
 
     def handle(self, orig: Callable, experts: Any, call: ApplyCall) -> Any:
-        why = unsupported_reason(experts, call, self.require_cuda)
+        why = unsupported_reason(experts, call, self.require_cuda, self.experts_base)
         if why is not None:
             return self._fallback(orig, experts, call, why)
         try:

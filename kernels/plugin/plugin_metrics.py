@@ -45,11 +45,12 @@ WORKERS_REPORTING = "moe_serve_vllm_workers_reporting"
 WARMUP_FAILURES = "moe_serve_plugin_warmup_failures"
 WARMUP_SECONDS = "moe_serve_plugin_warmup_seconds"
 WARMUP_SHAPES = "moe_serve_plugin_warmup_shapes"
+PINS_FAILED = "moe_serve_plugin_vllm_pins_failed"
 KERNEL_INFO_LABELS = ("backend", "swap_ab", "dtype", "tp_size", "mode")
 WORKER_INFO_LABELS = ("rank", "mode", "phase", "moe_hook", "jit_monitor")  # + pid (gauge mode 'all')
 LAUNCH_PATHS = ("optimized", "routed_to_vllm", "fallback")
 GAUGE_MODES = {KERNEL_INFO: "max", ROUTING_INFO: "max", WORKER_INFO: "all", WORKERS_REPORTING: "sum",
-               WARMUP_SECONDS: "all", WARMUP_SHAPES: "all"}  # how each gauge combines over workers
+               WARMUP_SECONDS: "all", WARMUP_SHAPES: "all", PINS_FAILED: "max"}  # how each gauge combines over workers
 JIT_FAMILIES = {  # Triton event kind (kernels.plugin.jit_monitor) -> (family, help)
     "compile": (JIT_COMPILES, "Triton JIT compilations in the vLLM workers, per kernel, phase "
                 "(warmup|serving) and TP rank (sum over rank for the server)"),
@@ -140,6 +141,9 @@ class PluginMetrics:
         self._warm_shapes = Gauge(WARMUP_SHAPES, "MoE layer shapes the plugin warmed up", ["rank"],
                                   registry=registry,
                                   multiprocess_mode=GAUGE_MODES[WARMUP_SHAPES]).labels(self.rank)
+        self._pins_failed = Gauge(PINS_FAILED, "Pins on vLLM's internals that failed in this worker's vLLM "
+                                  "(0: our MoE kernels may hook in; more: vLLM's kernels serve)", ["rank"],
+                                  registry=registry, multiprocess_mode=GAUGE_MODES[PINS_FAILED]).labels(self.rank)
         self._labels: dict[str, tuple[str, ...]] = {}
 
     def jit(self, kernel: str, phase: str, kind: str, n: int = 1) -> None:
@@ -176,6 +180,9 @@ class PluginMetrics:
 
     def routing(self, shape: str, desc: str) -> None:
         self._routing.labels(shape, desc).set(1)
+
+    def pins_failed(self, count: int) -> None:
+        self._pins_failed.set(count)
 
     def warmup_failed(self) -> None:
         self._failures.inc()

@@ -1,48 +1,53 @@
-"""Where the plugin touches vLLM internals (vLLM 0.26 on the GPU host, 0.32 here), and the pins of
+"""Where the plugin touches vLLM internals (vLLM 0.26 on the GPU host, 0.32 here, 0.33), and the pins of
 the kernel-side pieces kernels.moe.vllm_kernels loads.
 
-Every point below is checked by a pin in ``PINS``; tests/test_vllm_compat.py runs them on the CPU
-(0.32), bench/check_vllm_pins.py on the GPU host (0.26). Where the versions differ, the
-difference is dispatched here on ``vllm_minor()``:
+Every point below is checked by a pin (kernels/plugin/vllm_pins.py); tests/test_vllm_compat.py runs them on the CPU
+(0.32), bench/check_vllm_pins.py on the GPU host (0.26). 0.33's were run on its wheel's source
+without a GPU: ``pip download vllm==0.33.0 --no-deps``, its ``vllm/*.py`` unzipped into DIR, then
+``VLLM_TARGET_DEVICE=cpu PYTHONPATH=DIR:. pytest tests/test_vllm_compat.py
+tests/test_service_vllm_compat.py`` in this venv: all passed (2026-12-06). The plugin runs the pins
+too (``vllm_pins.check_pins``) before it patches anything: where one fails it installs no kernel hook, and
+vLLM's kernels serve. Where the versions differ, the difference is dispatched here on
+``vllm_minor()``:
 
-| point (vLLM module)                                   | 0.26            | 0.32                        |
-|-------------------------------------------------------|-----------------|-----------------------------|
-| ``TritonExperts.apply`` (fused_moe/experts/triton_moe) | APPLY_PARAMS    | APPLY_PARAMS                |
-| ``FusedMoEExpertsModular.apply`` return               | None            | None or UnfinalizedMoEOutput |
-| ``WorkerBase.__init__(vllm_config, local_rank, rank)`` | same            | same                        |
-| ``<Worker>.compile_or_warm_up_model(self)``           | same            | same                        |
-| ``try_get_optimal_moe_config(w1, w2, top_k, dtype, M, block_shape)`` | same | same          |
-| ``_resize_cache(flat, shape)`` views a workspace's front | same         | same                        |
-| ``moe_align_block_size(topk_ids, block_size, E)``      | same            | same                        |
-| ``fused_experts(x, w1, w2, tw, ids, quant_config=)``   | same            | same                        |
-| ``fp8_w8a8_moe_quant_config(w1_scale=, w2_scale=, a1_scale=, a2_scale=)`` | same | same |
-| ``fp8_w8a8_moe_quant_config(..., per_act_token_quant=, block_shape=)`` | same  | same                        |
-| ``FusedMoEExperts.block_shape`` / ``.per_act_token_quant`` (its quant_config's) | same | same |
-| VllmConfig fields read by ``worker_facts``            | same            | same                        |
-| ``MixtralMoE`` computes its gate, then ``self.experts(h, logits)`` (models/mixtral) | same | same |
-| ``FusedMoERouter.select_experts(self, hidden_states, router_logits, topk_indices_dtype, *, input_ids)`` | same | same |
-| MoE runners in ``compilation_config.static_all_moe_layers`` / ``static_forward_context``, ``.router`` | same | same |
-| ``Worker.load_model(self, *, load_dummy_weights)``, ``.execute_model(self, scheduler_output)``, ``.device`` | same | same |
-| ``SchedulerOutput.total_num_scheduled_tokens``                | same            | same                        |
+| point (vLLM module)                                   | 0.26            | 0.32                        | 0.33 |
+|-------------------------------------------------------|-----------------|-----------------------------|------|
+| ``TritonExperts.apply`` (fused_moe/experts/triton_moe) | APPLY_PARAMS    | APPLY_PARAMS                | same |
+| ``FusedMoEExpertsModular.apply`` return               | None            | None or UnfinalizedMoEOutput | same |
+| the experts' own GEMM2 finish (FINISH_POINTS)         | absent          | absent                      | post_gemm2_hook, overridable |
+| ``WorkerBase.__init__(vllm_config, local_rank, rank)`` | same            | same                        | same |
+| ``<Worker>.compile_or_warm_up_model(self)``           | same            | same                        | same |
+| ``try_get_optimal_moe_config(w1, w2, top_k, dtype, M, block_shape)`` | same | same          | same |
+| ``_resize_cache(flat, shape)`` views a workspace's front | same         | same                        | same |
+| ``moe_align_block_size(topk_ids, block_size, E)``      | same            | same                        | same |
+| ``fused_experts(x, w1, w2, tw, ids, quant_config=)``   | same            | same                        | same |
+| ``fp8_w8a8_moe_quant_config(w1_scale=, w2_scale=, a1_scale=, a2_scale=)`` | same | same | same |
+| ``fp8_w8a8_moe_quant_config(..., per_act_token_quant=, block_shape=)`` | same  | same                        | same |
+| ``FusedMoEExperts.block_shape`` / ``.per_act_token_quant`` (its quant_config's) | same | same | same |
+| VllmConfig fields read by ``worker_facts``            | same            | same                        | same |
+| ``MixtralMoE`` computes its gate, then ``self.experts(h, logits)`` (models/mixtral) | same | same | same |
+| ``FusedMoERouter.select_experts(self, hidden_states, router_logits, topk_indices_dtype, *, input_ids)`` | same | same | same |
+| MoE runners in ``compilation_config.static_all_moe_layers`` / ``static_forward_context``, ``.router`` | same | same | same |
+| ``Worker.load_model(self, *, load_dummy_weights)``, ``.execute_model(self, scheduler_output)``, ``.device`` | same | same | same |
+| ``SchedulerOutput.total_num_scheduled_tokens``                | same            | same                        | same |
 
 The return of apply: our kernel writes the final [M, K] sum into ``output`` and returns
 ``OUTPUT_WRITTEN`` (None), which both versions read as "output is final" (0.32 also accepts an
 UnfinalizedMoEOutput, which TritonExperts never returns). vLLM's own results pass through
 unchanged. ``FusedMoE`` (0.26) is ``FusedMoEFactory`` in 0.32; the plugin never names that
-layer (it hooks the experts class below it), so nothing dispatches on it.
+layer (it hooks the experts class below it), so nothing dispatches on it. 0.33's TritonExperts
+lets a model finish GEMM2's rows its own way (a ``post_gemm2_hook``, or a subclass overriding a
+FINISH_POINTS method) and reads UVA-offloaded weights from host memory: ``custom_finish`` names
+such a call, which the hook leaves to vLLM.
 """
 from __future__ import annotations
 
 import functools
 import importlib
-import inspect
-import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import torch
 import vllm
-from vllm.config import KernelConfig, ParallelConfig, SchedulerConfig
 
 from kernels.moe import vllm_kernels as vk
 
@@ -64,9 +69,12 @@ WARMUP_METHOD = "compile_or_warm_up_model"
 APPLY_PARAMS = ("self", "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids",
                 "activation", "global_num_experts", "expert_map", "a1q_scale", "a2_scale",
                 "workspace13", "workspace2", "expert_tokens_meta", "apply_router_weight_on_input")
-SUPPORTED = ((0, 26), (0, 32))
+SUPPORTED = ((0, 26), (0, 32), (0, 33))
 OUTPUT_WRITTEN = None
-APPLY_RETURNS = {(0, 26): "None", (0, 32): "UnfinalizedMoEOutput | None"}
+APPLY_RETURNS = {(0, 26): "None", (0, 32): "UnfinalizedMoEOutput | None", (0, 33): "UnfinalizedMoEOutput | None"}
+# TritonExperts methods through which vLLM 0.33 lets a subclass finish GEMM2's rows its own way
+FINISH_POINTS = ("_finalize_expert_output", "_apply_router_weight_in_gemm2", "finalize_weight_and_reduce_impl")
+UVA_MARK = "_vllm_is_uva_offloaded"  # vLLM 0.33: a weight read from host memory in place
 MARK = "__moe_serve__"
 
 
@@ -136,6 +144,22 @@ def apply_wrapper(handler: Handler) -> Callable[[Callable], Callable]:
     return make
 
 
+def custom_finish(experts: Any, call: ApplyCall, base: type | None) -> str | None:
+    """A reason when this call finishes GEMM2 other than `base`'s (TritonExperts') own top-k sum
+    (vLLM 0.33: a post_gemm2_hook, or a subclass overriding a FINISH_POINTS method) or reads
+    host-resident weights; None otherwise (always on 0.26 and 0.32). Runs per MoE call: no import."""
+    if getattr(experts, "post_gemm2_hook", None) is not None:
+        return "post_gemm2_hook"
+    cls = type(experts)
+    if base is not None and cls is not base and isinstance(experts, base):
+        for name in FINISH_POINTS:
+            if getattr(cls, name, None) is not getattr(base, name, None):
+                return f"custom_finish:{name}"
+    if any(getattr(w, UVA_MARK, False) for w in (call.w1, call.w2)):
+        return "host_resident_weights"
+    return None
+
+
 def call_apply(orig: Callable, experts: Any, call: ApplyCall) -> Any:
     """vLLM's original apply with every argument by keyword; its result unchanged."""
     return orig(experts, **call.kwargs())
@@ -203,148 +227,3 @@ def vllm_config_chooser(w1_shape: tuple[int, ...], w2_shape: tuple[int, ...], to
 
     choose(1)
     return choose
-
-
-def _params(fn: Callable) -> tuple[str, ...]:
-    return tuple(inspect.signature(inspect.unwrap(fn)).parameters)
-
-
-def pin_version() -> str:
-    assert vllm_minor() in SUPPORTED, f"vLLM {vllm.__version__}: pins are checked for {SUPPORTED}"
-    return vllm.__version__
-
-
-def pin_apply() -> str:
-    assert _params(load(EXPERTS).apply) == APPLY_PARAMS
-    assert _params(load(MODULAR).apply) == APPLY_PARAMS
-    ret = inspect.signature(inspect.unwrap(load(MODULAR).apply)).return_annotation
-    assert re.sub(r"[\w.]+\.(\w+)", r"\1", str(ret)) == APPLY_RETURNS[vllm_minor()], ret
-    impl = load(EXPERTS).finalize_weight_and_reduce_impl
-    assert impl.__qualname__.startswith("TritonExperts"), impl  # NoOP: output is the final sum
-    return "TritonExperts.apply parameters and return"
-
-
-def pin_router() -> str:
-    """What kernels.plugin.router_hook wraps and reads: the runner's entry point and the two
-    routers' routing step, with the attributes router_spec reads."""
-    assert _params(load(MOE_RUNNER)._forward_impl) == FORWARD_IMPL_PARAMS
-    src = inspect.getsource(inspect.unwrap(load(MOE_RUNNER)._forward_impl))
-    assert "self.gate(hidden_states)" in src, "the runner no longer calls its gate that way"
-    for where in ROUTERS:
-        cls = load(where)
-        assert _params(cls._compute_routing) == COMPUTE_ROUTING_PARAMS, where
-        init = set(_params(cls.__init__))
-        assert {"top_k", "global_num_experts", "renormalize"} <= init, where
-    assert {"e_score_correction_bias", "routed_scaling_factor", "hash_indices_table",
-            "num_fused_shared_experts"} <= set(_params(load(ROUTERS[1]).__init__))
-    return "MoERunner._forward_impl, FusedTopKRouter/FusedTopKBiasRouter._compute_routing"
-
-
-def pin_expert_load() -> str:
-    """What kernels.plugin.expert_load wraps and reads: the routers' common entry (no router class
-    of vLLM's overrides it), the runners' registration and the worker's per-step entry."""
-    base = load(ROUTER_BASE)
-    assert _params(base.select_experts) == SELECT_EXPERTS_PARAMS
-    src = inspect.getsource(inspect.unwrap(base.select_experts))
-    assert "self._select_experts(" in src, "select_experts no longer returns the routing it computes"
-    importlib.import_module(ROUTER_FACTORY)                      # every router class vLLM builds
-    pending, seen = [base], []
-    while pending:
-        seen.append(cls := pending.pop())
-        pending.extend(cls.__subclasses__())
-    assert len(seen) > len(ROUTERS) and not [c for c in seen[1:] if "select_experts" in vars(c)], seen
-    runner = load(MOE_RUNNER)
-    init = inspect.getsource(inspect.unwrap(runner.__init__))
-    assert "self.router = router" in init and "register_layer_for_moe_forward_op(" in init
-    register = inspect.getsource(importlib.import_module(MOE_RUNNER[0]).register_layer_for_moe_forward_op)
-    assert "static_forward_context[prefix] = layer" in register and "static_all_moe_layers.append(prefix)" in register
-    worker = load(GPU_WORKER)
-    assert _params(worker.load_model) == ("self", "load_dummy_weights")
-    assert _params(worker.execute_model) == ("self", "scheduler_output")
-    assert "self.device = torch.device(" in inspect.getsource(inspect.unwrap(worker.init_device))
-    assert "total_num_scheduled_tokens" in load(SCHEDULER_OUTPUT).__dataclass_fields__
-    return "FusedMoERouter.select_experts, MoE runner registration, Worker.load_model/execute_model"
-
-
-def pin_runner_gate() -> str:
-    """What kernels.plugin.runner_gate replaces: each gated block's forward computes the gate in
-    the block and hands the logits to its runner, exactly as the replacement assumes, and its
-    __init__ registers the gate before the runner (so the gate keeps its checkpoint name)."""
-    for where in GATED_BLOCKS:
-        cls = load(where)
-        src = inspect.getsource(inspect.unwrap(cls.forward))
-        for line in ("hidden_states = hidden_states.view(-1, self.hidden_size)",
-                     "router_logits, _ = self.gate(hidden_states)", "self.experts(hidden_states, router_logits)",
-                     ".view(orig_shape)"):
-            assert line in src, (where, line)
-        init = inspect.getsource(inspect.unwrap(cls.__init__))
-        assert init.index("self.gate =") < init.index("self.experts ="), where
-    return ", ".join(f"{where[1]}.forward / __init__" for where in GATED_BLOCKS)
-
-
-def pin_worker() -> str:
-    base = load(WORKER_BASE)
-    assert {"vllm_config", "local_rank", "rank"} <= set(_params(base.__init__))
-    assert callable(getattr(base, WARMUP_METHOD))
-    assert _params(getattr(load(GPU_WORKER), WARMUP_METHOD)) == ("self",)
-    return "WorkerBase.__init__, Worker.compile_or_warm_up_model"
-
-
-def pin_config_fields() -> str:
-    names = {f: set(getattr(c, "__dataclass_fields__", {})) for f, c in
-             (("kernel", KernelConfig), ("parallel", ParallelConfig), ("scheduler", SchedulerConfig))}
-    assert "moe_backend" in names["kernel"] and "tensor_parallel_size" in names["parallel"]
-    assert {"max_num_batched_tokens", "max_num_seqs"} <= names["scheduler"]
-    return "KernelConfig.moe_backend, ParallelConfig/SchedulerConfig fields"
-
-
-def pin_config_chooser() -> str:
-    assert _params(load(vk.CONFIG_LOOKUP))[:6] == ("w1_shape", "w2_shape", "top_k", "dtype", "M",
-                                                  "block_shape")
-    assert "BLOCK_SIZE_M" in vllm_config_chooser((8, 64, 32), (8, 32, 32), 2, "bf16")(5)
-    return "try_get_optimal_moe_config"
-
-
-def pin_workspace_views() -> str:
-    from vllm.model_executor.layers.fused_moe.utils import _resize_cache
-
-    flat = torch.arange(100.0)
-    view = _resize_cache(flat, (3, 4))
-    assert view.shape == (3, 4) and view.data_ptr() == flat.data_ptr()
-    return "_resize_cache views a flat workspace from its start"
-
-
-def pin_kernel_baselines() -> str:
-    """The vLLM pieces kernels.moe.vllm_kernels loads (it returns None where one is missing)."""
-    assert _params(load(vk.ALIGN_OP))[:3] == ("topk_ids", "block_size", "num_experts")
-    fx, qcfg = load(vk.FUSED_EXPERTS), load(vk.FP8_QUANT_CONFIG)
-    assert _params(fx)[:5] == ("hidden_states", "w1", "w2", "topk_weights", "topk_ids")
-    assert "quant_config" in _params(fx)
-    assert {"w1_scale", "w2_scale", "a1_scale", "a2_scale", "per_act_token_quant",
-            "block_shape"} <= set(_params(qcfg))
-    assert "BLOCK_SIZE_N" in (vk.moe_config(4, 8, 32, 64, 2, "bf16") or {"BLOCK_SIZE_N": 0})
-    return "moe_align_block_size, fused_experts, fp8_w8a8_moe_quant_config"
-
-
-def pin_fp8_layout() -> str:
-    """What fp8_layout reads: the experts' properties over their quant_config, for a block and
-    a per-token FP8 config built by vLLM's own constructor."""
-    qcfg = load(vk.FP8_QUANT_CONFIG)
-    experts = load(MODULAR).__mro__[1]                 # FusedMoEExperts
-    for name in ("block_shape", "per_act_token_quant", "w1_scale", "w2_scale", "a1_scale", "a2_scale"):
-        assert isinstance(getattr(experts, name), property), name
-    one = torch.ones(2, 2, 2)
-    block = qcfg(w1_scale=one, w2_scale=one, block_shape=[128, 128])
-    token = qcfg(w1_scale=one, w2_scale=one, per_act_token_quant=True, per_out_ch_quant=True)
-    view = lambda q: type("X", (), {"quant_config": q, "block_shape": experts.block_shape,  # noqa: E731
-                                    "per_act_token_quant": experts.per_act_token_quant})()
-    assert fp8_layout(view(block)) == ([128, 128], False), fp8_layout(view(block))
-    assert fp8_layout(view(token)) == (None, True), fp8_layout(view(token))
-    assert block.use_fp8_w8a8 and token.use_fp8_w8a8
-    return "FusedMoEExperts.block_shape / per_act_token_quant, fp8 quant config block and per-token"
-
-
-PINS: tuple[Callable[[], str], ...] = (pin_version, pin_apply, pin_worker, pin_config_fields,
-                                       pin_config_chooser, pin_workspace_views,
-                                       pin_kernel_baselines, pin_fp8_layout, pin_router, pin_runner_gate,
-                                       pin_expert_load)

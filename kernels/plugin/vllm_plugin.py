@@ -1,13 +1,19 @@
 """moe-serve's vLLM general plugin: one MoePlugin per vLLM process, with a lifecycle.
 
 vLLM loads the entry point ``vllm.general_plugins: moe_serve_kernels -> register`` in the API
-process, the engine core and every worker (docs/architecture.md). The plugin then:
+process, the engine core and every worker (docs/architecture.md) of every vLLM started where
+moe-serve is installed. The plugin is inert (no patch, one debug log line) unless
+``MOE_SERVE_VLLM_PLUGIN=1``: the moe-serve server sets it for its own engine, whose processes
+inherit it; a user sets it to run our kernels under ``vllm serve``. Active, the plugin then:
 
 1. install (every process): the Triton JIT monitor, a hook on WorkerBase.__init__, and with
    ``MOE_SERVE_MOE_KERNELS=optimized`` the MoE hook on TritonExperts.apply (kernels/plugin/moe_hook.py)
    and, unless ``MOE_SERVE_FUSED_ROUTER=0``, the router hook (kernels/plugin/router_hook.py) with
    the gate of blocks that compute it in the model moved into vLLM's runner
-   (kernels/plugin/runner_gate.py).
+   (kernels/plugin/runner_gate.py). Those kernel hooks only where every pin on this vLLM's
+   internals holds (vllm_pins.check_pins); else the mode is 'vllm' (vLLM's kernels serve), said
+   in one warning (the first process to load the plugin warns; those it starts log it at info)
+   and in the workers' moe_serve_plugin_vllm_pins_failed.
 2. worker init (workers only): reads rank and scheduler limits (vllm_compat.worker_facts),
    switches this process's metrics to prometheus multiprocess files in the runtime dir
    (kernels/plugin/plugin_metrics.py), gives the worker the method through which the API process
@@ -25,8 +31,8 @@ process, the engine core and every worker (docs/architecture.md). The plugin the
 5. report: all along, through PluginMetrics (read by the API process for /metrics, /version).
 
 On vLLM-CPU the MoE runs in vLLM's CPU experts: the hooks are installed and reported, but
-TritonExperts is never called. Env: MOE_SERVE_MOE_KERNELS (optimized|vllm), MOE_SERVE_FUSED_ROUTER,
-MOE_SERVE_EXPERT_STATS, MOE_SERVE_EXPERT_STATS_WINDOW (kernels/plugin/expert_snapshot.py),
+TritonExperts is never called. Env: MOE_SERVE_VLLM_PLUGIN, MOE_SERVE_MOE_KERNELS (optimized|vllm),
+MOE_SERVE_FUSED_ROUTER, MOE_SERVE_EXPERT_STATS, MOE_SERVE_EXPERT_STATS_WINDOW (kernels/plugin/expert_snapshot.py),
 MOE_SERVE_MOE_ROUTING (kernels/moe/routing.py), MOE_SERVE_VLLM_WARMUP_MAX_CALLS
 (kernels/plugin/layer_warmup.py), MOE_SERVE_RUNTIME_DIR (set by the API process).
 """
@@ -40,6 +46,7 @@ from typing import Any, Callable
 
 from kernels.plugin import expert_load, jit_monitor, runner_gate
 from kernels.plugin import vllm_compat as vc
+from kernels.plugin import vllm_pins
 from kernels.plugin.layer_warmup import LayerWarmup
 from kernels.plugin.moe_hook import MoeHook
 from kernels.plugin.router_hook import ENV as ROUTER_ENV
@@ -47,9 +54,16 @@ from kernels.plugin.router_hook import RouterHook
 from kernels.plugin.plugin_metrics import (REPORT_METHOD, RUNTIME_DIR_ENV, PluginMetrics, enable_multiprocess,
                                            ensure_runtime_dir, worker_report)
 
+ENABLE_ENV = "MOE_SERVE_VLLM_PLUGIN"  # "1": patch this vLLM process (set by moe-serve; opt-in for vllm serve)
+PINS_WARNED_ENV = "MOE_SERVE_VLLM_PINS_WARNED"  # set once a process warned of failed pins (inherited)
 MODE_ENV = "MOE_SERVE_MOE_KERNELS"
 JIT_PHASE_RPC = "moe_serve_set_jit_phase"  # a worker method: collective_rpc(JIT_PHASE_RPC, args=(phase,))
 MODES = ("optimized", "vllm")
+
+
+def enabled() -> bool:
+    """True when this process was started by moe-serve or its user opted in (MOE_SERVE_VLLM_PLUGIN=1)."""
+    return os.environ.get(ENABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def mode_from_env() -> str:
@@ -78,6 +92,7 @@ class MoePlugin:
         self.router: RouterHook | None = None  # installed in optimized mode unless MOE_SERVE_FUSED_ROUTER=0
         self.expert_load = expert_load.ExpertLoad(self) if expert_load.enabled_from_env() else None
         self.swap_ab = "n/a"
+        self.pins_failed: dict[str, str] = {}  # pin -> error, on a vLLM whose internals do not match
         self._last_spec: dict[str, dict[str, Any]] = {}
         self._logged: set[str] = set()
 
@@ -90,6 +105,7 @@ class MoePlugin:
         """Install every hook this mode needs; a hook that fails is logged, never raised."""
         steps: list[tuple[str, Callable[[], None]]] = [("jit_monitor", self._install_jit_monitor),
                                                        ("worker", self._install_worker_hook)]
+        self._check_pins()  # every mode: a patch of vLLM's internals needs them to hold
         if self.mode == "optimized":
             steps.append(("moe", self._install_moe_hook))
             if os.environ.get(ROUTER_ENV, "1").strip().lower() not in ("0", "false", "no", "off"):
@@ -102,6 +118,24 @@ class MoePlugin:
                 self.logger.error("moe-serve plugin: %s hook not installed: %r", name, exc)
         self.logger.info("moe-serve plugin loaded (pid %d, mode %s, hooks %s)", os.getpid(), self.mode,
                          self.hooks)
+
+    def _check_pins(self) -> None:
+        """Fall back to mode 'vllm' where a pin on vLLM's internals fails: no kernel hook then
+        (`pins_failed` says so to every part that would patch vLLM's internals)."""
+        try:
+            self.pins_failed = vllm_pins.check_pins()
+        except Exception as exc:  # noqa: BLE001 - a check that cannot run proves nothing holds
+            self.pins_failed = {"check_pins": repr(exc)[:300]}
+        if not self.pins_failed:
+            return
+        self.mode = "vllm"
+        first = not os.environ.get(PINS_WARNED_ENV)
+        os.environ[PINS_WARNED_ENV] = "1"  # the processes this one starts (engine, workers) log at info
+        self.logger.log(logging.WARNING if first else logging.INFO,
+                        "moe-serve plugin: vLLM %s's internals do not match moe-serve's pins (checked for vLLM %s); "
+                        "vLLM's MoE kernels serve: %s", vc.vllm.__version__,
+                        ", ".join(".".join(map(str, v)) for v in vc.SUPPORTED),
+                        "; ".join(f"{name}: {error}" for name, error in self.pins_failed.items()))
 
     def _install_jit_monitor(self) -> None:
         jit_monitor.install()
@@ -122,7 +156,8 @@ class MoePlugin:
             self.hooks.append("WorkerBase.__init__")
 
     def _install_moe_hook(self) -> None:
-        if vc.wrap_method(vc.load(vc.EXPERTS), "apply", vc.apply_wrapper(self.moe.handle)):
+        self.moe.experts_base = vc.load(vc.EXPERTS)
+        if vc.wrap_method(self.moe.experts_base, "apply", vc.apply_wrapper(self.moe.handle)):
             self.hooks.append("TritonExperts.apply")
 
     def _install_router_hook(self) -> None:
@@ -151,6 +186,8 @@ class MoePlugin:
         if vc.wrap_method(type(worker), vc.WARMUP_METHOD, self._around_vllm_warmup):
             self.hooks.append(f"{type(worker).__qualname__}.{vc.WARMUP_METHOD}")
         setattr(type(worker), JIT_PHASE_RPC, _set_jit_phase)
+        if self.pins_failed:                 # a vLLM whose internals we do not know: patch nothing
+            self.expert_load = None
         if self.expert_load is not None:
             try:
                 self.hooks.extend(self.expert_load.install(worker))
@@ -219,6 +256,7 @@ class MoePlugin:
         self.metrics.worker_state(self.phase, "TritonExperts.apply" in self.hooks,
                                   "triton.knobs.runtime.jit_post_compile_hook" in self.hooks)
         self.metrics.kernel_info(self.facts.backend, self.swap_ab, self.facts.dtype, self.facts.tp_size)
+        self.metrics.pins_failed(len(self.pins_failed))
 
     def set_swap_ab(self, value: str) -> None:
         self.swap_ab = value if self.swap_ab in ("n/a", value) else "mixed"
@@ -267,8 +305,9 @@ class MoePlugin:
                                 kind, self.rank, os.getpid(), kernel, cause)
 
 
-PLUGIN: MoePlugin | None = None
+PLUGIN: MoePlugin | None = None  # None while inert
 _lock = threading.Lock()
+_inert_logged = False
 
 
 def _set_jit_phase(worker: Any, phase: str) -> None:
@@ -280,9 +319,16 @@ def _set_jit_phase(worker: Any, phase: str) -> None:
 
 
 def register() -> None:
-    """vLLM general-plugin entry point: this process's MoePlugin, installed once. Never raises."""
-    global PLUGIN
+    """vLLM general-plugin entry point: this process's MoePlugin, installed once, where enabled();
+    else nothing but one debug line. Never raises."""
+    global PLUGIN, _inert_logged
     with _lock:
+        if not enabled():
+            if not _inert_logged:
+                _inert_logged = True
+                MoePlugin.logger.debug("moe-serve plugin inert (pid %d): this vLLM process was not started by "
+                                       "moe-serve, and %s=1 is not set", os.getpid(), ENABLE_ENV)
+            return
         if PLUGIN is not None:
             return
         PLUGIN = MoePlugin(mode_from_env(), os.environ.get(RUNTIME_DIR_ENV))

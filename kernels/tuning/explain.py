@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -114,10 +115,24 @@ def explain(args: argparse.Namespace) -> list[str]:
         lines.append("  " + router_line(shape.E, shape.K))
     lines += ["", "ratio: vLLM's time / ours at the measured M nearest to M in its routing range "
               "(> 1: ours faster). Under CUDA graphs the choice for a batch size is made at capture."]
+    lines += triton_note(lines, triton_version, given=args.triton_version is not None)
     if capability is None and any("vLLM's config for the shape" in ln for ln in lines):
         lines.append("Aligned-path defaults come from vLLM's config lookup on this machine (no GPU: "
                      "vLLM's default config); on the GPU vLLM reads its own table for that GPU.")
     return lines
+
+
+def triton_note(lines: list[str], triton_version: str, given: bool) -> list[str]:
+    """Where tables were refused for another Triton than this machine's: what that means when the
+    server runs elsewhere, and how to explain for that machine's Triton."""
+    made = sorted({m.group(1) for ln in lines if (m := re.search(r"made under Triton (\S+), this is", ln))})
+    if given or not made:
+        return []
+    return ["", f"Triton: the refused tables were made under Triton {', '.join(made)}; this machine has Triton "
+            f"{triton_version}, and explain assumes the server runs it. On another machine (the GPU that serves), "
+            f"the tables load where its Triton matches: to see what it will serve, pass its version, e.g. "
+            f"--triton-version {made[-1]} (there: python -c 'import triton; print(triton.__version__)'). A server "
+            f"on Triton {triton_version} needs them re-tuned on its GPU (moe-serve tune)."]
 
 
 def main(argv: list[str] | None = None) -> int:

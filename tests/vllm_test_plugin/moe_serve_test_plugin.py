@@ -1,8 +1,13 @@
 """Test-only vLLM general plugin, loaded by vLLM in every process of a test server.
 
 Never installed: tests/plugin_env.py puts this directory on the server's PYTHONPATH, and vLLM
-finds the entry point in the dist-info beside this file. It first registers moe-serve's own
-plugin (kernels.plugin.vllm_plugin), then changes that plugin object as these env switches say:
+finds the entry point in the dist-info beside this file (before moe-serve's own). It first registers
+moe-serve's own plugin (kernels.plugin.vllm_plugin), then changes that plugin object as these env
+switches say; where moe-serve's plugin is inert (a vLLM process moe-serve did not start), so is this one.
+
+MOE_SERVE_TEST_FAIL_PIN=1
+    One more pin on vLLM's internals, failing (added by sitecustomize.py beside this file, at
+    interpreter start, before any vLLM plugin loads): the plugin must fall back to vLLM's kernels.
 
 MOE_SERVE_TEST_PROBE_KERNEL=1
     Each worker compiles a tiny probe kernel for sm_90 (kernels.moe.aot's fake driver) at worker
@@ -173,7 +178,8 @@ def _fail_warmup(plugin: vllm_plugin.MoePlugin, rank: int) -> None:
 def register() -> None:
     vllm_plugin.register()
     plugin = vllm_plugin.PLUGIN
-    assert plugin is not None
+    if plugin is None:  # inert
+        return
     if os.environ.get("MOE_SERVE_TEST_PROBE_KERNEL") == "1":
         _probe_kernels(plugin)
     if os.environ.get("MOE_SERVE_TEST_CPU_MOE") == "1" and plugin.mode == "optimized":

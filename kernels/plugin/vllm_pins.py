@@ -1,0 +1,208 @@
+"""The pins: each checks that one vLLM internal kernels/plugin/vllm_compat.py relies on is where and
+what it expects, on the vLLM of this process (the plugin runs them all before it patches anything,
+`check_pins`; tests/test_vllm_compat.py runs them here on 0.32, bench/check_vllm_pins.py on a GPU
+host). Each returns what it checked, or raises.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import re
+from typing import Callable
+
+import torch
+import vllm
+from vllm.config import KernelConfig, ParallelConfig, SchedulerConfig
+
+from kernels.moe import vllm_kernels as vk
+from kernels.plugin.vllm_compat import (APPLY_PARAMS, APPLY_RETURNS, COMPUTE_ROUTING_PARAMS, EXPERTS,
+                                        FORWARD_IMPL_PARAMS, GATED_BLOCKS, GPU_WORKER, MODULAR, MOE_RUNNER,
+                                        ROUTER_BASE, ROUTER_FACTORY, ROUTERS, SCHEDULER_OUTPUT,
+                                        SELECT_EXPERTS_PARAMS, SUPPORTED, UVA_MARK, WARMUP_METHOD, WORKER_BASE,
+                                        fp8_layout, load, vllm_config_chooser, vllm_minor)
+
+
+def _params(fn: Callable) -> tuple[str, ...]:
+    return tuple(inspect.signature(inspect.unwrap(fn)).parameters)
+
+
+def pin_version() -> str:
+    assert vllm_minor() in SUPPORTED, f"vLLM {vllm.__version__}: pins are checked for {SUPPORTED}"
+    return vllm.__version__
+
+
+def pin_apply() -> str:
+    assert _params(load(EXPERTS).apply) == APPLY_PARAMS
+    assert _params(load(MODULAR).apply) == APPLY_PARAMS
+    ret = inspect.signature(inspect.unwrap(load(MODULAR).apply)).return_annotation
+    assert re.sub(r"[\w.]+\.(\w+)", r"\1", str(ret)) == APPLY_RETURNS[vllm_minor()], ret
+    impl = load(EXPERTS).finalize_weight_and_reduce_impl
+    assert impl.__qualname__.startswith("TritonExperts"), impl  # NoOP: output is the final sum
+    return "TritonExperts.apply parameters and return"
+
+
+def pin_finish_points() -> str:
+    """What custom_finish reads: where TritonExperts.apply finishes GEMM2 through other code than
+    its own top-k sum (0.33), it does so only through the names custom_finish checks."""
+    src = inspect.getsource(inspect.unwrap(load(EXPERTS).apply))
+    names = set(re.findall(r"self\.(_uses_post_gemm2_hook|_run_post_gemm2_hook|_finalize_expert_output|"
+                           r"_apply_router_weight_in_gemm2)\(", src))
+    if vllm_minor() >= (0, 33):
+        assert names == {"_uses_post_gemm2_hook", "_run_post_gemm2_hook", "_finalize_expert_output",
+                         "_apply_router_weight_in_gemm2"}, names
+        assert "post_gemm2_hook" in vars(load(MODULAR).__mro__[1]), "FusedMoEExperts.post_gemm2_hook"
+        assert UVA_MARK in inspect.getsource(importlib.import_module(vk.FUSED_EXPERTS[0]))
+    else:
+        assert not names, names
+    return "TritonExperts' GEMM2 finish (post_gemm2_hook, overridable finish, UVA weights)"
+
+
+def pin_router() -> str:
+    """What kernels.plugin.router_hook wraps and reads: the runner's entry point and the two
+    routers' routing step, with the attributes router_spec reads."""
+    assert _params(load(MOE_RUNNER)._forward_impl) == FORWARD_IMPL_PARAMS
+    src = inspect.getsource(inspect.unwrap(load(MOE_RUNNER)._forward_impl))
+    assert "self.gate(hidden_states)" in src, "the runner no longer calls its gate that way"
+    for where in ROUTERS:
+        cls = load(where)
+        assert _params(cls._compute_routing) == COMPUTE_ROUTING_PARAMS, where
+        init = set(_params(cls.__init__))
+        assert {"top_k", "global_num_experts", "renormalize"} <= init, where
+    assert {"e_score_correction_bias", "routed_scaling_factor", "hash_indices_table",
+            "num_fused_shared_experts"} <= set(_params(load(ROUTERS[1]).__init__))
+    return "MoERunner._forward_impl, FusedTopKRouter/FusedTopKBiasRouter._compute_routing"
+
+
+def pin_expert_load() -> str:
+    """What kernels.plugin.expert_load wraps and reads: the routers' common entry (no router class
+    of vLLM's overrides it), the runners' registration and the worker's per-step entry."""
+    base = load(ROUTER_BASE)
+    assert _params(base.select_experts) == SELECT_EXPERTS_PARAMS
+    src = inspect.getsource(inspect.unwrap(base.select_experts))
+    assert "self._select_experts(" in src, "select_experts no longer returns the routing it computes"
+    importlib.import_module(ROUTER_FACTORY)                      # every router class vLLM builds
+    pending, seen = [base], []
+    while pending:
+        seen.append(cls := pending.pop())
+        pending.extend(cls.__subclasses__())
+    assert len(seen) > len(ROUTERS) and not [c for c in seen[1:] if "select_experts" in vars(c)], seen
+    runner = load(MOE_RUNNER)
+    init = inspect.getsource(inspect.unwrap(runner.__init__))
+    assert "self.router = router" in init and "register_layer_for_moe_forward_op(" in init
+    register = inspect.getsource(importlib.import_module(MOE_RUNNER[0]).register_layer_for_moe_forward_op)
+    assert "static_forward_context[prefix] = layer" in register and "static_all_moe_layers.append(prefix)" in register
+    worker = load(GPU_WORKER)
+    assert _params(worker.load_model) == ("self", "load_dummy_weights")
+    assert _params(worker.execute_model) == ("self", "scheduler_output")
+    assert "self.device = torch.device(" in inspect.getsource(inspect.unwrap(worker.init_device))
+    assert "total_num_scheduled_tokens" in load(SCHEDULER_OUTPUT).__dataclass_fields__
+    return "FusedMoERouter.select_experts, MoE runner registration, Worker.load_model/execute_model"
+
+
+def pin_runner_gate() -> str:
+    """What kernels.plugin.runner_gate replaces: each gated block's forward computes the gate in
+    the block and hands the logits to its runner, exactly as the replacement assumes, and its
+    __init__ registers the gate before the runner (so the gate keeps its checkpoint name)."""
+    for where in GATED_BLOCKS:
+        cls = load(where)
+        src = inspect.getsource(inspect.unwrap(cls.forward))
+        for line in ("hidden_states = hidden_states.view(-1, self.hidden_size)",
+                     "router_logits, _ = self.gate(hidden_states)", "self.experts(hidden_states, router_logits)",
+                     ".view(orig_shape)"):
+            assert line in src, (where, line)
+        init = inspect.getsource(inspect.unwrap(cls.__init__))
+        assert init.index("self.gate =") < init.index("self.experts ="), where
+    return ", ".join(f"{where[1]}.forward / __init__" for where in GATED_BLOCKS)
+
+
+def pin_worker() -> str:
+    base = load(WORKER_BASE)
+    assert {"vllm_config", "local_rank", "rank"} <= set(_params(base.__init__))
+    assert callable(getattr(base, WARMUP_METHOD))
+    assert _params(getattr(load(GPU_WORKER), WARMUP_METHOD)) == ("self",)
+    return "WorkerBase.__init__, Worker.compile_or_warm_up_model"
+
+
+def pin_config_fields() -> str:
+    names = {f: set(getattr(c, "__dataclass_fields__", {})) for f, c in
+             (("kernel", KernelConfig), ("parallel", ParallelConfig), ("scheduler", SchedulerConfig))}
+    assert "moe_backend" in names["kernel"] and "tensor_parallel_size" in names["parallel"]
+    assert {"max_num_batched_tokens", "max_num_seqs"} <= names["scheduler"]
+    return "KernelConfig.moe_backend, ParallelConfig/SchedulerConfig fields"
+
+
+def pin_config_chooser() -> str:
+    assert _params(load(vk.CONFIG_LOOKUP))[:6] == ("w1_shape", "w2_shape", "top_k", "dtype", "M",
+                                                  "block_shape")
+    assert "BLOCK_SIZE_M" in vllm_config_chooser((8, 64, 32), (8, 32, 32), 2, "bf16")(5)
+    return "try_get_optimal_moe_config"
+
+
+def pin_workspace_views() -> str:
+    from vllm.model_executor.layers.fused_moe.utils import _resize_cache
+
+    flat = torch.arange(100.0)
+    view = _resize_cache(flat, (3, 4))
+    assert view.shape == (3, 4) and view.data_ptr() == flat.data_ptr()
+    return "_resize_cache views a flat workspace from its start"
+
+
+def pin_kernel_baselines() -> str:
+    """The vLLM pieces kernels.moe.vllm_kernels loads (it returns None where one is missing)."""
+    assert _params(load(vk.ALIGN_OP))[:3] == ("topk_ids", "block_size", "num_experts")
+    fx, qcfg = load(vk.FUSED_EXPERTS), load(vk.FP8_QUANT_CONFIG)
+    assert _params(fx)[:5] == ("hidden_states", "w1", "w2", "topk_weights", "topk_ids")
+    assert "quant_config" in _params(fx)
+    assert {"w1_scale", "w2_scale", "a1_scale", "a2_scale", "per_act_token_quant",
+            "block_shape"} <= set(_params(qcfg))
+    assert "BLOCK_SIZE_N" in (vk.moe_config(4, 8, 32, 64, 2, "bf16") or {"BLOCK_SIZE_N": 0})
+    return "moe_align_block_size, fused_experts, fp8_w8a8_moe_quant_config"
+
+
+def pin_fp8_layout() -> str:
+    """What fp8_layout reads: the experts' properties over their quant_config, for a block and
+    a per-token FP8 config built by vLLM's own constructor."""
+    qcfg = load(vk.FP8_QUANT_CONFIG)
+    experts = load(MODULAR).__mro__[1]                 # FusedMoEExperts
+    for name in ("block_shape", "per_act_token_quant", "w1_scale", "w2_scale", "a1_scale", "a2_scale"):
+        assert isinstance(getattr(experts, name), property), name
+    one = torch.ones(2, 2, 2)
+    block = qcfg(w1_scale=one, w2_scale=one, block_shape=[128, 128])
+    token = qcfg(w1_scale=one, w2_scale=one, per_act_token_quant=True, per_out_ch_quant=True)
+    view = lambda q: type("X", (), {"quant_config": q, "block_shape": experts.block_shape,  # noqa: E731
+                                    "per_act_token_quant": experts.per_act_token_quant})()
+    assert fp8_layout(view(block)) == ([128, 128], False), fp8_layout(view(block))
+    assert fp8_layout(view(token)) == (None, True), fp8_layout(view(token))
+    assert block.use_fp8_w8a8 and token.use_fp8_w8a8
+    return "FusedMoEExperts.block_shape / per_act_token_quant, fp8 quant config block and per-token"
+
+
+PINS: tuple[Callable[[], str], ...] = (pin_version, pin_apply, pin_finish_points, pin_worker, pin_config_fields,
+                                       pin_config_chooser, pin_workspace_views,
+                                       pin_kernel_baselines, pin_fp8_layout, pin_router, pin_runner_gate,
+                                       pin_expert_load)
+
+
+class _DropDefaultMoEConfigWarning(logging.Filter):
+    """vLLM's "Using default MoE config" warning for the pins' made-up shape: not about the model."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Using default MoE config")
+
+
+def check_pins() -> dict[str, str]:
+    """Run every pin on this process's vLLM: {pin name: error} of those that fail (empty: they all hold)."""
+    failed: dict[str, str] = {}
+    noisy = logging.getLogger("vllm.model_executor.layers.fused_moe.fused_moe")  # a pin's config lookup
+    quiet = _DropDefaultMoEConfigWarning()
+    noisy.addFilter(quiet)  # a filter, not a level: vLLM's logging set-up may reset levels meanwhile
+    try:
+        for pin in PINS:
+            try:
+                pin()
+            except Exception as exc:  # noqa: BLE001 - every failing pin is reported
+                failed[pin.__name__] = repr(exc)[:300]
+    finally:
+        noisy.removeFilter(quiet)
+    return failed
