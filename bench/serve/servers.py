@@ -10,6 +10,7 @@
 | `moe-serve-no-fused-router` | `python -m service --no-fused-router`: vLLM's router, our experts (on request) |
 | `moe-serve-block-pdl` | `MOE_SERVE_BLOCK_PDL=1 python -m service`: the MoE block at decode chained by programmatic dependent launch (on request) |
 | `moe-serve-no-expert-stats` | `python -m service --no-expert-stats`: without the expert load counting, what it costs (on request) |
+| `moe-serve-dense-gemv` | `python -m service --dense-gemv`: and the dense GEMMs at 1..8 tokens on our GEMV (on request) |
 
 `EngineFlags` are the engine settings every variant gets, each in its own CLI's spelling; the
 expert-load mode (`routing`) is vLLM's routing simulation, set in every variant's environment.
@@ -41,10 +42,12 @@ FUSED_ROUTER = "moe-serve-fused-router"       # --fused-router spelled out (OURS
 NO_ROUTER = "moe-serve-no-fused-router"        # --no-fused-router: what the one-launch router adds
 BLOCK_PDL = "moe-serve-block-pdl"              # the block chained by PDL (kernels.moe.launch.block_pdl)
 NO_EXPERT_STATS = "moe-serve-no-expert-stats"  # --no-expert-stats: what counting the expert load costs
+DENSE_GEMV = "moe-serve-dense-gemv"            # --dense-gemv: the dense GEMMs at decode on our GEMV
 VARIANTS = (BASELINE, FRONTEND, OURS)          # the yardstick's default run
-ALL_VARIANTS = (*VARIANTS, VLLM_TRITON, FUSED_ROUTER, NO_ROUTER, BLOCK_PDL, NO_EXPERT_STATS)   # what --variants may name, and the table shows
+ALL_VARIANTS = (*VARIANTS, VLLM_TRITON, FUSED_ROUTER, NO_ROUTER, BLOCK_PDL, NO_EXPERT_STATS,
+                DENSE_GEMV)                    # what --variants may name, and the table shows
 VARIANT_FLAGS = {FUSED_ROUTER: ["--fused-router"], NO_ROUTER: ["--no-fused-router"],
-                 NO_EXPERT_STATS: ["--no-expert-stats"]}
+                 NO_EXPERT_STATS: ["--no-expert-stats"], DENSE_GEMV: ["--dense-gemv"]}
 BLOCK_PDL_ENV = "MOE_SERVE_BLOCK_PDL"           # set for every moe-serve variant, not inherited
 SERVED_NAME = "yardstick"
 CPU_KV_CACHE_BYTES = 512 * 1024 ** 2
@@ -54,7 +57,7 @@ WEIGHTS = "weights"                            # routing mode: as the model's ro
 # backend of the Triton control, and moe-serve's with its kernels (its backend policy picks Triton).
 _MOE_BACKEND = ("kernel_config.moe_backend",)
 VARIANT_CONFIG_KEYS = {VLLM_TRITON: _MOE_BACKEND, OURS: _MOE_BACKEND, FUSED_ROUTER: _MOE_BACKEND,
-                       NO_ROUTER: _MOE_BACKEND, BLOCK_PDL: _MOE_BACKEND}
+                       NO_ROUTER: _MOE_BACKEND, BLOCK_PDL: _MOE_BACKEND, DENSE_GEMV: _MOE_BACKEND}
 CONFIG_LINE = re.compile(r"with config: (.*)$", re.M)
 DATACLASS_VALUE = re.compile(r"^\w+\((.*)\)$", re.S)
 

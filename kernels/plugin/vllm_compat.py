@@ -24,6 +24,7 @@ difference is dispatched here on ``vllm_minor()``:
 | MoE runners in ``compilation_config.static_all_moe_layers`` / ``static_forward_context``, ``.router`` | same | same |
 | ``Worker.load_model(self, *, load_dummy_weights)``, ``.execute_model(self, scheduler_output)``, ``.device`` | same | same |
 | ``SchedulerOutput.total_num_scheduled_tokens``                | same            | same                        |
+| ``Unquantized{Linear,Embedding}Method.apply(self, layer, x, bias)`` -> F.linear on CUDA | per call | Linear: ``_gemm_impl`` |
 
 The return of apply: our kernel writes the final [M, K] sum into ``output`` and returns
 ``OUTPUT_WRITTEN`` (None), which both versions read as "output is final" (0.32 also accepts an
@@ -61,6 +62,11 @@ SELECT_EXPERTS_PARAMS = ("self", "hidden_states", "router_logits", "topk_indices
 ROUTER_FACTORY = "vllm.model_executor.layers.fused_moe.router.router_factory"
 SCHEDULER_OUTPUT = ("vllm.v1.core.sched.output", "SchedulerOutput")
 WARMUP_METHOD = "compile_or_warm_up_model"
+DENSE_METHODS = (("vllm.model_executor.layers.linear", "UnquantizedLinearMethod"),
+                 ("vllm.model_executor.layers.vocab_parallel_embedding", "UnquantizedEmbeddingMethod"))
+DENSE_APPLY_PARAMS = ("self", "layer", "x", "bias")
+LAYER_UTILS = "vllm.model_executor.layers.utils"
+LOGITS_PROCESSOR = "vllm.model_executor.layers.logits_processor"
 APPLY_PARAMS = ("self", "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids",
                 "activation", "global_num_experts", "expert_map", "a1q_scale", "a2_scale",
                 "workspace13", "workspace2", "expert_tokens_meta", "apply_router_weight_on_input")
@@ -282,6 +288,43 @@ def pin_runner_gate() -> str:
     return ", ".join(f"{where[1]}.forward / __init__" for where in GATED_BLOCKS)
 
 
+def default_dense_gemm() -> Callable[[Any], bool]:
+    """method -> whether vLLM's apply of this unquantized linear / embedding method is F.linear
+    on CUDA: always in 0.26 (dispatch_unquantized_gemm() per call); in 0.32 unless the method's
+    ``_gemm_impl``, chosen at construction from kernel_config.linear_backend, is another
+    (FlashInfer's bf16 GEMM, the CPU or ROCm ones). The check reads one attribute: traceable."""
+    default = load((LAYER_UTILS, "default_unquantized_gemm"))
+
+    def is_default(method: Any) -> bool:
+        impl = getattr(method, "_gemm_impl", None)
+        return impl is None or impl is default
+    return is_default
+
+
+def batch_invariant() -> bool:
+    """vLLM's VLLM_BATCH_INVARIANT (its unquantized applies then run a batch-invariant GEMM)."""
+    return bool(importlib.import_module("vllm.envs").VLLM_BATCH_INVARIANT)
+
+
+def pin_dense_linear() -> str:
+    """What kernels.plugin.dense_hook wraps: both methods' apply(self, layer, x, bias) computes
+    the GEMM of layer.weight and bias (or, with VLLM_BATCH_INVARIANT, the batch-invariant one),
+    whose CUDA default is F.linear; the logits processor runs the lm_head through its method's
+    apply. Read on 0.26.0 (wheel source): the same lines, with dispatch_unquantized_gemm() per
+    call where 0.32 keeps self._gemm_impl."""
+    for where in DENSE_METHODS:
+        apply = load(where).apply
+        assert _params(apply) == DENSE_APPLY_PARAMS, where
+        src = inspect.getsource(inspect.unwrap(apply))
+        assert "layer.weight, bias)" in src and "VLLM_BATCH_INVARIANT" in src and src.count("return ") == 2, where
+    gemm = inspect.getsource(load((LAYER_UTILS, "default_unquantized_gemm")))
+    assert "torch.nn.functional.linear(x, weight, bias)" in gemm
+    assert "return default_unquantized_gemm" in inspect.getsource(load((LAYER_UTILS, "dispatch_unquantized_gemm")))
+    assert "lm_head.quant_method.apply(" in inspect.getsource(importlib.import_module(LOGITS_PROCESSOR))
+    assert isinstance(importlib.import_module("vllm.envs").VLLM_BATCH_INVARIANT, bool)
+    return "UnquantizedLinearMethod/UnquantizedEmbeddingMethod.apply, default_unquantized_gemm, lm_head"
+
+
 def pin_worker() -> str:
     base = load(WORKER_BASE)
     assert {"vllm_config", "local_rank", "rank"} <= set(_params(base.__init__))
@@ -347,4 +390,4 @@ def pin_fp8_layout() -> str:
 PINS: tuple[Callable[[], str], ...] = (pin_version, pin_apply, pin_worker, pin_config_fields,
                                        pin_config_chooser, pin_workspace_views,
                                        pin_kernel_baselines, pin_fp8_layout, pin_router, pin_runner_gate,
-                                       pin_expert_load)
+                                       pin_expert_load, pin_dense_linear)
