@@ -46,11 +46,11 @@ DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 @triton.jit
-def _pairs(ptrs, mask, BF16: tl.constexpr, SHAPE: tl.constexpr):
-    """The even and odd columns, fp32 SHAPE = [..., LANES], of the 16-byte vectors at ptrs
-    (vectors outside mask, which is constant along a vector: 0). BF16: ptrs are int32 words of two bf16 each, [..., LANES]
-    (LANES = VEC // 2), widened with a shift and a mask; else [..., VEC] elements, converted
-    and split."""
+def _pairs(ptrs, mask, BF16: tl.constexpr, ROWS: tl.constexpr, BKV: tl.constexpr, LANES: tl.constexpr):
+    """The even and odd columns, fp32 [ROWS, BKV, LANES], of the 16-byte vectors at ptrs (vectors
+    outside mask, which is constant along a vector, read as 0). BF16: ptrs [ROWS, BKV, LANES] are
+    int32 words of two bf16 each, widened with one shift or mask per element; else ptrs
+    [ROWS, BKV, 2 x LANES] are elements, converted and split."""
     if BF16:
         if mask is None:
             v = tl.load(ptrs)
@@ -63,17 +63,17 @@ def _pairs(ptrs, mask, BF16: tl.constexpr, SHAPE: tl.constexpr):
             v = tl.load(ptrs).to(tl.float32)
         else:
             v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        even, odd = tl.split(tl.reshape(v, SHAPE + (2,)))
+        even, odd = tl.split(tl.reshape(v, (ROWS, BKV, LANES, 2)))
     return even, odd
 
 
 @triton.jit
 def _token(acc, we, wo, x_row, k0, ku, kv, K_U, EVEN_K: tl.constexpr, BF16: tl.constexpr,
-           ACC_PAIRS: tl.constexpr, XSHAPE: tl.constexpr):
+           ACC_PAIRS: tl.constexpr, BKV: tl.constexpr, LANES: tl.constexpr):
     """One token's accumulator after the products of its x slice (x_row + k0 + ku, in load
     units; kv: the vectors' first units) with the weight tile's even / odd columns we, wo
     [BLOCK_N, BKV, LANES]."""
-    xe, xo = _pairs(x_row + k0 + ku, None if EVEN_K else k0 + kv < K_U, BF16, XSHAPE)
+    xe, xo = _pairs(x_row + k0 + ku, None if EVEN_K else k0 + kv < K_U, BF16, 1, BKV, LANES)
     if ACC_PAIRS:
         acc = tl.fma(wo, xo, tl.fma(we, xe, acc))
     else:
@@ -126,8 +126,7 @@ def dense_gemv_kernel(
     UV: tl.constexpr = VEC // EL                                     # load units per vector
     BKV: tl.constexpr = BLOCK_K // VEC                               # vectors per row and tile
     TILE_U: tl.constexpr = BLOCK_K // EL                             # load units per row and tile
-    WSHAPE: tl.constexpr = (BLOCK_N, BKV, VEC // 2)
-    XSHAPE: tl.constexpr = (1, BKV, VEC // 2)
+    LANES: tl.constexpr = VEC // 2                                   # (even, odd) pairs per vector
     wp = w_ptr.to(tl.pointer_type(tl.int32)) if BF16 else w_ptr
     xp = x_ptr.to(tl.pointer_type(tl.int32)) if BF16 else x_ptr
     K_U = K // EL                            # the launcher checked K % VEC: rows are whole vectors
@@ -148,7 +147,7 @@ def dense_gemv_kernel(
     x6 = xp + tl.multiple_of(tl.minimum(6 * K_U, last), UV)
     x7 = xp + tl.multiple_of(tl.minimum(7 * K_U, last), UV)
     if ACC_PAIRS:
-        a0 = tl.zeros(WSHAPE, dtype=tl.float32)
+        a0 = tl.zeros((BLOCK_N, BKV, LANES), dtype=tl.float32)
     else:
         a0 = tl.zeros((BLOCK_N, BKV), dtype=tl.float32)
     a1 = a0
@@ -162,26 +161,26 @@ def dense_gemv_kernel(
     lo, hi = _split_range(n_tiles, tl.program_id(1), SPLIT_K)
     if PREFETCH:
         k_first = tl.minimum(lo, n_tiles - 1) * TILE_U
-        ne, no = _pairs(w_ptrs + k_first, None if EVEN_K else k_first + kv < K_U, BF16, WSHAPE)
+        ne, no = _pairs(w_ptrs + k_first, None if EVEN_K else k_first + kv < K_U, BF16, BLOCK_N, BKV, LANES)
     for kt in range(lo, hi):
         k0 = kt * TILE_U
         if PREFETCH:                   # this tile's weights came one step ago; load the next
             we, wo = ne, no
             k_next = tl.minimum(kt + 1, hi - 1) * TILE_U
-            ne, no = _pairs(w_ptrs + k_next, None if EVEN_K else k_next + kv < K_U, BF16, WSHAPE)
+            ne, no = _pairs(w_ptrs + k_next, None if EVEN_K else k_next + kv < K_U, BF16, BLOCK_N, BKV, LANES)
         else:
-            we, wo = _pairs(w_ptrs + k0, None if EVEN_K else k0 + kv < K_U, BF16, WSHAPE)
-        a0 = _token(a0, we, wo, x0, k0, ku, kv, K_U, EVEN_K, BF16, ACC_PAIRS, XSHAPE)
+            we, wo = _pairs(w_ptrs + k0, None if EVEN_K else k0 + kv < K_U, BF16, BLOCK_N, BKV, LANES)
+        a0 = _token(a0, we, wo, x0, k0, ku, kv, K_U, EVEN_K, BF16, ACC_PAIRS, BKV, LANES)
         if BLOCK_M > 1:
-            a1 = _token(a1, we, wo, x1, k0, ku, kv, K_U, EVEN_K, BF16, ACC_PAIRS, XSHAPE)
+            a1 = _token(a1, we, wo, x1, k0, ku, kv, K_U, EVEN_K, BF16, ACC_PAIRS, BKV, LANES)
         if BLOCK_M > 2:
-            a2 = _token(a2, we, wo, x2, k0, ku, kv, K_U, EVEN_K, BF16, ACC_PAIRS, XSHAPE)
-            a3 = _token(a3, we, wo, x3, k0, ku, kv, K_U, EVEN_K, BF16, ACC_PAIRS, XSHAPE)
+            a2 = _token(a2, we, wo, x2, k0, ku, kv, K_U, EVEN_K, BF16, ACC_PAIRS, BKV, LANES)
+            a3 = _token(a3, we, wo, x3, k0, ku, kv, K_U, EVEN_K, BF16, ACC_PAIRS, BKV, LANES)
         if BLOCK_M > 4:
-            a4 = _token(a4, we, wo, x4, k0, ku, kv, K_U, EVEN_K, BF16, ACC_PAIRS, XSHAPE)
-            a5 = _token(a5, we, wo, x5, k0, ku, kv, K_U, EVEN_K, BF16, ACC_PAIRS, XSHAPE)
-            a6 = _token(a6, we, wo, x6, k0, ku, kv, K_U, EVEN_K, BF16, ACC_PAIRS, XSHAPE)
-            a7 = _token(a7, we, wo, x7, k0, ku, kv, K_U, EVEN_K, BF16, ACC_PAIRS, XSHAPE)
+            a4 = _token(a4, we, wo, x4, k0, ku, kv, K_U, EVEN_K, BF16, ACC_PAIRS, BKV, LANES)
+            a5 = _token(a5, we, wo, x5, k0, ku, kv, K_U, EVEN_K, BF16, ACC_PAIRS, BKV, LANES)
+            a6 = _token(a6, we, wo, x6, k0, ku, kv, K_U, EVEN_K, BF16, ACC_PAIRS, BKV, LANES)
+            a7 = _token(a7, we, wo, x7, k0, ku, kv, K_U, EVEN_K, BF16, ACC_PAIRS, BKV, LANES)
 
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
