@@ -9,7 +9,8 @@ captured batch size), so one graph serves decode batches (ours) and prefill (F.l
 
 Every [N, K] weight that reaches the op with a layout the kernel takes is remembered
 (`seen`, with the tensors) so that a worker can compile its kernel variants before serving
-(warm_variants: M = 1..MAX_M). On CPU tensors the op is F.linear, unless a test sets
+(warm_variants: M = 1..MAX_M); a weight whose call at 1..MAX_M tokens still went to F.linear
+(x misaligned or strided) is remembered with the reason (`fallbacks`). On CPU tensors the op is F.linear, unless a test sets
 CPU_INTERPRETER under TRITON_INTERPRET=1 (the kernel then runs in Triton's interpreter).
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ _lib.define(f"{NAME}(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 
 ShapeKey = tuple[int, int, torch.dtype, bool, str]   # (N, K, dtype, has bias, device)
 _seen: dict[ShapeKey, tuple[torch.Tensor, torch.Tensor | None]] = {}
+_fallbacks: dict[ShapeKey, str] = {}                  # F.linear at 1..MAX_M tokens: the first reason
 
 
 def runs_here(x: torch.Tensor) -> bool:
@@ -64,8 +66,11 @@ def _impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
         key = (weight.shape[0], weight.shape[1], weight.dtype, bias is not None, str(weight.device))
         if key not in _seen:
             _seen[key] = (weight, bias)
-        if x2.shape[0] <= MAX_M and unsupported(x2, weight, bias) is None:
-            return dense_gemv(x2, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+        if x2.shape[0] <= MAX_M:
+            why = unsupported(x2, weight, bias)
+            if why is None:
+                return dense_gemv(x2, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+            _fallbacks.setdefault(key, why)
     return F.linear(x, weight, bias)
 
 
@@ -85,6 +90,12 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def seen() -> dict[ShapeKey, tuple[torch.Tensor, torch.Tensor | None]]:
     """The weights (and biases) the op has seen, by shape key, in the order first seen."""
     return dict(_seen)
+
+
+def fallbacks() -> dict[ShapeKey, str]:
+    """Weights the op sent to F.linear at 1..MAX_M tokens for a layout only the data rules out
+    (x's alignment or contiguity), with the first reason."""
+    return dict(_fallbacks)
 
 
 def warm_variants(weight: torch.Tensor, bias: torch.Tensor | None, max_m: int = MAX_M,

@@ -50,6 +50,7 @@ class DenseHook:
     def __init__(self, plugin: PluginHost) -> None:
         self.plugin = plugin
         self._warmed: set[op.ShapeKey] = set()
+        self._reported: set[op.ShapeKey] = set()
         self._is_default = vc.default_dense_gemm()
 
     def install(self) -> list[str]:
@@ -77,7 +78,13 @@ class DenseHook:
 
     def warm_pending(self, compile_only: bool = False) -> int:
         """Compile the kernel variants (M = 1..8) of every weight the op has seen and not yet
-        warmed; returns how many weights were warmed."""
+        warmed, and log (once each) the weights whose small calls went to F.linear; returns how
+        many weights were warmed."""
+        for key, why in op.fallbacks().items():
+            if key not in self._reported:
+                self._reported.add(key)
+                self.plugin.logger.warning("moe-serve dense GEMV: weight [%d, %d] %s ran F.linear at <= %d tokens: %s",
+                                           key[0], key[1], key[2], op.MAX_M, why)
         done = 0
         for key, (weight, bias) in op.seen().items():
             if key in self._warmed:

@@ -141,3 +141,20 @@ def test_the_plugin_installs_the_hook_only_when_switched_on(monkeypatch: pytest.
     assert steps("optimized")[-1] == "dense gemv" and "dense gemv" not in steps("vllm")
     monkeypatch.setenv(ENV, "0")
     assert "dense gemv" not in steps("optimized")
+
+
+def test_warm_up_compiles_what_the_op_saw_and_reports_small_calls_left_to_f_linear(
+        hooked: list, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(op, "_seen", {})
+    monkeypatch.setattr(op, "_fallbacks", {})
+    layer, g = _layer(16, 64, torch.float32, False)
+    layer(torch.randn(300, 64, generator=g))                      # a prefill: F.linear, the weight seen
+    x = torch.randn(2 * 64 + 1, generator=g)[1:].view(2, 64)       # misaligned decode input: F.linear
+    assert torch.equal(layer(x)[0], _vllm_own(layer, x)) and hooked == []
+    hook = DenseHook(SimpleNamespace(logger=logging.getLogger("test.dense")))
+    with caplog.at_level(logging.WARNING, logger="test.dense"):
+        assert hook.warm_pending() == 1 and hook.warm_pending() == 0    # once per weight
+    assert sorted({m for m, _, _ in hooked}) == list(range(1, 9))      # M = 1..8 recorded, 4 variants run
+    assert [r.getMessage() for r in caplog.records] == [
+        "moe-serve dense GEMV: weight [16, 64] torch.float32 ran F.linear at <= 8 tokens: x layout: "
+        "contiguous and 16-byte aligned"]

@@ -102,3 +102,10 @@ def test_weights_seen_are_warmed_once_per_variant(ours: list) -> None:
     assert op.warm_variants(w, None) == 4                          # BLOCK_M 1, 2, 4, 8
     # every M recorded once, and run where it is the first of its variant (1, 2, 3, 5)
     assert sorted(m for m, _, _ in ours) == [1, 1, 2, 2, 3, 3, 4, 5, 5, 6, 7, 8]
+
+
+def test_a_small_call_the_data_rules_out_is_remembered_with_its_reason(ours: list) -> None:
+    w, b, g = _weights(8, 64, torch.float32)
+    x = torch.randn(3 * 64 + 1, generator=g)[1:].view(3, 64)     # 4-byte offset: not 16-byte aligned
+    assert torch.equal(op.dense_linear(x, w, b), F.linear(x, w, b)) and not ours
+    assert op.fallbacks()[(8, 64, torch.float32, True, "cpu")].startswith("x layout")
