@@ -83,6 +83,20 @@ def coordinate_search(start: dict, axes: tuple, ok: Callable[[dict], bool], meas
     return best, best_us
 
 
+def prime_capture_workspace(n_floats: int, n_counters: int) -> None:
+    """Size the split-K workspace of the stream CUDA graphs are captured on (one per stream,
+    kernels.moe.moe_decode_launch.split_workspace) before timing: allocated inside a capture, its
+    zero fill would be a node of that graph and add a memset to one config's time. A throwaway
+    graph allocates it and one replay zeroes it."""
+    from kernels.moe.moe_decode_launch import split_workspace
+
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        split_workspace(torch.device(DEV), n_floats, n_counters)
+    g.replay()
+    torch.cuda.synchronize()
+
+
 class Cell:
     """One (shape, M): n_sets weight sets and inputs on DEV, the float64 reference of set 0, and
     the timings of configs."""
@@ -98,6 +112,8 @@ class Cell:
         self.outs = [torch.empty(M, N, dtype=torch.bfloat16, device=DEV) for _ in range(self.n_sets)]
         self.ref = self.xs[0].double() @ self.ws[0].double().T
         self.tried: dict[str, float | str] = {}
+        if CUDA:
+            prime_capture_workspace(M * N, N)
 
     def check(self, cfg: dict) -> float:
         """rel_err of a config on set 0, written into a NaN-poisoned output (NaN anywhere: inf)."""

@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from kernels.dense.gemv import DTYPES, MAX_M, dense_gemv, unsupported
-from kernels.moe.aot import compile_launches
 from kernels.moe.launch import record_launches
 
 NAMESPACE, NAME = "moe_serve", "dense_linear"
@@ -98,11 +97,10 @@ def fallbacks() -> dict[ShapeKey, str]:
     return dict(_fallbacks)
 
 
-def warm_variants(weight: torch.Tensor, bias: torch.Tensor | None, max_m: int = MAX_M,
-                  compile_only: bool = False) -> int:
-    """Compile every kernel variant the op launches for this weight at M = 1..max_m: run it on
-    zero inputs (or, compile_only, record the launches and compile them for sm_90 with
-    kernels.moe.aot, no GPU needed). Returns the number of distinct variants."""
+def warm_variants(weight: torch.Tensor, bias: torch.Tensor | None, max_m: int = MAX_M) -> int:
+    """Compile every kernel variant the op launches for this weight at M = 1..max_m: record each
+    M's launch and run the first M of each distinct variant on zero inputs. Returns the number of
+    distinct variants."""
     seen_keys: set[tuple[Any, ...]] = set()
     K = weight.shape[1]
     for M in range(1, max_m + 1):
@@ -113,8 +111,5 @@ def warm_variants(weight: torch.Tensor, bias: torch.Tensor | None, max_m: int = 
         if key in seen_keys:
             continue
         seen_keys.add(key)
-        if compile_only:
-            compile_launches(launches)
-        else:
-            dense_gemv(x, weight, bias)
+        dense_gemv(x, weight, bias)
     return len(seen_keys)

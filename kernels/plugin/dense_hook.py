@@ -76,7 +76,7 @@ class DenseHook:
             return orig(method, layer, x, bias)
         return apply
 
-    def warm_pending(self, compile_only: bool = False) -> int:
+    def warm_pending(self) -> int:
         """Compile the kernel variants (M = 1..8) of every weight the op has seen and not yet
         warmed, and log (once each) the weights whose small calls went to F.linear; returns how
         many weights were warmed."""
@@ -89,7 +89,7 @@ class DenseHook:
         for key, (weight, bias) in op.seen().items():
             if key in self._warmed:
                 continue
-            n = op.warm_variants(weight, bias, compile_only=compile_only)
+            n = op.warm_variants(weight, bias)
             self._warmed.add(key)
             self.plugin.logger.info("moe-serve dense GEMV: weight %s %s%s warmed, %d variants for M = 1..%d",
                                     list(weight.shape), weight.dtype, " + bias" if bias is not None else "", n,
