@@ -159,15 +159,15 @@ def dense_gemv_kernel(
     a7 = a0
     n_tiles = tl.cdiv(K, BLOCK_K)
     lo, hi = _split_range(n_tiles, tl.program_id(1), SPLIT_K)
-    if PREFETCH:
-        k_first = tl.minimum(lo, n_tiles - 1) * TILE_U
-        ne, no = _pairs(w_ptrs + k_first, None if EVEN_K else k_first + kv < K_U, BF16, BLOCK_N, BKV, LANES)
+    if PREFETCH:                       # masked loads: no tile past the split's own is read
+        ne, no = _pairs(w_ptrs + lo * TILE_U, lo * TILE_U + kv < tl.where(lo < hi, K_U, 0), BF16,
+                        BLOCK_N, BKV, LANES)
     for kt in range(lo, hi):
         k0 = kt * TILE_U
         if PREFETCH:                   # this tile's weights came one step ago; load the next
             we, wo = ne, no
-            k_next = tl.minimum(kt + 1, hi - 1) * TILE_U
-            ne, no = _pairs(w_ptrs + k_next, None if EVEN_K else k_next + kv < K_U, BF16, BLOCK_N, BKV, LANES)
+            ne, no = _pairs(w_ptrs + k0 + TILE_U, k0 + TILE_U + kv < tl.where(kt + 1 < hi, K_U, 0), BF16,
+                            BLOCK_N, BKV, LANES)
         else:
             we, wo = _pairs(w_ptrs + k0, None if EVEN_K else k0 + kv < K_U, BF16, BLOCK_N, BKV, LANES)
         a0 = _token(a0, we, wo, x0, k0, ku, kv, K_U, EVEN_K, BF16, ACC_PAIRS, BKV, LANES)
