@@ -12,7 +12,8 @@ COMMANDS = {
     "serve": ("bench.serve.yardstick", "moe-serve against `vllm serve` on a whole model over HTTP: alternating "
                                        "fresh server processes, intervals, resumable (2-4 min per process on one H200)"),
     "kernels": ("bench.experts.run", "our fused-MoE kernels against vLLM's fused_experts and the streaming floor, "
-                                     "per shape, format and M (1-3 min per model on one H200)"),
+                                     "per shape, format and M (1-3 min per model on one H200); --dense: our dense "
+                                     "decode GEMV against cuBLAS and the floor (3-6 min per model)"),
     "tables": ("bench.tables", "regenerate (or --check) the tables of RESULTS.md and README.md from bench/results/ "
                                "(seconds, any machine)"),
 }

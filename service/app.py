@@ -163,7 +163,8 @@ def create_app(settings: Settings, model_path: str) -> FastAPI:
         await state.refresh_worker_reports()
         return {"version": __version__, "vllm": vllm_version, "vllm_pins": state.engine.vllm_pins,
                 "model": settings.model_name, "moe_kernels": settings.moe_kernels,
-                "fused_router": settings.uses_fused_router, "engine_limits": state.engine.batch_limits(),
+                "fused_router": settings.uses_fused_router, "dense_gemv": settings.uses_dense_gemv,
+                "engine_limits": state.engine.batch_limits(),
                 **workers_summary(state.runtime_dir, state.remote_workers)}
 
     @app.get("/metrics", response_class=PlainTextResponse)

@@ -29,6 +29,8 @@ JIT_PHASE_RPC_TIMEOUT_S = 30.0
 RUNNER_GATE_KEY = "moe_serve_runner_gate"  # in vLLM's additional_config: a compile-cache key of its own
 EXPERT_STATS_KEY = "moe_serve_expert_stats"  # likewise, for the expert load counting the graph holds
 EXPERT_STATS_GRAPH = 1  # its value: change it when the counting traced into the graph changes
+DENSE_GEMV_KEY = "moe_serve_dense_gemv"  # likewise, for the dense GEMV op traced into the graph
+DENSE_GEMV_GRAPH = 1  # its value: change it when what the wrapper traces changes
 
 
 class EngineNotReady(RuntimeError):
@@ -91,6 +93,10 @@ def build_engine_args(settings: Settings, model_path: str) -> Any:
         # files: without a key of its own, a graph traced with or without the move could load in a
         # server of the other kind.
         kwargs["additional_config"] = {**(kwargs.get("additional_config") or {}), RUNNER_GATE_KEY: True}
+    if settings.uses_dense_gemv:
+        # kernels/plugin/dense_hook.py puts moe-serve's dense_linear op into the traced graph in
+        # place of F.linear: a graph traced without it must not load in a server that uses it.
+        kwargs["additional_config"] = {**(kwargs.get("additional_config") or {}), DENSE_GEMV_KEY: DENSE_GEMV_GRAPH}
     if settings.expert_stats and visible_gpu_count() == 0:
         # On vLLM's CPU engine the counting (kernels/plugin/expert_load.py) is traced into the
         # compiled graph (on CUDA it runs inside vLLM's opaque MoE op, the graph is the same): a
@@ -164,6 +170,7 @@ class EngineHandle:
         os.environ[PLUGIN_ENABLE_ENV] = "1"
         os.environ["MOE_SERVE_MOE_KERNELS"] = self.settings.moe_kernels
         os.environ["MOE_SERVE_FUSED_ROUTER"] = "1" if self.settings.uses_fused_router else "0"
+        os.environ["MOE_SERVE_DENSE_GEMV"] = "1" if self.settings.uses_dense_gemv else "0"  # plugin/dense_hook.py
         os.environ["MOE_SERVE_EXPERT_STATS"] = "1" if self.settings.expert_stats else "0"  # plugin/expert_load.py
         os.environ["MOE_SERVE_EXPERT_STATS_WINDOW"] = f"{self.settings.expert_stats_window_s:g}"
         try:

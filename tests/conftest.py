@@ -23,7 +23,8 @@ def strict_flags(model_dir: str) -> list[str]:
     return ["--model", model_dir, "--metrics-api-key", STRICT_METRICS_KEY, "--enable-docs",
             "--forwarded-allow-ips", "127.0.0.1", "--access-log-json",
             "--max-concurrent-requests", "32", "--max-queued-requests", "2",
-            "--structured-output-compile-budget", str(STRICT_COMPILE_BUDGET_S), "--no-expert-stats"]
+            "--structured-output-compile-budget", str(STRICT_COMPILE_BUDGET_S), "--no-expert-stats",
+            "--dense-gemv"]
 
 
 @pytest.fixture(scope="session")
@@ -55,8 +56,8 @@ def strict_server(tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: 
     by its path (default served name: the directory's name), an API key and a separate
     /metrics key, docs on, 127.0.0.1 as a trusted proxy, a JSON access log, 32 running engine
     sequences + 2 queued requests, a 300 s structured-output compile budget, no expert load
-    statistics; vLLM's Responses API store on (VLLM_ENABLE_RESPONSES_API_STORE=1). Its `headers` carry
-    STRICT_KEY."""
+    statistics, the dense GEMV hook; vLLM's Responses API store on (VLLM_ENABLE_RESPONSES_API_STORE=1). Its
+    `headers` carry STRICT_KEY."""
     srv = start_server(tmp_path_factory.mktemp("strict"), *strict_flags(embedded_model_dir), api_key=STRICT_KEY,
                        env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})
     yield srv

@@ -18,7 +18,7 @@ from bench.serve import render as serve_render
 from bench.serve import stats as serve_stats
 from bench.serve import trace
 from bench.serve import yardstick as serve_ab
-from bench.serve.servers import (BASELINE, BLOCK_PDL, FRONTEND, FUSED_ROUTER, NO_EXPERT_STATS, NO_ROUTER, OURS,
+from bench.serve.servers import (BASELINE, BLOCK_PDL, DENSE_GEMV, FRONTEND, FUSED_ROUTER, NO_EXPERT_STATS, NO_ROUTER, OURS,
                                  QK_NORM_ROPE,
                                  ROUTING_ENV, VARIANTS, VLLM_TRITON, EngineFlags, command, config_differences,
                                  engine_config)
@@ -140,6 +140,7 @@ def test_every_variant_gets_the_same_engine_flags_in_its_own_spelling(tmp_path: 
     fused = command(QK_NORM_ROPE, tmp_path, gpu)[1]
     assert fused[:-2] == ours and fused[-2] == "--engine-arg"
     assert json.loads(fused[-1].split("=", 1)[1]) == {"pass_config": {"enable_qk_norm_rope_fusion": True}}
+    assert command(DENSE_GEMV, tmp_path, gpu)[1] == ours + ["--dense-gemv"] and "--dense-gemv" not in ours
     assert command(OURS, tmp_path, gpu)[2] == {"MOE_SERVE_BLOCK_PDL": "0", ROUTING_ENV: ""}
 
 
@@ -269,7 +270,7 @@ def test_speedup_is_the_ratio_of_geometric_means_and_failed_cells_are_left_out()
     ("void tensorrt_llm::kernels::cutlass_kernels::expandInputRowsKernel<...>", "alignment"),
     ("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<...>>>", "attention"),
     ("void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16>(...)", "attention"),
-    ("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT", "dense GEMMs"),
+    ("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT", "dense GEMMs"), ("dense_gemv_kernel", "dense GEMMs"),   # ours
     ("void cutlass::device_kernel<vllm::cutlass_3x_gemm_sm90_fp8<...>>", "dense GEMMs"),
     ("triton_red_fused__to_copy_clamp_cutlass_scaled_mm_fused_add_rms_norm_mul_reciprocal_2", "norms/elementwise"),
     ("void vllm::act_and_mul_kernel<c10::BFloat16, ...>", "norms/elementwise"),

@@ -54,6 +54,20 @@ def test_fused_router_is_on_with_our_kernels_unless_turned_off(monkeypatch: pyte
         settings_from_args([])
 
 
+def test_dense_gemv_is_off_unless_asked_for_and_needs_our_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not settings_from_args([]).uses_dense_gemv                            # off until the GPU A/B
+    assert settings_from_args(["--dense-gemv"]).uses_dense_gemv
+    assert not settings_from_args(["--no-dense-gemv"]).uses_dense_gemv
+    with pytest.raises(SettingsError, match="--moe-kernels optimized"):
+        settings_from_args(["--dense-gemv", "--moe-kernels", "vllm"])
+    monkeypatch.setenv("MOE_SERVE_DENSE_GEMV", "1")
+    assert settings_from_args([]).uses_dense_gemv
+    assert not settings_from_args(["--no-dense-gemv"]).uses_dense_gemv           # the flag wins
+    monkeypatch.setenv("MOE_SERVE_DENSE_GEMV", "sometimes")
+    with pytest.raises(SettingsError, match="MOE_SERVE_DENSE_GEMV"):
+        settings_from_args([])
+
+
 def test_expert_stats_are_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     default = settings_from_args([])
     assert default.expert_stats and default.expert_stats_window_s == 60.0
@@ -67,10 +81,12 @@ def test_expert_stats_are_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_the_router_hook_and_the_expert_stats_key_their_own_compile_cache(embedded_model_dir: str) -> None:
-    """runner_gate and the expert load counting change the traced graph (the counting on vLLM's CPU
-    engine, where torch.compile traces the MoE layer); vLLM's AOT compile cache keys on the config,
-    so a server with either must not share compiled graphs with one without."""
-    from service.engine import EXPERT_STATS_GRAPH, EXPERT_STATS_KEY, RUNNER_GATE_KEY, build_engine_args
+    """runner_gate, the expert load counting and the dense GEMV op change the traced graph (the
+    counting on vLLM's CPU engine, where torch.compile traces the MoE layer); vLLM's AOT compile
+    cache keys on the config, so a server with any of them must not share compiled graphs with one
+    without."""
+    from service.engine import (DENSE_GEMV_GRAPH, DENSE_GEMV_KEY, EXPERT_STATS_GRAPH, EXPERT_STATS_KEY,
+                                RUNNER_GATE_KEY, build_engine_args)
 
     def extra(*flags: str) -> dict:
         return build_engine_args(settings_from_args(list(flags)), embedded_model_dir).additional_config or {}
@@ -80,6 +96,7 @@ def test_the_router_hook_and_the_expert_stats_key_their_own_compile_cache(embedd
     assert extra("--no-fused-router") == stats == extra("--moe-kernels", "vllm")
     assert extra("--no-fused-router", "--no-expert-stats") == {}
     assert extra("--engine-arg", 'additional_config={"x": 1}') == {"x": 1, RUNNER_GATE_KEY: True, **stats}
+    assert extra("--no-fused-router", "--no-expert-stats", "--dense-gemv") == {DENSE_GEMV_KEY: DENSE_GEMV_GRAPH}
 
 
 def test_the_engine_gets_vllm_serves_batch_defaults(monkeypatch: pytest.MonkeyPatch, embedded_model_dir: str) -> None:

@@ -5,6 +5,7 @@
     moe-serve bench kernels --correctness --sass --compiles --out OUT      checks only
     moe-serve bench kernels --fp8-formats --out OUT           block and per-token FP8 (fp8.py)
     TRITON_INTERPRET=1 moe-serve bench kernels --smoke --out OUT            CPU, tiny shapes
+    moe-serve bench kernels --dense --model DIR [-tp 8] --out OUT       the dense GEMMs (dense.py)
 
 Per (shape, format, M): ours (the config serving would use: its tuned table or the default),
 vLLM's `fused_experts` and the streaming floor of the expert bytes the call reads (floor.py), all
@@ -241,7 +242,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="moe-serve bench kernels", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Time on one H200: ~1.5 min for 6 shapes x 2 formats x 5 M with --quick; "
-                                        "correctness ~1 min per shape; compiles ~1 min.")
+                                        "correctness ~1 min per shape; compiles ~1 min; --dense ~3-6 min per model "
+                                        "(mostly the search's compiles; ~1 min with --no-dense-sweep).")
     ap.add_argument("--model", help="a model directory (config.json): bench its MoE shapes in its own format")
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="with --model: shapes of one rank")
     ap.add_argument("--quantization", choices=["fp8", "compressed-tensors"], default=None,
@@ -258,6 +260,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--compiles", action="store_true", help="Triton compiles while M sweeps 1..512 after warm-up")
     ap.add_argument("--fp8-formats", action="store_true", help="block and per-token FP8 parts (fp8.py)")
     ap.add_argument("--smoke", action="store_true", help="every part on tiny shapes (CPU: TRITON_INTERPRET=1)")
+    ap.add_argument("--dense", action="store_true", help="only the dense GEMMs of a decode step (dense.py): our "
+                    "GEMV vs F.linear (cuBLAS) vs the floor at M 1, 2, 4, 8, and a config search per cell")
+    ap.add_argument("--dense-shapes", default=None, help="with --dense and no --model: comma list of named "
+                    "shapes (bench/experts/dense_shapes.py; default qwen3-30b-a3b/tp1,mixtral-8x7b/tp1)")
+    ap.add_argument("--no-dense-sweep", dest="sweep", action="store_false", help="with --dense: no config search")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--sets", type=int, default=8, help="input sets rotated per graph")
     ap.add_argument("--replays", type=int, default=20)
@@ -288,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
         log("moe-serve bench kernels: no CUDA GPU visible (on CPU, TRITON_INTERPRET=1 with --smoke)")
         return 2
+    if args.dense:
+        from bench.experts import dense
+
+        return dense.main(args, RESULTS, lambda: _save(args.out))
     t0 = time.perf_counter()
     if args.smoke:
         smoke()

@@ -30,6 +30,7 @@ vLLM's kernels serve. Where the versions differ, the difference is dispatched he
 | MoE runners in ``compilation_config.static_all_moe_layers`` / ``static_forward_context``, ``.router`` | same | same | same |
 | ``Worker.load_model(self, *, load_dummy_weights)``, ``.execute_model(self, scheduler_output)``, ``.device`` | same | same | same |
 | ``SchedulerOutput.total_num_scheduled_tokens``                | same            | same                        | same |
+| ``Unquantized{Linear,Embedding}Method.apply(self, layer, x, bias)`` -> F.linear on CUDA | per call | Linear: ``_gemm_impl`` | same |
 
 The return of apply: our kernel writes the final [M, K] sum into ``output`` and returns
 ``OUTPUT_WRITTEN`` (None), which both versions read as "output is final" (0.32 also accepts an
@@ -66,6 +67,11 @@ SELECT_EXPERTS_PARAMS = ("self", "hidden_states", "router_logits", "topk_indices
 ROUTER_FACTORY = "vllm.model_executor.layers.fused_moe.router.router_factory"
 SCHEDULER_OUTPUT = ("vllm.v1.core.sched.output", "SchedulerOutput")
 WARMUP_METHOD = "compile_or_warm_up_model"
+DENSE_METHODS = (("vllm.model_executor.layers.linear", "UnquantizedLinearMethod"),
+                 ("vllm.model_executor.layers.vocab_parallel_embedding", "UnquantizedEmbeddingMethod"))
+DENSE_APPLY_PARAMS = ("self", "layer", "x", "bias")
+LAYER_UTILS = "vllm.model_executor.layers.utils"
+LOGITS_PROCESSOR = "vllm.model_executor.layers.logits_processor"
 APPLY_PARAMS = ("self", "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids",
                 "activation", "global_num_experts", "expert_map", "a1q_scale", "a2_scale",
                 "workspace13", "workspace2", "expert_tokens_meta", "apply_router_weight_on_input")
@@ -227,3 +233,21 @@ def vllm_config_chooser(w1_shape: tuple[int, ...], w2_shape: tuple[int, ...], to
 
     choose(1)
     return choose
+
+
+def default_dense_gemm() -> Callable[[Any], bool]:
+    """method -> whether vLLM's apply of this unquantized linear / embedding method is F.linear
+    on CUDA: always in 0.26 (dispatch_unquantized_gemm() per call); in 0.32 unless the method's
+    ``_gemm_impl``, chosen at construction from kernel_config.linear_backend, is another
+    (FlashInfer's bf16 GEMM, the CPU or ROCm ones). The check reads one attribute: traceable."""
+    default = load((LAYER_UTILS, "default_unquantized_gemm"))
+
+    def is_default(method: Any) -> bool:
+        impl = getattr(method, "_gemm_impl", None)
+        return impl is None or impl is default
+    return is_default
+
+
+def batch_invariant() -> bool:
+    """vLLM's VLLM_BATCH_INVARIANT (its unquantized applies then run a batch-invariant GEMM)."""
+    return bool(importlib.import_module("vllm.envs").VLLM_BATCH_INVARIANT)

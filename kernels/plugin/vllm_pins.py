@@ -16,7 +16,8 @@ import vllm
 from vllm.config import KernelConfig, ParallelConfig, SchedulerConfig
 
 from kernels.moe import vllm_kernels as vk
-from kernels.plugin.vllm_compat import (APPLY_PARAMS, APPLY_RETURNS, COMPUTE_ROUTING_PARAMS, EXPERTS,
+from kernels.plugin.vllm_compat import (APPLY_PARAMS, APPLY_RETURNS, COMPUTE_ROUTING_PARAMS, DENSE_APPLY_PARAMS,
+                                        DENSE_METHODS, EXPERTS, LAYER_UTILS, LOGITS_PROCESSOR,
                                         FORWARD_IMPL_PARAMS, GATED_BLOCKS, GPU_WORKER, MODULAR, MOE_RUNNER,
                                         ROUTER_BASE, ROUTER_FACTORY, ROUTERS, SCHEDULER_OUTPUT,
                                         SELECT_EXPERTS_PARAMS, SUPPORTED, UVA_MARK, WARMUP_METHOD, WORKER_BASE,
@@ -116,6 +117,25 @@ def pin_runner_gate() -> str:
     return ", ".join(f"{where[1]}.forward / __init__" for where in GATED_BLOCKS)
 
 
+def pin_dense_linear() -> str:
+    """What kernels.plugin.dense_hook wraps: both methods' apply(self, layer, x, bias) computes
+    the GEMM of layer.weight and bias (or, with VLLM_BATCH_INVARIANT, the batch-invariant one),
+    whose CUDA default is F.linear; the logits processor runs the lm_head through its method's
+    apply. Read on 0.26.0 (wheel source): the same lines, with dispatch_unquantized_gemm() per
+    call where 0.32 keeps self._gemm_impl."""
+    for where in DENSE_METHODS:
+        apply = load(where).apply
+        assert _params(apply) == DENSE_APPLY_PARAMS, where
+        src = inspect.getsource(inspect.unwrap(apply))
+        assert "layer.weight, bias)" in src and "VLLM_BATCH_INVARIANT" in src and src.count("return ") == 2, where
+    gemm = inspect.getsource(load((LAYER_UTILS, "default_unquantized_gemm")))
+    assert "torch.nn.functional.linear(x, weight, bias)" in gemm
+    assert "return default_unquantized_gemm" in inspect.getsource(load((LAYER_UTILS, "dispatch_unquantized_gemm")))
+    assert "lm_head.quant_method.apply(" in inspect.getsource(importlib.import_module(LOGITS_PROCESSOR))
+    assert isinstance(importlib.import_module("vllm.envs").VLLM_BATCH_INVARIANT, bool)
+    return "UnquantizedLinearMethod/UnquantizedEmbeddingMethod.apply, default_unquantized_gemm, lm_head"
+
+
 def pin_worker() -> str:
     base = load(WORKER_BASE)
     assert {"vllm_config", "local_rank", "rank"} <= set(_params(base.__init__))
@@ -181,7 +201,7 @@ def pin_fp8_layout() -> str:
 PINS: tuple[Callable[[], str], ...] = (pin_version, pin_apply, pin_finish_points, pin_worker, pin_config_fields,
                                        pin_config_chooser, pin_workspace_views,
                                        pin_kernel_baselines, pin_fp8_layout, pin_router, pin_runner_gate,
-                                       pin_expert_load)
+                                       pin_expert_load, pin_dense_linear)
 
 
 class _DropDefaultMoEConfigWarning(logging.Filter):

@@ -10,7 +10,8 @@ inherit it; a user sets it to run our kernels under ``vllm serve``. Active, the 
    ``MOE_SERVE_MOE_KERNELS=optimized`` the MoE hook on TritonExperts.apply (kernels/plugin/moe_hook.py)
    and, unless ``MOE_SERVE_FUSED_ROUTER=0``, the router hook (kernels/plugin/router_hook.py) with
    the gate of blocks that compute it in the model moved into vLLM's runner
-   (kernels/plugin/runner_gate.py). Those kernel hooks only where every pin on this vLLM's
+   (kernels/plugin/runner_gate.py); with ``MOE_SERVE_DENSE_GEMV=1`` the dense-GEMV hook on the
+   unquantized linear and lm_head methods (kernels/plugin/dense_hook.py). Those kernel hooks only where every pin on this vLLM's
    internals holds (vllm_pins.check_pins); else the mode is 'vllm' (vLLM's kernels serve), said
    in one warning (the first process to load the plugin warns; those it starts log it at info)
    and in the workers' moe_serve_plugin_vllm_pins_failed.
@@ -22,7 +23,8 @@ inherit it; a user sets it to run our kernels under ``vllm serve``. Active, the 
    expert load counting (kernels/plugin/expert_load.py), zeroed and snapshotted from each serve().
 3. kernel warm-up, before and after vLLM's own warm-up / CUDA-graph capture: every MoE layer
    shape seen gets its kernel variants compiled (kernels/plugin/layer_warmup.py), every gate the
-   router hook serves its router variants (M = 1..its RouterSpec.max_m). A failure is logged
+   router hook serves its router variants (M = 1..its RouterSpec.max_m), every weight the
+   dense op has seen its GEMV variants (M = 1..8). A failure is logged
    and counted (moe_serve_plugin_warmup_failures_total); it never stops the worker.
 4. serve: the JIT phase turns to 'serving' in a ``finally``, whatever warm-up did, so a
    compile while serving is always counted as one (and logged with its cause). The API process
@@ -32,7 +34,8 @@ inherit it; a user sets it to run our kernels under ``vllm serve``. Active, the 
 
 On vLLM-CPU the MoE runs in vLLM's CPU experts: the hooks are installed and reported, but
 TritonExperts is never called. Env: MOE_SERVE_VLLM_PLUGIN, MOE_SERVE_MOE_KERNELS (optimized|vllm),
-MOE_SERVE_FUSED_ROUTER, MOE_SERVE_EXPERT_STATS, MOE_SERVE_EXPERT_STATS_WINDOW (kernels/plugin/expert_snapshot.py),
+MOE_SERVE_FUSED_ROUTER, MOE_SERVE_DENSE_GEMV, MOE_SERVE_EXPERT_STATS, MOE_SERVE_EXPERT_STATS_WINDOW
+(kernels/plugin/expert_snapshot.py),
 MOE_SERVE_MOE_ROUTING (kernels/moe/routing.py), MOE_SERVE_VLLM_WARMUP_MAX_CALLS
 (kernels/plugin/layer_warmup.py), MOE_SERVE_RUNTIME_DIR (set by the API process).
 """
@@ -44,9 +47,10 @@ import os
 import threading
 from typing import Any, Callable
 
-from kernels.plugin import expert_load, jit_monitor, runner_gate
+from kernels.plugin import dense_hook, expert_load, jit_monitor, runner_gate
 from kernels.plugin import vllm_compat as vc
 from kernels.plugin import vllm_pins
+from kernels.plugin.dense_hook import DenseHook
 from kernels.plugin.layer_warmup import LayerWarmup
 from kernels.plugin.moe_hook import MoeHook
 from kernels.plugin.router_hook import ENV as ROUTER_ENV
@@ -90,6 +94,7 @@ class MoePlugin:
         self.layers = LayerWarmup(self)
         self.moe = MoeHook(self, self.layers)
         self.router: RouterHook | None = None  # installed in optimized mode unless MOE_SERVE_FUSED_ROUTER=0
+        self.dense: DenseHook | None = None    # installed in optimized mode with MOE_SERVE_DENSE_GEMV=1
         self.expert_load = expert_load.ExpertLoad(self) if expert_load.enabled_from_env() else None
         self.swap_ab = "n/a"
         self.pins_failed: dict[str, str] = {}  # pin -> error, on a vLLM whose internals do not match
@@ -101,8 +106,8 @@ class MoePlugin:
         return self.facts.rank if self.facts else None
 
     # -- 1. install -------------------------------------------------------------------------
-    def install(self) -> None:
-        """Install every hook this mode needs; a hook that fails is logged, never raised."""
+    def install_steps(self) -> list[tuple[str, Callable[[], None]]]:
+        """(name, install function) of every hook this mode and the env ask for, in order."""
         steps: list[tuple[str, Callable[[], None]]] = [("jit_monitor", self._install_jit_monitor),
                                                        ("worker", self._install_worker_hook)]
         self._check_pins()  # every mode: a patch of vLLM's internals needs them to hold
@@ -111,7 +116,13 @@ class MoePlugin:
             if os.environ.get(ROUTER_ENV, "1").strip().lower() not in ("0", "false", "no", "off"):
                 steps.append(("router", self._install_router_hook))
                 steps.append(("runner gate", self._install_runner_gate))
-        for name, step in steps:
+            if dense_hook.enabled_from_env():
+                steps.append(("dense gemv", self._install_dense_hook))
+        return steps
+
+    def install(self) -> None:
+        """Install every hook this mode needs; a hook that fails is logged, never raised."""
+        for name, step in self.install_steps():
             try:
                 step()
             except Exception as exc:  # noqa: BLE001 - a broken hook must not stop vLLM
@@ -173,6 +184,11 @@ class MoePlugin:
     def _install_runner_gate(self) -> None:
         self.hooks.extend(runner_gate.install())
 
+    def _install_dense_hook(self) -> None:
+        hook = DenseHook(self)
+        self.hooks.extend(hook.install())
+        self.dense = hook
+
     # -- 2. worker init ---------------------------------------------------------------------
     def on_worker_init(self, worker: Any) -> None:
         self.facts = vc.worker_facts(worker)
@@ -208,7 +224,8 @@ class MoePlugin:
 
     # -- 3. kernel warm-up ------------------------------------------------------------------
     def warm_up_kernels(self, when: str) -> None:
-        """Warm every MoE layer shape seen so far (optimized mode); never raises."""
+        """Warm every MoE layer shape, gate and dense weight seen so far (optimized mode); never
+        raises."""
         if self.mode != "optimized":
             return
         try:
@@ -220,6 +237,11 @@ class MoePlugin:
                 self.router.warm_pending()
             except Exception as exc:  # noqa: BLE001
                 self.warmup_failed(f"router warm-up {when}", exc)
+        if self.dense is not None:
+            try:
+                self.dense.warm_pending()
+            except Exception as exc:  # noqa: BLE001
+                self.warmup_failed(f"dense GEMV warm-up {when}", exc)
 
     def warmup_failed(self, what: str, exc: BaseException, once: str | None = None) -> None:
         """Count a warm-up step that raised; log it (only the first of kind `once` if given)."""

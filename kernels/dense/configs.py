@@ -1,0 +1,144 @@
+"""Configs of the dense decode GEMV (kernels.dense.gemv): the keys, their checks, the untuned
+heuristic, and the tuned tables that override it.
+
+A config is a dict::
+
+    {"BLOCK_N": 4, "BLOCK_K": 1024, "SPLIT_K": 1, "num_warps": 4, "ACC_PAIRS": true,
+     "PREFETCH": true}
+
+BLOCK_N weight rows per program (in each thread's registers), BLOCK_K columns per K step (a
+multiple of VEC x 32 x num_warps, VEC = the elements of 16 bytes: the kernel's layout rule),
+SPLIT_K programs per row block (a power of two <= MAX_SPLIT_K), ACC_PAIRS (per-token accumulators
+keep VEC / 2 lanes: one FMA per product, more registers) and PREFETCH (the next K tile's weights
+loaded before this tile's FMAs).
+
+Tables: ``dense,N={N},K={K},dtype={dtype},device={device}.json``, keyed by BLOCK_M ("1", "2",
+"4", "8": M rounded up to a power of two, one compiled variant each), with "triton_version";
+searched like the MoE tables (kernels.moe.configs.labelled_dirs: $MOE_SERVE_KERNEL_CONFIG_DIR,
+the tuner's cache) and then in kernels/dense/configs/; a table made under another Triton is
+refused with a warning. `moe-serve bench kernels --dense` writes such tables from its sweep.
+None ships yet: every shape runs the heuristic (default_config) until one is measured.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from kernels.moe import configs as moe_configs
+
+Config = dict[str, Any]
+KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "ACC_PAIRS", "PREFETCH")
+MAX_SPLIT_K = 16
+BUCKETS = (1, 2, 4, 8)
+SHIPPED_DIR = Path(__file__).resolve().parent / "configs"
+DEFAULT_SMS = 132                   # H100 / H200 SXM: where no GPU is visible (tests, AOT)
+PROGRAMS_PER_SM = 4                 # split K until the grid has this many programs per SM
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+logger = logging.getLogger(__name__)
+
+
+def vec(dtype: str) -> int:
+    """Elements of one 16-byte load of this weight dtype (a kernels.moe dtype key)."""
+    return 16 // DTYPE_BYTES[dtype]
+
+
+def bucket(M: int) -> int:
+    """BLOCK_M for M tokens: the power of two >= M (1 <= M <= 8)."""
+    if not 1 <= M <= BUCKETS[-1]:
+        raise ValueError(f"the dense GEMV serves 1..{BUCKETS[-1]} tokens, not {M}")
+    return 1 << (M - 1).bit_length()
+
+
+def validate(cfg: Config, dtype: str) -> Config:
+    """cfg with every key checked (the layout rule for this dtype included), normalised."""
+    missing = [k for k in KEYS if k not in cfg]
+    if missing:
+        raise ValueError(f"dense GEMV config {cfg} lacks {missing}")
+    out = {k: (bool(cfg[k]) if k in ("ACC_PAIRS", "PREFETCH") else int(cfg[k])) for k in KEYS}
+    for k, top in (("BLOCK_N", 64), ("num_warps", 16), ("SPLIT_K", MAX_SPLIT_K)):
+        v = out[k]
+        if v < 1 or v & (v - 1) or v > top:
+            raise ValueError(f"dense GEMV {k}={v} must be a power of two in 1..{top}")
+    lane = vec(dtype) * 32 * out["num_warps"]
+    if out["BLOCK_K"] < lane or out["BLOCK_K"] % lane or out["BLOCK_K"] & (out["BLOCK_K"] - 1):
+        raise ValueError(f"dense GEMV BLOCK_K={out['BLOCK_K']} must be a power-of-two multiple of "
+                         f"VEC x 32 x num_warps = {lane} for {dtype}")
+    return out
+
+
+def label(cfg: Config) -> str:
+    """A short name of a config (bench tables, logs)."""
+    return (f"n{cfg['BLOCK_N']}k{cfg['BLOCK_K']}s{cfg['SPLIT_K']}w{cfg['num_warps']}"
+            f"{'p' if cfg['ACC_PAIRS'] else 't'}{'f' if cfg['PREFETCH'] else ''}")
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def default_config(M: int, N: int, K: int, dtype: str, sms: int = DEFAULT_SMS) -> Config:
+    """The untuned config for M tokens of an [N, K] weight on a GPU of `sms` SMs.
+
+    Rows per program by BLOCK_M, so the per-token accumulators, the tokens' x slices and the
+    prefetched tile stay near 128 registers (SASS of sm_90: 72-127 registers for these); one
+    16-byte vector per thread along K (num_warps lowered for K below 4 warps' worth); then split
+    K (powers of two, at most the K tiles) until the grid has PROGRAMS_PER_SM programs per SM."""
+    bm = bucket(M)
+    block_n, pairs = {1: (8, True), 2: (4, True), 4: (4, True), 8: (2, True)}[bm]
+    lane = vec(dtype) * 32
+    warps = min(4, _pow2_floor(K // lane)) if K >= lane else 1
+    block_k = lane * warps
+    programs = -(-N // block_n)
+    tiles = -(-K // block_k)
+    split = min(MAX_SPLIT_K, _pow2_floor(tiles), _pow2_floor(PROGRAMS_PER_SM * sms // programs))
+    return validate({"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": warps,
+                     "ACC_PAIRS": pairs, "PREFETCH": True}, dtype)
+
+
+def table_file_name(N: int, K: int, dtype: str, device: str) -> str:
+    return f"dense,N={N},K={K},dtype={dtype},device={device}.json"
+
+
+def table_dirs(device: str) -> list[Path]:
+    """Where tables are searched, in order: the MoE tables' env dir and tuner cache, then the
+    shipped dir of this package."""
+    moe = [d for source, d in moe_configs.labelled_dirs(device) if source != moe_configs.SHIPPED]
+    return moe + [SHIPPED_DIR]
+
+
+@functools.lru_cache(maxsize=None)
+def load_table(N: int, K: int, dtype: str, device: str) -> dict[int, Config] | None:
+    """The tuned {BLOCK_M: config} of this shape, or None (no file, or every file refused)."""
+    running = moe_configs.running_triton_version()
+    for d in table_dirs(device):
+        path = d / table_file_name(N, K, dtype, device)
+        if not path.is_file():
+            continue
+        raw = json.loads(path.read_text())
+        why = moe_configs.version_refusal(path, raw.get("triton_version"), running)
+        if why:
+            logger.warning("moe-serve: dense GEMV table refused (%s); re-measure it with "
+                           "`moe-serve bench kernels --dense`", why)
+            continue
+        return {int(k): validate(v, dtype) for k, v in raw.items() if k.isdigit()}
+    return None
+
+
+def table_json(best: dict[int, Config], triton_version: str) -> str:
+    """A table file's text for the best config per BLOCK_M (what load_table reads)."""
+    body: dict[str, Any] = {str(b): best[b] for b in sorted(best)}
+    return json.dumps({**body, "triton_version": triton_version}, indent=1) + "\n"
+
+
+@functools.lru_cache(maxsize=4096)
+def config_for(M: int, N: int, K: int, dtype: str, device: str, sms: int = DEFAULT_SMS) -> Config:
+    """The config M tokens of an [N, K] weight run: the tuned table's for M's bucket, else the
+    heuristic's."""
+    table = load_table(N, K, dtype, device)
+    bm = bucket(M)
+    if table and bm in table:
+        return table[bm]
+    return default_config(M, N, K, dtype, sms)

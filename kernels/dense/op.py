@@ -1,0 +1,115 @@
+"""The dense decode GEMV as a torch custom op, ``torch.ops.moe_serve.dense_linear(x, weight,
+bias)``: F.linear's result for any input, computed by kernels.dense.gemv where M (the rows of x
+[..., K]) is 1..MAX_M on CUDA and the layout is one the kernel takes, else by F.linear.
+
+Why an op: vLLM compiles the model with torch.compile (Inductor) and replays it from CUDA
+graphs. A registered op with a fake implementation is one opaque node of the traced graph,
+whatever M the graph is traced with, and its implementation decides per call (at capture, for a
+captured batch size), so one graph serves decode batches (ours) and prefill (F.linear).
+
+Every [N, K] weight that reaches the op with a layout the kernel takes is remembered
+(`seen`, with the tensors) so that a worker can compile its kernel variants before serving
+(warm_variants: M = 1..MAX_M); a weight whose call at 1..MAX_M tokens still went to F.linear
+(x misaligned or strided) is remembered with the reason (`fallbacks`). On CPU tensors the op is F.linear, unless a test sets
+CPU_INTERPRETER under TRITON_INTERPRET=1 (the kernel then runs in Triton's interpreter).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kernels.dense.gemv import DTYPES, MAX_M, dense_gemv, unsupported
+from kernels.moe.launch import record_launches
+
+NAMESPACE, NAME = "moe_serve", "dense_linear"
+CPU_INTERPRETER = False     # test-only: our kernel on CPU tensors under TRITON_INTERPRET=1
+
+_lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+_lib.define(f"{NAME}(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+
+ShapeKey = tuple[int, int, torch.dtype, bool, str]   # (N, K, dtype, has bias, device)
+_seen: dict[ShapeKey, tuple[torch.Tensor, torch.Tensor | None]] = {}
+_fallbacks: dict[ShapeKey, str] = {}                  # F.linear at 1..MAX_M tokens: the first reason
+
+
+def runs_here(x: torch.Tensor) -> bool:
+    """Whether our kernel may run on x's device: CUDA, or the CPU under the interpreter when a
+    test asked for it."""
+    if x.is_cuda:
+        return True
+    return CPU_INTERPRETER and x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def static_support(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """What can be known without the data pointers (at trace time, too): a 2-D weight of one of
+    the kernel's dtypes, x of the same dtype and device (one where the kernel runs), unit
+    stride along K, K a whole number of 16-byte vectors, bias none or [N] of the weight's dtype."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype not in DTYPES:
+        return False
+    if x.dtype != weight.dtype or x.device != weight.device or not runs_here(x):
+        return False
+    K = weight.shape[1]
+    vec = 16 // (4 if weight.dtype == torch.float32 else 2)
+    if x.shape[-1] != K or K % vec or weight.stride(1) != 1 or weight.stride(0) % vec:
+        return False
+    return bias is None or (tuple(bias.shape) == (weight.shape[0],) and bias.dtype == weight.dtype)
+
+
+def _impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias), by our kernel where it takes the call."""
+    if static_support(x, weight, bias):
+        x2 = x.reshape(-1, x.shape[-1])
+        key = (weight.shape[0], weight.shape[1], weight.dtype, bias is not None, str(weight.device))
+        if key not in _seen:
+            _seen[key] = (weight, bias)
+        if x2.shape[0] <= MAX_M:
+            why = unsupported(x2, weight, bias)
+            if why is None:
+                return dense_gemv(x2, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+            _fallbacks.setdefault(key, why)
+    return F.linear(x, weight, bias)
+
+
+def _fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+_lib.impl(NAME, _impl, "CompositeExplicitAutograd")
+torch.library.register_fake(f"{NAMESPACE}::{NAME}", _fake, lib=_lib)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """torch.ops.moe_serve.dense_linear: F.linear(x [..., K], weight [N, K], bias [N]) -> [..., N]."""
+    return torch.ops.moe_serve.dense_linear(x, weight, bias)
+
+
+def seen() -> dict[ShapeKey, tuple[torch.Tensor, torch.Tensor | None]]:
+    """The weights (and biases) the op has seen, by shape key, in the order first seen."""
+    return dict(_seen)
+
+
+def fallbacks() -> dict[ShapeKey, str]:
+    """Weights the op sent to F.linear at 1..MAX_M tokens for a layout only the data rules out
+    (x's alignment or contiguity), with the first reason."""
+    return dict(_fallbacks)
+
+
+def warm_variants(weight: torch.Tensor, bias: torch.Tensor | None, max_m: int = MAX_M) -> int:
+    """Compile every kernel variant the op launches for this weight at M = 1..max_m: record each
+    M's launch and run the first M of each distinct variant on zero inputs. Returns the number of
+    distinct variants."""
+    seen_keys: set[tuple[Any, ...]] = set()
+    K = weight.shape[1]
+    for M in range(1, max_m + 1):
+        x = torch.zeros((M, K), dtype=weight.dtype, device=weight.device)
+        with record_launches() as launches:
+            dense_gemv(x, weight, bias)
+        key = tuple(sorted(launches[0][3].items()))
+        if key in seen_keys:
+            continue
+        seen_keys.add(key)
+        dense_gemv(x, weight, bias)
+    return len(seen_keys)
