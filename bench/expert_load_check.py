@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 from bench.model_dirs import dummy_model_dir  # noqa: E402
 from kernels.moe.expert_count import count_experts_triton  # noqa: E402
 from kernels.moe.router_topk import max_tokens, router_topk  # noqa: E402
+from kernels.tuning.timing import replay_median_us  # noqa: E402
 from loadtest.server_proc import ServerProcess  # noqa: E402
 
 T0 = time.monotonic()
@@ -85,18 +86,6 @@ def kernel_checks(dev: str) -> None:
 
 
 # -- 2. graphs -------------------------------------------------------------------------------------
-def _replay_us(graph: torch.cuda.CUDAGraph, reps: int = 200) -> float:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return sorted(times)[len(times) // 2]
-
-
 def graph_checks(layers: int, E: int, K: int, topk: int, M: int) -> None:
     dev = "cuda"
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
@@ -131,12 +120,12 @@ def graph_checks(layers: int, E: int, K: int, topk: int, M: int) -> None:
         if not check(torch.equal(load.cpu(), want), f"graph replay, {layers} routers counting, real tokens {real}/{M}"):
             break
     check(int(extra.sum()) == int(want[0].sum()), "count_experts in the graph: the same counts as layer 0's router")
-    with_counts, without = _replay_us(graphs[True]), _replay_us(graphs[False])
+    with_counts, without = replay_median_us(graphs[True], 200), replay_median_us(graphs[False], 200)
     counter = torch.cuda.CUDAGraph()
     with torch.cuda.graph(counter):
         for i in range(layers):
             count_experts_triton(outs[i][1], load[i], num_tokens)
-    alone = _replay_us(counter)
+    alone = replay_median_us(counter, 200)
     log(f"cost in a CUDA graph ({layers} layers, gate [{E}, {K}] top-{topk}, M={M}): routers with counts "
         f"{with_counts:.1f} us vs without {without:.1f} us (+{(with_counts - without) / layers:.2f} us per layer, "
         f"one count launch included); {layers} count_experts launches alone {alone:.1f} us "

@@ -108,6 +108,24 @@ def _store(y_ptr, ws_ptr, bias, acc, m, M, N, offs_n, ACC_PAIRS: tl.constexpr,
                       scope="gpu")
 
 
+@triton.jit
+def _store_rows(y_ptr, ws_ptr, bias, a0, a1, a2, a3, a4, a5, a6, a7, M, N, offs_n, ACC_PAIRS: tl.constexpr,
+                SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, FINAL: tl.constexpr):
+    """_store of the program's BLOCK_M (1, 2, 4 or 8) tokens' rows (Triton holds no register arrays:
+    one accumulator per token)."""
+    _store(y_ptr, ws_ptr, bias, a0, 0, M, N, offs_n, ACC_PAIRS, SPLIT_K, BLOCK_N, FINAL)
+    if BLOCK_M > 1:
+        _store(y_ptr, ws_ptr, bias, a1, 1, M, N, offs_n, ACC_PAIRS, SPLIT_K, BLOCK_N, FINAL)
+    if BLOCK_M > 2:
+        _store(y_ptr, ws_ptr, bias, a2, 2, M, N, offs_n, ACC_PAIRS, SPLIT_K, BLOCK_N, FINAL)
+        _store(y_ptr, ws_ptr, bias, a3, 3, M, N, offs_n, ACC_PAIRS, SPLIT_K, BLOCK_N, FINAL)
+    if BLOCK_M > 4:
+        _store(y_ptr, ws_ptr, bias, a4, 4, M, N, offs_n, ACC_PAIRS, SPLIT_K, BLOCK_N, FINAL)
+        _store(y_ptr, ws_ptr, bias, a5, 5, M, N, offs_n, ACC_PAIRS, SPLIT_K, BLOCK_N, FINAL)
+        _store(y_ptr, ws_ptr, bias, a6, 6, M, N, offs_n, ACC_PAIRS, SPLIT_K, BLOCK_N, FINAL)
+        _store(y_ptr, ws_ptr, bias, a7, 7, M, N, offs_n, ACC_PAIRS, SPLIT_K, BLOCK_N, FINAL)
+
+
 @jit(do_not_specialize=["M"])
 def dense_gemv_kernel(
     # pointers (ws_ptr [>= M * N] fp32 and cnt_ptr [>= cdiv(N, BLOCK_N)] int32: the split
@@ -186,31 +204,12 @@ def dense_gemv_kernel(
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     if SPLIT_K > 1:                    # partial rows into the workspace; the last program goes on
-        _store(y_ptr, ws_ptr, bias, a0, 0, M, N, offs_n, ACC_PAIRS, SPLIT_K, BLOCK_N, False)
-        if BLOCK_M > 1:
-            _store(y_ptr, ws_ptr, bias, a1, 1, M, N, offs_n, ACC_PAIRS, SPLIT_K, BLOCK_N, False)
-        if BLOCK_M > 2:
-            _store(y_ptr, ws_ptr, bias, a2, 2, M, N, offs_n, ACC_PAIRS, SPLIT_K, BLOCK_N, False)
-            _store(y_ptr, ws_ptr, bias, a3, 3, M, N, offs_n, ACC_PAIRS, SPLIT_K, BLOCK_N, False)
-        if BLOCK_M > 4:
-            _store(y_ptr, ws_ptr, bias, a4, 4, M, N, offs_n, ACC_PAIRS, SPLIT_K, BLOCK_N, False)
-            _store(y_ptr, ws_ptr, bias, a5, 5, M, N, offs_n, ACC_PAIRS, SPLIT_K, BLOCK_N, False)
-            _store(y_ptr, ws_ptr, bias, a6, 6, M, N, offs_n, ACC_PAIRS, SPLIT_K, BLOCK_N, False)
-            _store(y_ptr, ws_ptr, bias, a7, 7, M, N, offs_n, ACC_PAIRS, SPLIT_K, BLOCK_N, False)
+        _store_rows(y_ptr, ws_ptr, bias, a0, a1, a2, a3, a4, a5, a6, a7, M, N, offs_n, ACC_PAIRS, SPLIT_K,
+                    BLOCK_N, BLOCK_M, False)
         if not _arrive_last(cnt_ptr + pid_n, SPLIT_K):
             return
-    _store(y_ptr, ws_ptr, bias, a0, 0, M, N, offs_n, ACC_PAIRS, SPLIT_K, BLOCK_N, True)
-    if BLOCK_M > 1:
-        _store(y_ptr, ws_ptr, bias, a1, 1, M, N, offs_n, ACC_PAIRS, SPLIT_K, BLOCK_N, True)
-    if BLOCK_M > 2:
-        _store(y_ptr, ws_ptr, bias, a2, 2, M, N, offs_n, ACC_PAIRS, SPLIT_K, BLOCK_N, True)
-        _store(y_ptr, ws_ptr, bias, a3, 3, M, N, offs_n, ACC_PAIRS, SPLIT_K, BLOCK_N, True)
-    if BLOCK_M > 4:
-        _store(y_ptr, ws_ptr, bias, a4, 4, M, N, offs_n, ACC_PAIRS, SPLIT_K, BLOCK_N, True)
-        _store(y_ptr, ws_ptr, bias, a5, 5, M, N, offs_n, ACC_PAIRS, SPLIT_K, BLOCK_N, True)
-        _store(y_ptr, ws_ptr, bias, a6, 6, M, N, offs_n, ACC_PAIRS, SPLIT_K, BLOCK_N, True)
-        _store(y_ptr, ws_ptr, bias, a7, 7, M, N, offs_n, ACC_PAIRS, SPLIT_K, BLOCK_N, True)
-
+    _store_rows(y_ptr, ws_ptr, bias, a0, a1, a2, a3, a4, a5, a6, a7, M, N, offs_n, ACC_PAIRS, SPLIT_K,
+                BLOCK_N, BLOCK_M, True)
 
 def unsupported(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> str | None:
     """None when dense_gemv can compute x [M, K] @ w[N, K]^T (+ bias [N]) as laid out, else why

@@ -57,15 +57,21 @@ def _replay_us(body: Callable[[], Any], replays: int) -> float:
         body()
     g.replay()
     torch.cuda.synchronize()
+    us = replay_median_us(g, replays)
+    del g
+    return us
+
+
+def replay_median_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Median us of one replay of a captured CUDA graph, CUDA events around each of `replays`."""
     times = []
     for _ in range(replays):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        g.replay()
+        graph.replay()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3)
-    del g
     return statistics.median(times)
 
 
