@@ -51,7 +51,8 @@ PREFILL_2048 = "prefill budget 2048 tokens (`vllm serve`: 8192)"
 
 def _headline() -> list[str]:
     return headline([
-        HeadlineRow("qwen3-30b-a3b", runs(QWEN3_BF16_NOW), runs(QWEN3_BF16_UNIFORM)),
+        HeadlineRow("qwen3-30b-a3b", runs(QWEN3_BF16_NOW), runs(QWEN3_BF16_UNIFORM),
+                    settings="defaults of its commit (before expert-load counting)"),
         HeadlineRow("qwen3-30b-a3b", runs(QWEN3_BF16), variant="moe-serve-fused-router", settings=PREFILL_2048),
         HeadlineRow("mixtral-8x7b", runs(MIXTRAL_BF16), settings=PREFILL_2048),
         HeadlineRow("qwen3-30b-a3b-fp8-block", runs(QWEN3_FP8_BLOCK), settings=PREFILL_2048),
