@@ -8,7 +8,7 @@ import httpx
 import pytest
 import vllm
 
-from kernels.plugin import vllm_compat as plugin_compat
+from kernels.plugin import vllm_pins
 from service.engine import check_vllm_pins
 
 
@@ -25,7 +25,7 @@ def test_a_failing_pin_is_named_in_a_warning(monkeypatch: pytest.MonkeyPatch, ca
     def pin_moved() -> str:
         raise AssertionError("TritonExperts.apply moved")
 
-    monkeypatch.setattr(plugin_compat, "PINS", (*plugin_compat.PINS, pin_moved))
+    monkeypatch.setattr(vllm_pins, "PINS", (*vllm_pins.PINS, pin_moved))
     report = check_vllm_pins()
     assert not report["pins_hold"] and list(report["failed"]) == ["pin_moved"]
     warning = next(r for r in caplog.records if r.levelno == logging.WARNING)
