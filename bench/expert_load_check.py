@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         d = dummy_model_dir(a.model, a.out, a.layers)
         cfg = json.loads((d / "config.json").read_text())
         long_prompt = 2 * max_tokens(cfg.get("num_experts") or cfg["num_local_experts"], cfg["hidden_size"]) + 40
-        model, base = str(d), ["--model", str(d), "--engine-arg", "load_format=dummy", "--max-model-len", "4096",
-                               "--tensor-parallel-size", "1"]
+        model, base = d.name, ["--model", str(d), "--served-model-name", d.name, "--engine-arg", "load_format=dummy",
+                               "--max-model-len", "4096", "--tensor-parallel-size", "1"]
     log(f"3. servers ({a.modes}) on {model}")
     for mode in a.modes.split(","):
         server_checks(a, mode, base, model, long_prompt)
