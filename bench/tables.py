@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
+import lzma
 import re
 import sys
 from collections.abc import Callable
@@ -42,10 +44,14 @@ def runs(claim: str) -> tuple[Path, ...]:
 QWEN3_BF16 = "serve-qwen3-30b-a3b-bf16-h200-2026-12-04"
 QWEN3_BF16_NOW = "serve-qwen3-30b-a3b-bf16-h200-2026-12-06"
 QWEN3_BF16_UNIFORM = "serve-qwen3-30b-a3b-bf16-uniform-h200-2026-12-06"
+QWEN3_BF16_H100 = "serve-qwen3-30b-a3b-bf16-h100-2026-12-06"
 MIXTRAL_BF16 = "serve-mixtral-8x7b-bf16-h200-2026-12-03"
 QWEN3_FP8_BLOCK = "serve-qwen3-30b-a3b-fp8-block-h200-2026-12-04"
 QWEN3_FP8_DYNAMIC = "serve-qwen3-30b-a3b-fp8-dynamic-h200-2026-12-03"
 KERNELS = "kernels-moe-layer-h200-2026-12-04"
+KERNELS_DENSE_H100 = "kernels-dense-h100-2026-12-06"
+EXPERT_LOAD_CHECK_H100 = "expert-load-check-h100-2026-12-06"
+LOG_STAMP = re.compile(r"^\[[\w-]+ \+ *[\d.]+s\] ")
 PREFILL_2048 = "prefill budget 2048 tokens (`vllm serve`: 8192)"
 
 
@@ -53,11 +59,29 @@ def _headline() -> list[str]:
     return headline([
         HeadlineRow("qwen3-30b-a3b", runs(QWEN3_BF16_NOW), runs(QWEN3_BF16_UNIFORM),
                     settings="defaults of its commit (before expert-load counting)"),
+        HeadlineRow("qwen3-30b-a3b", runs(QWEN3_BF16_H100),
+                    settings="defaults of its commit (no H100 MoE tables: heuristic configs; dense GEMV off)"),
+        HeadlineRow("qwen3-30b-a3b", runs(QWEN3_BF16_H100), variant="moe-serve-dense-gemv",
+                    settings="`--dense-gemv` on tables tuned on this H100 (the default since 2026-12-06: the c = 1 of today's defaults)"),
         HeadlineRow("qwen3-30b-a3b", runs(QWEN3_BF16), variant="moe-serve-fused-router", settings=PREFILL_2048),
         HeadlineRow("mixtral-8x7b", runs(MIXTRAL_BF16), settings=PREFILL_2048),
         HeadlineRow("qwen3-30b-a3b-fp8-block", runs(QWEN3_FP8_BLOCK), settings=PREFILL_2048),
         HeadlineRow("qwen3-30b-a3b-fp8-dynamic", runs(QWEN3_FP8_DYNAMIC), settings=PREFILL_2048),
     ])
+
+
+def _dense(claim: str) -> list[str]:
+    from bench.experts.dense import table   # torch and triton: only when this block renders
+
+    return table(json.loads(lzma.decompress((RESULTS / claim / "results.json.xz").read_bytes()))["dense"])
+
+
+def _check_log(claim: str, name: str) -> list[str]:
+    """A check's timings and verdict from its log: every "cost" line and the summary line, as a
+    list (time stamps dropped; the summary cut to 200 characters, a BAD reason can be long)."""
+    lines = [LOG_STAMP.sub("", ln) for ln in (RESULTS / claim / name).read_text().splitlines()]
+    return ([f"- {ln}" for ln in lines if ln.startswith("cost ")]
+            + [f"- {ln[:200]}" for ln in lines if " checks OK" in ln])
 
 
 def _kernels(*names: str) -> Callable[[], list[str]]:
@@ -72,6 +96,9 @@ REGISTRY: dict[str, Callable[[], list[str]]] = {
     "serve-mixtral-8x7b-bf16": lambda: results_table(*runs(MIXTRAL_BF16), note=False),
     "serve-qwen3-30b-a3b-fp8-block": lambda: results_table(*runs(QWEN3_FP8_BLOCK), note=False),
     "serve-qwen3-30b-a3b-fp8-dynamic": lambda: results_table(*runs(QWEN3_FP8_DYNAMIC), note=False),
+    "serve-qwen3-30b-a3b-bf16-h100": lambda: results_table(*runs(QWEN3_BF16_H100), note=False),
+    "kernels-dense-h100": lambda: _dense(KERNELS_DENSE_H100),
+    "expert-load-check-h100": lambda: _check_log(EXPERT_LOAD_CHECK_H100, "expert-load-check.log"),
     "step-budget": lambda: step_budget(*runs(QWEN3_BF16), *runs(MIXTRAL_BF16)),
     "kernels-moe-layer": _kernels("2026-12-01-tuned-fine-m.json", "2026-12-01-untuned.json",
                                   "2026-12-01-tp2-tp1-validation.json"),

@@ -85,9 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "--moe-kernels optimized")
     p.add_argument("--dense-gemv", action=argparse.BooleanOptionalAction, default=_env_switch("dense_gemv"),
                    help="the dense GEMMs of unquantized layers (QKV, O, MLP, lm_head) at 1..8 tokens on "
-                   "moe-serve's split-K GEMV (kernels/dense/) instead of cuBLAS; default off until the "
-                   "whole-model A/B (moe-serve bench serve, variant moe-serve-dense-gemv) shows it faster; "
-                   "needs --moe-kernels optimized")
+                   "moe-serve's split-K GEMV (kernels/dense/) instead of cuBLAS, for the shapes and token "
+                   "counts where a tuned table for the GPU lists it (measured faster; "
+                   "`moe-serve bench kernels --dense` makes tables); default on with --moe-kernels optimized")
     p.add_argument("--expert-stats", action=argparse.BooleanOptionalAction, default=_env_switch("expert_stats"),
                    help="count the tokens routed to each expert of each MoE layer on the GPU, in every worker, "
                    "for /metrics (per layer) and GET /v1/moe/expert-load (layer x expert); default on")
@@ -181,7 +181,7 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
         max_model_len=opt_int(args.max_model_len), quantization=args.quantization,
         gpu_memory_utilization=opt_float(args.gpu_memory_utilization),
         max_num_seqs=opt_int(args.max_num_seqs),
-        moe_kernels=args.moe_kernels, fused_router=args.fused_router, dense_gemv=bool(args.dense_gemv),
+        moe_kernels=args.moe_kernels, fused_router=args.fused_router, dense_gemv=args.dense_gemv,
         host=args.host, port=args.port,
         expert_stats=args.expert_stats is not False, expert_stats_window_s=args.expert_stats_window,
         api_keys=tuple(keys),

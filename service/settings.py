@@ -44,7 +44,7 @@ class Settings:
     max_num_seqs: int | None = None
     moe_kernels: MoeKernels = "optimized"
     fused_router: bool | None = None  # kernels/plugin/router_hook.py in every worker; None: on with optimized
-    dense_gemv: bool = False  # kernels/plugin/dense_hook.py in every worker (off until the GPU A/B says it wins)
+    dense_gemv: bool | None = None  # kernels/plugin/dense_hook.py in every worker; None: on with optimized
     expert_stats: bool = True  # per-layer expert load counted in the workers (kernels/plugin/expert_load.py)
     expert_stats_window_s: float = 60.0  # its sliding window (service/expert_load.py)
     host: str = "127.0.0.1"
@@ -113,9 +113,10 @@ class Settings:
 
     @property
     def uses_dense_gemv(self) -> bool:
-        """The workers run moe-serve's dense decode GEMV for the unquantized linear layers and the
-        lm_head at 1..8 tokens: only when asked for (--dense-gemv), with our kernels."""
-        return self.moe_kernels == "optimized" and self.dense_gemv
+        """The workers route the unquantized linear layers and the lm_head at 1..8 tokens to
+        moe-serve's dense decode GEMV where a tuned table lists the shape for the GPU: with our
+        kernels, unless turned off (--no-dense-gemv)."""
+        return self.moe_kernels == "optimized" and self.dense_gemv is not False
 
     def validated(self) -> "Settings":
         """Return self if every field is in range, else raise SettingsError."""
@@ -141,7 +142,7 @@ class Settings:
             raise SettingsError(f"--moe-kernels must be 'optimized' or 'vllm', got {self.moe_kernels!r}")
         if self.fused_router is True and self.moe_kernels != "optimized":
             raise SettingsError("--fused-router runs moe-serve's router: it needs --moe-kernels optimized")
-        if self.dense_gemv and self.moe_kernels != "optimized":
+        if self.dense_gemv is True and self.moe_kernels != "optimized":
             raise SettingsError("--dense-gemv runs moe-serve's dense GEMV: it needs --moe-kernels optimized")
         for name in ("max_concurrent_requests", "max_queued_requests", "max_request_bytes", "max_n",
                      "max_stop_sequences", "max_batch_prompts", "max_messages", "max_structured_output_bytes",

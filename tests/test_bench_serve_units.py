@@ -18,7 +18,8 @@ from bench.serve import render as serve_render
 from bench.serve import stats as serve_stats
 from bench.serve import trace
 from bench.serve import yardstick as serve_ab
-from bench.serve.servers import (BASELINE, BLOCK_PDL, DENSE_GEMV, FRONTEND, FUSED_ROUTER, NO_EXPERT_STATS, NO_ROUTER, OURS,
+from bench.serve.servers import (BASELINE, BLOCK_PDL, DENSE_GEMV, FRONTEND, FUSED_ROUTER, NO_DENSE_GEMV, NO_EXPERT_STATS,
+                                 NO_ROUTER, OURS,
                                  QK_NORM_ROPE,
                                  ROUTING_ENV, VARIANTS, VLLM_TRITON, EngineFlags, command, config_differences,
                                  engine_config)
@@ -141,6 +142,7 @@ def test_every_variant_gets_the_same_engine_flags_in_its_own_spelling(tmp_path: 
     assert fused[:-2] == ours and fused[-2] == "--engine-arg"
     assert json.loads(fused[-1].split("=", 1)[1]) == {"pass_config": {"enable_qk_norm_rope_fusion": True}}
     assert command(DENSE_GEMV, tmp_path, gpu)[1] == ours + ["--dense-gemv"] and "--dense-gemv" not in ours
+    assert command(NO_DENSE_GEMV, tmp_path, gpu)[1] == ours + ["--no-dense-gemv"]      # on by default
     assert command(OURS, tmp_path, gpu)[2] == {"MOE_SERVE_BLOCK_PDL": "0", ROUTING_ENV: ""}
 
 

@@ -54,15 +54,16 @@ def test_fused_router_is_on_with_our_kernels_unless_turned_off(monkeypatch: pyte
         settings_from_args([])
 
 
-def test_dense_gemv_is_off_unless_asked_for_and_needs_our_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert not settings_from_args([]).uses_dense_gemv                            # off until the GPU A/B
+def test_dense_gemv_is_on_with_our_kernels_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert settings_from_args([]).uses_dense_gemv                                # where tables list it
+    assert not settings_from_args(["--moe-kernels", "vllm"]).uses_dense_gemv
     assert settings_from_args(["--dense-gemv"]).uses_dense_gemv
     assert not settings_from_args(["--no-dense-gemv"]).uses_dense_gemv
     with pytest.raises(SettingsError, match="--moe-kernels optimized"):
         settings_from_args(["--dense-gemv", "--moe-kernels", "vllm"])
-    monkeypatch.setenv("MOE_SERVE_DENSE_GEMV", "1")
-    assert settings_from_args([]).uses_dense_gemv
-    assert not settings_from_args(["--no-dense-gemv"]).uses_dense_gemv           # the flag wins
+    monkeypatch.setenv("MOE_SERVE_DENSE_GEMV", "0")
+    assert not settings_from_args([]).uses_dense_gemv
+    assert settings_from_args(["--dense-gemv"]).uses_dense_gemv                  # the flag wins
     monkeypatch.setenv("MOE_SERVE_DENSE_GEMV", "sometimes")
     with pytest.raises(SettingsError, match="MOE_SERVE_DENSE_GEMV"):
         settings_from_args([])
@@ -92,11 +93,12 @@ def test_the_router_hook_and_the_expert_stats_key_their_own_compile_cache(embedd
         return build_engine_args(settings_from_args(list(flags)), embedded_model_dir).additional_config or {}
 
     stats = {EXPERT_STATS_KEY: EXPERT_STATS_GRAPH} if visible_gpu_count() == 0 else {}   # traced on CPU only
-    assert extra() == {RUNNER_GATE_KEY: True, **stats}
-    assert extra("--no-fused-router") == stats == extra("--moe-kernels", "vllm")
-    assert extra("--no-fused-router", "--no-expert-stats") == {}
-    assert extra("--engine-arg", 'additional_config={"x": 1}') == {"x": 1, RUNNER_GATE_KEY: True, **stats}
-    assert extra("--no-fused-router", "--no-expert-stats", "--dense-gemv") == {DENSE_GEMV_KEY: DENSE_GEMV_GRAPH}
+    dense = {DENSE_GEMV_KEY: DENSE_GEMV_GRAPH}
+    assert extra() == {RUNNER_GATE_KEY: True, **stats, **dense}
+    assert extra("--no-fused-router", "--no-dense-gemv") == stats == extra("--moe-kernels", "vllm")
+    assert extra("--no-fused-router", "--no-expert-stats", "--no-dense-gemv") == {}
+    assert extra("--engine-arg", 'additional_config={"x": 1}') == {"x": 1, RUNNER_GATE_KEY: True, **stats, **dense}
+    assert extra("--no-fused-router", "--no-expert-stats") == dense
 
 
 def test_the_engine_gets_vllm_serves_batch_defaults(monkeypatch: pytest.MonkeyPatch, embedded_model_dir: str) -> None:

@@ -12,7 +12,8 @@ serving would run (the tuned table's, else the heuristic's), F.linear and the fl
 then a coordinate search over the config's keys (two rounds, each key through its values with the
 others held) finds the best config it can. Results: OUT/results.json ("dense" rows,
 "dense-sweep" every config timed), OUT/dense-tables/*.json (the best config per BLOCK_M in
-kernels.dense.configs' table format: copy into kernels/dense/configs/ to ship it), and the table
+kernels.dense.configs' table format, the buckets where it beat F.linear: copy into
+kernels/dense/configs/ to ship it), and the table
 printed last: us, ratios, the fraction of the copy ceiling, and a decode step's dense GEMMs summed
 over the model's layers.
 """
@@ -205,10 +206,12 @@ def part_dense(shapes: dict[str, list[DenseShape]], ms: tuple[int, ...], ceiling
 
 
 def write_tables(rows: list[dict], out: Path, device: str) -> list[Path]:
-    """The best config per (N, K) and BLOCK_M as kernels.dense.configs tables in out."""
+    """The best config per (N, K) and BLOCK_M as kernels.dense.configs tables in out: only the
+    buckets where it beat F.linear by configs.WIN_MARGIN (serving runs F.linear at the others; on
+    the CPU, where F.linear is not timed, every bucket); a shape with no such bucket gets no table."""
     best: dict[tuple[int, int], dict[int, dict]] = {}
     for r in rows:
-        if "best" in r:
+        if "best" in r and ("cublas_us" not in r or r["best_us"] <= (1 - configs.WIN_MARGIN) * r["cublas_us"]):
             best.setdefault((r["N"], r["K"]), {})[configs.bucket(r["M"])] = r["best"]
     out.mkdir(parents=True, exist_ok=True)
     paths = []

@@ -44,12 +44,14 @@ NO_ROUTER = "moe-serve-no-fused-router"        # --no-fused-router: what the one
 BLOCK_PDL = "moe-serve-block-pdl"              # the block chained by PDL (kernels.moe.launch.block_pdl)
 NO_EXPERT_STATS = "moe-serve-no-expert-stats"  # --no-expert-stats: what counting the expert load costs
 QK_NORM_ROPE = "moe-serve-qk-norm-rope-fusion"  # vLLM's fused q/k RMSNorm + RoPE compile pass on (off in vLLM 0.26)
-DENSE_GEMV = "moe-serve-dense-gemv"            # --dense-gemv: the dense GEMMs at decode on our GEMV
+DENSE_GEMV = "moe-serve-dense-gemv"            # --dense-gemv spelled out (OURS runs it by default)
+NO_DENSE_GEMV = "moe-serve-no-dense-gemv"      # --no-dense-gemv: what the dense decode GEMV adds
 VARIANTS = (BASELINE, FRONTEND, OURS)          # the yardstick's default run
 ALL_VARIANTS = (*VARIANTS, VLLM_TRITON, FUSED_ROUTER, NO_ROUTER, BLOCK_PDL, NO_EXPERT_STATS,
-                QK_NORM_ROPE, DENSE_GEMV)      # what --variants may name, and the table shows
+                QK_NORM_ROPE, DENSE_GEMV, NO_DENSE_GEMV)   # what --variants may name, and the table shows
 VARIANT_FLAGS = {FUSED_ROUTER: ["--fused-router"], NO_ROUTER: ["--no-fused-router"],
                  NO_EXPERT_STATS: ["--no-expert-stats"], DENSE_GEMV: ["--dense-gemv"],
+                 NO_DENSE_GEMV: ["--no-dense-gemv"],
                  QK_NORM_ROPE: ["--engine-arg", 'compilation_config={"pass_config": {"enable_qk_norm_rope_fusion": true}}']}
 BLOCK_PDL_ENV = "MOE_SERVE_BLOCK_PDL"           # set for every moe-serve variant, not inherited
 SERVED_NAME = "yardstick"
@@ -61,7 +63,7 @@ WEIGHTS = "weights"                            # routing mode: as the model's ro
 _MOE_BACKEND = ("kernel_config.moe_backend",)
 VARIANT_CONFIG_KEYS = {VLLM_TRITON: _MOE_BACKEND, OURS: _MOE_BACKEND, FUSED_ROUTER: _MOE_BACKEND,
                        NO_ROUTER: _MOE_BACKEND, BLOCK_PDL: _MOE_BACKEND, NO_EXPERT_STATS: _MOE_BACKEND,
-                       DENSE_GEMV: _MOE_BACKEND, QK_NORM_ROPE: (*_MOE_BACKEND, "compilation_config")}
+                       DENSE_GEMV: _MOE_BACKEND, NO_DENSE_GEMV: _MOE_BACKEND, QK_NORM_ROPE: (*_MOE_BACKEND, "compilation_config")}
 CONFIG_LINE = re.compile(r"with config: (.*)$", re.M)
 DATACLASS_VALUE = re.compile(r"^\w+\((.*)\)$", re.S)
 

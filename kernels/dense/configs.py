@@ -16,8 +16,12 @@ Tables: ``dense,N={N},K={K},dtype={dtype},device={device}.json``, keyed by BLOCK
 "4", "8": M rounded up to a power of two, one compiled variant each), with "triton_version";
 searched like the MoE tables (kernels.moe.configs.labelled_dirs: $MOE_SERVE_KERNEL_CONFIG_DIR,
 the tuner's cache) and then in kernels/dense/configs/; a table made under another Triton is
-refused with a warning. `moe-serve bench kernels --dense` writes such tables from its sweep.
-None ships yet: every shape runs the heuristic (default_config) until one is measured.
+refused with a warning. `moe-serve bench kernels --dense` writes such tables from its sweep,
+keeping only the buckets where its best config beat F.linear (cuBLAS) by at least WIN_MARGIN.
+
+Serving (kernels.dense.op) runs the GEMV only for a (shape, bucket) a table lists (tuned_config):
+every other call keeps F.linear. The heuristic (default_config) is the search's starting point
+and what a direct dense_gemv call without a table runs.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ SHIPPED_DIR = Path(__file__).resolve().parent / "configs"
 DEFAULT_SMS = 132                   # H100 / H200 SXM: where no GPU is visible (tests, AOT)
 PROGRAMS_PER_SM = 4                 # split K until the grid has this many programs per SM
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+WIN_MARGIN = 0.03                   # a tabled bucket beat F.linear by >= 3 % (timing noise is ~1 %)
 logger = logging.getLogger(__name__)
 
 
@@ -131,6 +136,13 @@ def table_json(best: dict[int, Config], triton_version: str) -> str:
     """A table file's text for the best config per BLOCK_M (what load_table reads)."""
     body: dict[str, Any] = {str(b): best[b] for b in sorted(best)}
     return json.dumps({**body, "triton_version": triton_version}, indent=1) + "\n"
+
+
+def tuned_config(M: int, N: int, K: int, dtype: str, device: str) -> Config | None:
+    """The tuned table's config for M's bucket of an [N, K] weight on this device, or None (no
+    table, or the bucket not listed: F.linear was as fast there)."""
+    table = load_table(N, K, dtype, device)
+    return table.get(bucket(M)) if table else None
 
 
 @functools.lru_cache(maxsize=4096)

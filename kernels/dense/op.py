@@ -1,6 +1,8 @@
 """The dense decode GEMV as a torch custom op, ``torch.ops.moe_serve.dense_linear(x, weight,
 bias)``: F.linear's result for any input, computed by kernels.dense.gemv where M (the rows of x
-[..., K]) is 1..MAX_M on CUDA and the layout is one the kernel takes, else by F.linear.
+[..., K]) is 1..MAX_M on CUDA, the layout is one the kernel takes and a tuned table lists the
+weight's shape and M's bucket for this device (kernels.dense.configs.tuned_config: measured
+faster than F.linear there), else by F.linear.
 
 Why an op: vLLM compiles the model with torch.compile (Inductor) and replays it from CUDA
 graphs. A registered op with a fake implementation is one opaque node of the traced graph,
@@ -9,7 +11,7 @@ captured batch size), so one graph serves decode batches (ours) and prefill (F.l
 
 Every [N, K] weight that reaches the op with a layout the kernel takes is remembered
 (`seen`, with the tensors) so that a worker can compile its kernel variants before serving
-(warm_variants: M = 1..MAX_M); a weight whose call at 1..MAX_M tokens still went to F.linear
+(warm_variants: the M in 1..MAX_M it serves); a weight whose call at 1..MAX_M tokens still went to F.linear
 (x misaligned or strided) is remembered with the reason (`fallbacks`). On CPU tensors the op is F.linear, unless a test sets
 CPU_INTERPRETER under TRITON_INTERPRET=1 (the kernel then runs in Triton's interpreter).
 """
@@ -21,11 +23,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.dense.gemv import DTYPES, MAX_M, dense_gemv, unsupported
+from kernels.dense.configs import tuned_config
+from kernels.dense.gemv import DTYPES, MAX_M, dense_gemv, device_facts, unsupported
 from kernels.moe.launch import record_launches
 
 NAMESPACE, NAME = "moe_serve", "dense_linear"
 CPU_INTERPRETER = False     # test-only: our kernel on CPU tensors under TRITON_INTERPRET=1
+UNTUNED_TOO = False         # test-only: the heuristic's config also where no table lists the bucket
 
 _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
 _lib.define(f"{NAME}(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
@@ -41,6 +45,15 @@ def runs_here(x: torch.Tensor) -> bool:
     if x.is_cuda:
         return True
     return CPU_INTERPRETER and x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def served(M: int, weight: torch.Tensor) -> bool:
+    """Whether the op runs our kernel for M tokens of this weight: a tuned table lists its shape
+    and M's bucket on this device (elsewhere F.linear was measured as fast or faster)."""
+    if UNTUNED_TOO:
+        return True
+    N, K = weight.shape
+    return tuned_config(M, N, K, DTYPES[weight.dtype], device_facts(weight.device)[0]) is not None
 
 
 def static_support(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -65,7 +78,7 @@ def _impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
         key = (weight.shape[0], weight.shape[1], weight.dtype, bias is not None, str(weight.device))
         if key not in _seen:
             _seen[key] = (weight, bias)
-        if x2.shape[0] <= MAX_M:
+        if x2.shape[0] <= MAX_M and served(x2.shape[0], weight):
             why = unsupported(x2, weight, bias)
             if why is None:
                 return dense_gemv(x2, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
@@ -98,12 +111,14 @@ def fallbacks() -> dict[ShapeKey, str]:
 
 
 def warm_variants(weight: torch.Tensor, bias: torch.Tensor | None, max_m: int = MAX_M) -> int:
-    """Compile every kernel variant the op launches for this weight at M = 1..max_m: record each
-    M's launch and run the first M of each distinct variant on zero inputs. Returns the number of
-    distinct variants."""
+    """Compile every kernel variant the op launches for this weight at M = 1..max_m (the M it
+    serves): record each M's launch and run the first M of each distinct variant on zero inputs.
+    Returns the number of distinct variants (0: F.linear at every M)."""
     seen_keys: set[tuple[Any, ...]] = set()
     K = weight.shape[1]
     for M in range(1, max_m + 1):
+        if not served(M, weight):
+            continue
         x = torch.zeros((M, K), dtype=weight.dtype, device=weight.device)
         with record_launches() as launches:
             dense_gemv(x, weight, bias)

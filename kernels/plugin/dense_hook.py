@@ -1,7 +1,8 @@
 """The plugin's dense-GEMV hook: vLLM's unquantized linear layers (QKV, O and MLP projections,
 routers' gates) and the unquantized lm_head go through torch.ops.moe_serve.dense_linear
 (kernels/dense/op.py), which runs our decode GEMV (kernels/dense/gemv.py) for 1..8 tokens on
-CUDA and F.linear otherwise.
+CUDA where a tuned table (kernels/dense/configs/) lists the weight's shape and the token count's
+bucket for this GPU, and F.linear otherwise.
 
 Where: ``UnquantizedLinearMethod.apply`` and ``UnquantizedEmbeddingMethod.apply`` (the lm_head's,
 called by vLLM's logits processor), wrapped on the classes (points pinned in
@@ -18,11 +19,11 @@ weight in bf16, fp16 or fp32 with unit stride along K and K a multiple of 16 byt
 dtype on the same CUDA device; a bias [N] or none (added in fp32 by the kernel). Everything else
 runs vLLM's apply unchanged, and the op itself falls back to F.linear for M > 8 and for layouts
 only the data can rule out (16-byte alignment). Not installed with VLLM_BATCH_INVARIANT (vLLM's
-batch-invariant GEMM) set. On unless env MOE_SERVE_DENSE_GEMV is unset or 0 (`moe-serve
---dense-gemv`; default off until the whole-model A/B shows it faster).
+batch-invariant GEMM) set. On when env MOE_SERVE_DENSE_GEMV is 1 (moe-serve sets it for its
+engine unless `--no-dense-gemv`).
 
-Warm-up: every weight the op has seen (vLLM's profile run passes each layer once) gets its
-variants for M = 1..8 compiled before vLLM captures its CUDA graphs (warm_pending), so serving
+Warm-up: every weight the op has seen (vLLM's profile run passes each layer once) gets the
+variants it serves at M = 1..8 compiled before vLLM captures its CUDA graphs (warm_pending), so serving
 compiles nothing.
 """
 from __future__ import annotations
@@ -91,8 +92,9 @@ class DenseHook:
                 continue
             n = op.warm_variants(weight, bias)
             self._warmed.add(key)
-            self.plugin.logger.info("moe-serve dense GEMV: weight %s %s%s warmed, %d variants for M = 1..%d",
-                                    list(weight.shape), weight.dtype, " + bias" if bias is not None else "", n,
-                                    op.MAX_M)
+            what = (f"{n} variants warmed for M = 1..{op.MAX_M}" if n else
+                    "F.linear at every M: no tuned table lists it for this GPU (`moe-serve bench kernels --dense`)")
+            self.plugin.logger.info("moe-serve dense GEMV: weight %s %s%s: %s", list(weight.shape), weight.dtype,
+                                    " + bias" if bias is not None else "", what)
             done += 1
         return done

@@ -78,3 +78,16 @@ def test_the_dense_part_on_cpu_checks_times_searches_and_writes_tables(tmp_path:
     assert loaded.returncode == 0, loaded.stderr[-2000:]
     best = {str(r["M"]): r["best"] for r in rows if r["shape"] == "qkv"}
     assert json.loads(loaded.stdout.strip().splitlines()[-1]) == best
+
+
+def test_tables_keep_only_the_buckets_where_the_gemv_beat_f_linear(tmp_path: Path) -> None:
+    from bench.experts.dense import write_tables
+
+    cfg = {"BLOCK_N": 1, "BLOCK_K": 1024, "SPLIT_K": 1, "num_warps": 4, "ACC_PAIRS": True, "PREFETCH": True}
+    row = lambda N, M, best_us, cublas_us: dict(N=N, K=2048, M=M, best=cfg, best_us=best_us,  # noqa: E731
+                                                cublas_us=cublas_us)
+    rows = [row(5120, 1, 9.4, 10.6), row(5120, 2, 10.5, 10.6), row(5120, 4, 12.6, 10.7),   # a win, a tie, a loss
+            row(2048, 1, 11.0, 11.0)]                                                       # no win at all
+    paths = write_tables(rows, tmp_path, "NVIDIA_H100_80GB_HBM3")
+    assert [p.name for p in paths] == [configs.table_file_name(5120, 2048, "bf16", "NVIDIA_H100_80GB_HBM3")]
+    assert sorted(k for k in json.loads(paths[0].read_text()) if k.isdigit()) == ["1"]

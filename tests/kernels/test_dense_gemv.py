@@ -129,3 +129,22 @@ def test_sm90_k_loop_streams_16_byte_vectors_through_registers() -> None:
         assert loop["LDG.E.128"] == r["block_n"] + r["block_m"], r
         products = r["block_m"] * r["block_n"] * r["vec"]
         assert loop["FFMA"] == (products if r["pairs"] else products // 2), r
+
+
+SHIPPED = sorted(configs.SHIPPED_DIR.glob("dense,*.json"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_every_shipped_table_config_on_its_k_and_bucket(path: Path) -> None:
+    """Each tuned bucket's config as shipped, on the table's K and dtype at the bucket's M (and
+    M - 1 tokens where that is in the bucket), over a few row blocks (a partial one included)."""
+    fields = dict(part.split("=", 1) for part in path.stem.split(",")[1:])
+    K, dt = int(fields["K"]), fields["dtype"]
+    dtype = {v: k for k, v in NAMES.items()}[dt]
+    raw = json.loads(path.read_text())          # read whole: load_table refuses another Triton's
+    assert raw["triton_version"] and path.name == configs.table_file_name(int(fields["N"]), K, dt, fields["device"])
+    table = {int(k): configs.validate(v, dt) for k, v in raw.items() if k.isdigit()}
+    assert table and set(table) <= set(configs.BUCKETS), path
+    for bm, cfg in table.items():
+        for M in sorted({bm, max(1, bm // 2 + 1)}):
+            _check(M, 2 * cfg["BLOCK_N"] + 1, K, dtype, M % 2 == 1, cfg)

@@ -54,6 +54,7 @@ def hooked(monkeypatch: pytest.MonkeyPatch, tp1: None) -> list[tuple]:
     monkeypatch.setattr(op, "dense_gemv", lambda x, w, b=None, **kw: calls.append((x.shape[0], *w.shape))
                         or real(x, w, b, **kw))
     monkeypatch.setattr(op, "CPU_INTERPRETER", True)
+    monkeypatch.setattr(op, "UNTUNED_TOO", True)                  # no tuned tables for "cpu"
     hook = DenseHook(SimpleNamespace(logger=logging.getLogger("test")))
     assert hook.install() == ["UnquantizedLinearMethod.apply", "UnquantizedEmbeddingMethod.apply"]
     assert hook.install() == []                                   # once

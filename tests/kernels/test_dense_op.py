@@ -1,14 +1,16 @@
 """torch.ops.moe_serve.dense_linear (kernels/dense/op.py): registered with a fake implementation,
 opaque to torch.compile, F.linear's result at every M -- by our GEMV (here Triton's interpreter on
-CPU, through the test-only switch) at 1..8 tokens, by F.linear beyond -- and the weights it has
-seen warmed variant by variant."""
+CPU, through the test-only switches) at 1..8 tokens, by F.linear beyond; without the untuned
+switch only at the buckets a tuned table lists -- and the weights it has seen warmed variant by
+variant."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.dense import op
+from kernels.dense import configs, op
+from kernels.moe import configs as moe_configs
 
 
 @pytest.fixture()
@@ -22,6 +24,7 @@ def ours(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
         return real(x, w, bias, **kw)
 
     monkeypatch.setattr(op, "CPU_INTERPRETER", True)
+    monkeypatch.setattr(op, "UNTUNED_TOO", True)
     monkeypatch.setattr(op, "dense_gemv", spy)
     return calls
 
@@ -109,3 +112,27 @@ def test_a_small_call_the_data_rules_out_is_remembered_with_its_reason(ours: lis
     x = torch.randn(3 * 64 + 1, generator=g)[1:].view(3, 64)     # 4-byte offset: not 16-byte aligned
     assert torch.equal(op.dense_linear(x, w, b), F.linear(x, w, b)) and not ours
     assert op.fallbacks()[(8, 64, torch.float32, True, "cpu")].startswith("x layout")
+
+
+def test_as_served_only_the_buckets_a_tuned_table_lists_run_our_kernel(
+        ours: list, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setattr(op, "UNTUNED_TOO", False)
+    monkeypatch.setattr(op, "_seen", {})
+    w, b, g = _weights(40, 96)
+    xs = {M: torch.randn(M, 96, generator=g).to(torch.float16) for M in (1, 2, 3)}
+    configs.load_table.cache_clear()
+    try:
+        assert all(torch.equal(op.dense_linear(x, w, b), F.linear(x, w, b)) for x in xs.values())
+        assert ours == [] and op.warm_variants(w, b) == 0              # no table: F.linear at every M
+        table = {2: configs.default_config(2, 40, 96, "fp16")}          # bucket 2 (M = 2) only
+        (tmp_path / configs.table_file_name(40, 96, "fp16", "cpu")).write_text(
+            configs.table_json(table, moe_configs.running_triton_version()))
+        monkeypatch.setenv("MOE_SERVE_KERNEL_CONFIG_DIR", str(tmp_path))
+        configs.load_table.cache_clear()
+        for M, x in xs.items():
+            ref = x.double() @ w.double().T + b.double()
+            assert torch.allclose(op.dense_linear(x, w, b).double(), ref, rtol=2e-3, atol=2e-3), M
+        assert ours == [(2, 40, 96)]
+        assert op.warm_variants(w, b) == 1 and ours[1:] == [(2, 40, 96), (2, 40, 96)]   # recorded, then run
+    finally:
+        configs.load_table.cache_clear()
