@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.experts.render import shape_table
-from bench.serve.render import HeadlineRow, headline, results_table, step_budget
+from bench.serve.render import HeadlineRow, headline, pairwise_table, results_table, step_budget
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
@@ -97,6 +97,8 @@ REGISTRY: dict[str, Callable[[], list[str]]] = {
     "serve-qwen3-30b-a3b-fp8-block": lambda: results_table(*runs(QWEN3_FP8_BLOCK), note=False),
     "serve-qwen3-30b-a3b-fp8-dynamic": lambda: results_table(*runs(QWEN3_FP8_DYNAMIC), note=False),
     "serve-qwen3-30b-a3b-bf16-h100": lambda: results_table(*runs(QWEN3_BF16_H100), note=False),
+    "serve-qwen3-30b-a3b-bf16-h100-switches": lambda: pairwise_table(
+        *runs(QWEN3_BF16_H100), pairs=(("moe-serve", "moe-serve-no-expert-stats"), ("moe-serve-dense-gemv", "moe-serve"))),
     "kernels-dense-h100": lambda: _dense(KERNELS_DENSE_H100),
     "expert-load-check-h100": lambda: _check_log(EXPERT_LOAD_CHECK_H100, "expert-load-check.log"),
     "step-budget": lambda: step_budget(*runs(QWEN3_BF16), *runs(MIXTRAL_BF16)),

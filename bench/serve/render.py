@@ -157,6 +157,22 @@ SLICES = (("experts", ("expert GEMMs", "alignment"), ("experts", "shared_experts
           ("sampling, copies, other", ("sampling", "memcpy/memset", "other"), ()))
 
 
+def pairwise_table(*dirs: Path, pairs: tuple[tuple[str, str], ...]) -> list[str]:
+    """One switch's effect: per (variant, reference) pair and c, the variant against the reference
+    variant of the same runs (not against vllm serve): ITL speedup = the reference's / the
+    variant's, tok/s ratio = the variant's / the reference's, 95 % intervals over processes."""
+    procs = serve_stats.load(list(dirs))
+    out = ["| c | variant | against | processes | ITL speedup [95 % CI] | tok/s ratio [95 % CI] |",
+           "|---:|---|---|---|---|---|"]
+    for variant, reference in pairs:
+        for r in serve_stats.pooled_rows(procs, reference, (reference, variant)):
+            if r["variant"] == variant and "itl_speedup" in r:
+                n_ref = r["itl_speedup"]["n_base"]
+                out.append(f"| {r['level']} | {variant} | {reference} | {r['n']} + {n_ref} | "
+                           f"{_ratio(r['itl_speedup'])} | {_ratio(r['tok_s_ratio'])} |")
+    return out
+
+
 def step_budget(*dirs: Path) -> list[str]:
     """Per profiled process and level, one row: the decode step and each of its SLICES as
     measured ms (from the profile) and, in parentheses, the slice's floor (its bytes over the run's
