@@ -96,8 +96,14 @@ def warmup_pass_count(c: int) -> int:
     return c * max(2, -(-16 // c))
 
 
+WAVES = 16   # default requests per level: c in flight this many times over (at least 32)
+
+
 def requests_at(c: int, per_level: int | None) -> int:
-    return per_level if per_level else max(2 * c, 32)
+    """Timed requests at c: per_level if given, else max(WAVES x c, 32). A level's output tok/s
+    is its tokens over its wall time, whose first and last waves ramp up and drain; with 4 waves
+    (c = 8, 32 requests) those ramps left a 3 + 3 process interval of [0.83, 1.44]."""
+    return per_level if per_level else max(WAVES * c, 32)
 
 
 def model_setup(a: argparse.Namespace) -> tuple[Path, str, str | None]:
@@ -322,8 +328,10 @@ def run(a: argparse.Namespace) -> int:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="moe-serve bench serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Time on one H200: 2-4 min per process (engine start 75-170 s, the loads "
-                                       "1-2 min); 4 processes of each of two variants ~25-30 min.")
+                                epilog="Time on one H200 or H100: engine start 50-170 s per process, then the loads: "
+                                       "about 30 s at c = 1 alone, about 3 min over the default levels "
+                                       "(16 waves of c each); --concurrency 1 with 4 variants x 3 processes "
+                                       "took 19 min on an H100.")
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     p.add_argument("--model", default="qwen3-30b-a3b", help="bench/models/<name> (dummy weights) or 'embedded'")
     p.add_argument("--model-dir", help="a local HF model directory instead of --model")
@@ -342,7 +350,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-warmup-pass", dest="warmup_pass", action="store_false",
                    help="skip the untimed pass over every level before the timed one (then a fresh "
                         "server's one-time JIT compiles and allocations fall into the timed levels)")
-    p.add_argument("--requests-per-level", type=int, default=None, help="default max(2c, 32)")
+    p.add_argument("--requests-per-level", type=int, default=None, help="default max(16c, 32)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
