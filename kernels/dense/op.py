@@ -1,7 +1,7 @@
 """The dense decode GEMV as a torch custom op, ``torch.ops.moe_serve.dense_linear(x, weight,
 bias)``: F.linear's result for any input, computed by kernels.dense.gemv where M (the rows of x
 [..., K]) is 1..MAX_M on CUDA, the layout is one the kernel takes and a tuned table lists the
-weight's shape and M's bucket for this device (kernels.dense.configs.tuned_config: measured
+weight's shape and M's bucket for this device (serving_config: measured
 faster than F.linear there), else by F.linear.
 
 Why an op: vLLM compiles the model with torch.compile (Inductor) and replays it from CUDA
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.dense.configs import tuned_config
+from kernels.dense.configs import Config, config_for, tuned_config
 from kernels.dense.gemv import DTYPES, MAX_M, dense_gemv, device_facts, unsupported
 from kernels.moe.launch import record_launches
 
@@ -47,13 +47,14 @@ def runs_here(x: torch.Tensor) -> bool:
     return CPU_INTERPRETER and x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def served(M: int, weight: torch.Tensor) -> bool:
-    """Whether the op runs our kernel for M tokens of this weight: a tuned table lists its shape
-    and M's bucket on this device (elsewhere F.linear was measured as fast or faster)."""
-    if UNTUNED_TOO:
-        return True
-    N, K = weight.shape
-    return tuned_config(M, N, K, DTYPES[weight.dtype], device_facts(weight.device)[0]) is not None
+def serving_config(M: int, weight: torch.Tensor) -> Config | None:
+    """The config our kernel runs for M tokens of this weight (a dtype of DTYPES): the tuned
+    table's for M's bucket on this device, or None where no table lists it (F.linear was measured
+    as fast or faster there); with UNTUNED_TOO the heuristic's instead of None."""
+    (N, K), dtype = weight.shape, DTYPES[weight.dtype]
+    device, sms = device_facts(weight.device)
+    cfg = tuned_config(M, N, K, dtype, device)
+    return config_for(M, N, K, dtype, device, sms) if cfg is None and UNTUNED_TOO else cfg
 
 
 def static_support(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -78,10 +79,11 @@ def _impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
         key = (weight.shape[0], weight.shape[1], weight.dtype, bias is not None, str(weight.device))
         if key not in _seen:
             _seen[key] = (weight, bias)
-        if x2.shape[0] <= MAX_M and served(x2.shape[0], weight):
+        cfg = serving_config(x2.shape[0], weight) if x2.shape[0] <= MAX_M else None
+        if cfg is not None:
             why = unsupported(x2, weight, bias)
             if why is None:
-                return dense_gemv(x2, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+                return dense_gemv(x2, weight, bias, cfg=cfg).reshape(*x.shape[:-1], weight.shape[0])
             _fallbacks.setdefault(key, why)
     return F.linear(x, weight, bias)
 
@@ -117,14 +119,15 @@ def warm_variants(weight: torch.Tensor, bias: torch.Tensor | None, max_m: int = 
     seen_keys: set[tuple[Any, ...]] = set()
     K = weight.shape[1]
     for M in range(1, max_m + 1):
-        if not served(M, weight):
+        cfg = serving_config(M, weight)
+        if cfg is None:
             continue
         x = torch.zeros((M, K), dtype=weight.dtype, device=weight.device)
         with record_launches() as launches:
-            dense_gemv(x, weight, bias)
+            dense_gemv(x, weight, bias, cfg=cfg)
         key = tuple(sorted(launches[0][3].items()))
         if key in seen_keys:
             continue
         seen_keys.add(key)
-        dense_gemv(x, weight, bias)
+        dense_gemv(x, weight, bias, cfg=cfg)
     return len(seen_keys)
