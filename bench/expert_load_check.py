@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-30b-a3b", help="bench/models/<name>/config.json, dummy weights")
     p.add_argument("--layers", type=int, default=4, help="the model cut to this many layers")
-    p.add_argument("--modes", default="optimized,vllm")
+    p.add_argument("--modes", default="optimized,vllm", help="servers' --moe-kernels modes ('': no servers)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--ready-timeout", type=float, default=600)
     p.add_argument("--cpu-smoke", action="store_true", help="CPU engine, embedded model; kernels interpreted")
@@ -211,8 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         long_prompt = 2 * max_tokens(cfg.get("num_experts") or cfg["num_local_experts"], cfg["hidden_size"]) + 40
         model, base = d.name, ["--model", str(d), "--served-model-name", d.name, "--engine-arg", "load_format=dummy",
                                "--max-model-len", "4096", "--tensor-parallel-size", "1"]
-    log(f"3. servers ({a.modes}) on {model}")
-    for mode in a.modes.split(","):
+    modes = [m for m in a.modes.split(",") if m]
+    log(f"3. servers ({', '.join(modes) or 'none'}) on {model}")
+    for mode in modes:
         server_checks(a, mode, base, model, long_prompt)
     if env_interp is not None:
         os.environ["TRITON_INTERPRET"] = env_interp

@@ -67,10 +67,12 @@ def router_topk_kernel(
     RENORMALIZE: tl.constexpr, E_P2: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, ONE_PROGRAM: tl.constexpr, USE_PDL: tl.constexpr, COUNT: tl.constexpr = False,
 ):
+    m = tl.program_id(0)
+    if COUNT:                          # written before the forward, not by a kernel before us:
+        real_row = m < tl.load(num_tokens_ptr)   # its latency hides under the wait and the GEMV
     if USE_PDL:                        # launched early: let the MoE kernels after us launch, and
         tl.extra.cuda.gdc_launch_dependents()   # wait for the kernel before us (the hidden
         tl.extra.cuda.gdc_wait()       # states' norm) before reading or writing anything
-    m = tl.program_id(0)
     pid_e = tl.program_id(1)
     s = tl.program_id(2)
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -118,7 +120,7 @@ def router_topk_kernel(
     tl.store(topk_w_ptr + out, top_w * scaling, mask=slot < TOPK)
     tl.store(topk_ids_ptr + out, top_id, mask=slot < TOPK)
     if COUNT:                          # this token's experts into the layer's expert load
-        real = slot < tl.where(m < tl.load(num_tokens_ptr), TOPK, 0)
+        real = slot < tl.where(real_row, TOPK, 0)
         tl.atomic_add(counts_ptr + top_id, tl.full((TOPK_P2,), 1, tl.int64), mask=real, sem="relaxed")
 
 
