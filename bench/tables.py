@@ -45,24 +45,29 @@ QWEN3_BF16 = "serve-qwen3-30b-a3b-bf16-h200-2026-12-04"
 QWEN3_BF16_NOW = "serve-qwen3-30b-a3b-bf16-h200-2026-12-06"
 QWEN3_BF16_UNIFORM = "serve-qwen3-30b-a3b-bf16-uniform-h200-2026-12-06"
 QWEN3_BF16_H100 = "serve-qwen3-30b-a3b-bf16-h100-2026-12-06"
+QWEN3_BF16_H100_TUNED = "serve-qwen3-30b-a3b-bf16-h100-tuned-2026-12-06"
+QWEN3_FP8_BLOCK_H100_TUNED = "serve-qwen3-30b-a3b-fp8-block-h100-tuned-2026-12-06"
 MIXTRAL_BF16 = "serve-mixtral-8x7b-bf16-h200-2026-12-03"
 QWEN3_FP8_BLOCK = "serve-qwen3-30b-a3b-fp8-block-h200-2026-12-04"
 QWEN3_FP8_DYNAMIC = "serve-qwen3-30b-a3b-fp8-dynamic-h200-2026-12-03"
 KERNELS = "kernels-moe-layer-h200-2026-12-04"
 KERNELS_DENSE_H100 = "kernels-dense-h100-2026-12-06"
 EXPERT_LOAD_CHECK_H100 = "expert-load-check-h100-2026-12-06"
+MOE_TUNE_H100 = "kernels-moe-tune-h100-2026-12-06"
 LOG_STAMP = re.compile(r"^\[[\w-]+ \+ *[\d.]+s\] ")
 PREFILL_2048 = "prefill budget 2048 tokens (`vllm serve`: 8192)"
 
 
 def _headline() -> list[str]:
     return headline([
+        HeadlineRow("qwen3-30b-a3b", runs(QWEN3_BF16_H100_TUNED),
+                    settings="defaults of its commit with the H100 MoE tables shipped since (tuned in the same session)"),
+        HeadlineRow("qwen3-30b-a3b-fp8-block", runs(QWEN3_FP8_BLOCK_H100_TUNED),
+                    settings="as the row above; one process each (the device budget ended)"),
         HeadlineRow("qwen3-30b-a3b", runs(QWEN3_BF16_NOW), runs(QWEN3_BF16_UNIFORM),
                     settings="defaults of its commit (before expert-load counting)"),
         HeadlineRow("qwen3-30b-a3b", runs(QWEN3_BF16_H100),
                     settings="defaults of its commit (no H100 MoE tables: heuristic configs; dense GEMV off)"),
-        HeadlineRow("qwen3-30b-a3b", runs(QWEN3_BF16_H100), variant="moe-serve-dense-gemv",
-                    settings="`--dense-gemv` on tables tuned on this H100 (the default since 2026-12-06: the c = 1 of today's defaults)"),
         HeadlineRow("qwen3-30b-a3b", runs(QWEN3_BF16), variant="moe-serve-fused-router", settings=PREFILL_2048),
         HeadlineRow("mixtral-8x7b", runs(MIXTRAL_BF16), settings=PREFILL_2048),
         HeadlineRow("qwen3-30b-a3b-fp8-block", runs(QWEN3_FP8_BLOCK), settings=PREFILL_2048),
@@ -84,6 +89,13 @@ def _check_log(claim: str, name: str) -> list[str]:
             + [f"- {ln[:200]}" for ln in lines if " checks OK" in ln])
 
 
+def _tune_logs(claim: str) -> list[str]:
+    """Each shape's summary line of `moe-serve tune` (its search time, ours against vLLM's
+    fused_experts at M = 1, 8, 64, the routed range), from the claim's tune-*.log files."""
+    return [f"- {ln.removeprefix('[tune] ')}" for log in sorted((RESULTS / claim).glob("tune-*.log"))
+            for ln in log.read_text().splitlines() if ln.startswith("[tune] ") and ": tuned in " in ln]
+
+
 def _kernels(*names: str) -> Callable[[], list[str]]:
     return lambda: shape_table(*(RESULTS / KERNELS / n for n in names))
 
@@ -99,6 +111,12 @@ REGISTRY: dict[str, Callable[[], list[str]]] = {
     "serve-qwen3-30b-a3b-bf16-h100": lambda: results_table(*runs(QWEN3_BF16_H100), note=False),
     "serve-qwen3-30b-a3b-bf16-h100-switches": lambda: pairwise_table(
         *runs(QWEN3_BF16_H100), pairs=(("moe-serve", "moe-serve-no-expert-stats"), ("moe-serve-dense-gemv", "moe-serve"))),
+    "serve-qwen3-30b-a3b-h100-tuned": lambda: results_table(*runs(QWEN3_BF16_H100_TUNED),
+                                                            *runs(QWEN3_FP8_BLOCK_H100_TUNED), note=False),
+    "serve-qwen3-30b-a3b-bf16-h100-tuned-switches": lambda: pairwise_table(
+        *runs(QWEN3_BF16_H100_TUNED), pairs=(("moe-serve", "moe-serve-no-expert-stats"),)),
+    "kernels-moe-tune-h100": lambda: _tune_logs(MOE_TUNE_H100),
+    "expert-load-check-h100-graphs": lambda: _check_log(EXPERT_LOAD_CHECK_H100, "expert-load-check-graphs-64ac467.log"),
     "kernels-dense-h100": lambda: _dense(KERNELS_DENSE_H100),
     "expert-load-check-h100": lambda: _check_log(EXPERT_LOAD_CHECK_H100, "expert-load-check.log"),
     "step-budget": lambda: step_budget(*runs(QWEN3_BF16), *runs(MIXTRAL_BF16)),
