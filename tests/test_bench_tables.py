@@ -23,13 +23,13 @@ def test_an_edited_number_in_a_block_fails_the_check(tmp_path: Path, capsys: pyt
     docs = []
     for doc in tables.DOCS:
         text = doc.read_text()
-        assert "**1.058 [1.056, 1.060]**" in text                     # Mixtral's c = 1 row in both
+        assert "**1.150 [1.136, 1.163]**" in text                     # the H100 Qwen3 c = 1 row in both
         copy = tmp_path / doc.name
-        copy.write_text(text.replace("**1.058 [1.056, 1.060]**", "**1.158 [1.156, 1.160]**"))
+        copy.write_text(text.replace("**1.150 [1.136, 1.163]**", "**1.250 [1.236, 1.263]**"))
         docs.append(str(copy))
     assert tables.main(["--check", *docs]) == 1
     out = capsys.readouterr()
-    assert "-| mixtral-8x7b | bf16 |" in out.out and "+| mixtral-8x7b | bf16 |" in out.out
+    assert "-| qwen3-30b-a3b | bf16 | NVIDIA H100" in out.out and "+| qwen3-30b-a3b | bf16 | NVIDIA H100" in out.out
     assert "RESULTS.md differs" in out.err and "README.md differs" in out.err
 
 
