@@ -71,18 +71,22 @@ def probe(timeout_s: float = 300.0) -> dict[str, Any]:
 
 
 def commit(override: str | None = None) -> dict[str, Any]:
-    """{"commit": hash, "dirty": bool | None} of this checkout; `override` (e.g. from a machine
-    whose copy of the tree has no .git) wins, with dirty unknown."""
+    """{"commit": hash, "dirty": bool | None, "source_sha256": digest} of this checkout;
+    `override` (e.g. from a machine whose copy of the tree has no .git) wins, with dirty unknown:
+    the digest (bench.serve.provenance) lets `moe-serve bench serve verify` tell it later."""
+    from bench.serve import provenance   # not at the top: the probe runs this file as a script
+
+    digest = {"source_sha256": provenance.source_digest()}
     if override:
-        return {"commit": override, "dirty": None}
+        return {"commit": override, "dirty": None, **digest}
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               timeout=30, check=True).stdout.strip()
         status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                 capture_output=True, text=True, timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
-    return {"commit": head, "dirty": bool(status.strip())}
+        return {"commit": None, "dirty": None, **digest}
+    return {"commit": head, "dirty": bool(status.strip()), **digest}
 
 
 def host_name() -> str:

@@ -3,6 +3,7 @@
     moe-serve bench serve --model qwen3-30b-a3b --out DIR [--processes 4] [--routing uniform_random]
     moe-serve bench serve ... --out DIR            # again: resumes, skips finished processes
     moe-serve bench serve report DIR [DIR...]      # the pooled markdown table
+    moe-serve bench serve verify DIR [DIR...]      # did each process run its named commit's source
 
 **Primary metrics, fixed before any run: c = 1 ITL p50 (as the weights route) and c = 8 output
 tok/s under realistic expert load (`--routing uniform_random`).**
@@ -27,7 +28,7 @@ over every level (one-time compiles of a fresh server), then per level a warm-up
 servers' answers). Ratios, intervals and the byte floor come from stats.py, the tables from
 render.py.
 
-Files: DIR/<variant>/r<round>/ meta.json (host, GPU, commit and dirty flag, versions, flags,
+Files: DIR/<variant>/r<round>/ meta.json (host, GPU, commit, dirty flag and source digest, versions, flags,
 start/ready/end times, copy ceiling, byte-floor bytes per c, the engine configuration vLLM logged),
 requests.jsonl (one line per request, as it finishes), api_cpu.json (CPU seconds of the server's
 API process over each timed level), answers.json, server.log, version.json and moe_metrics.txt
@@ -386,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["report"]:
         return report(argv[1:])
+    if argv[:1] == ["verify"]:
+        from bench.serve import provenance
+
+        return provenance.main(argv[1:])
     a = parse_args(argv)
     code = run(a)
     if code in (0, 3) and serve_stats.load([a.out]):
