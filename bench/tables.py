@@ -63,9 +63,11 @@ def _headline() -> list[str]:
     the tables shipped since; the H200 row before expert-load counting, free since)."""
     return headline([
         HeadlineRow("qwen3-30b-a3b", runs(QWEN3_BF16_H100_TUNED),
-                    settings="defaults of its commit with the H100 MoE tables shipped since (tuned in the same session)"),
+                    settings="defaults of its commit with the H100 MoE tables shipped since (tuned in the same "
+                             "session); no FlashInfer on the host"),
         HeadlineRow("qwen3-30b-a3b-fp8-block", runs(QWEN3_FP8_BLOCK_H100_TUNED),
-                    settings="as the row above; one process each (the device budget ended)"),
+                    settings="as the row above; one process each (the device budget ended); `vllm serve` ran its "
+                             "default, Triton FP8 MoE backend"),
         HeadlineRow("qwen3-30b-a3b", runs(QWEN3_BF16_NOW), runs(QWEN3_BF16_UNIFORM),
                     settings="defaults of its commit (before expert-load counting)"),
     ])

