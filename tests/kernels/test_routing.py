@@ -125,34 +125,38 @@ def test_shipped_table_is_generated_from_the_results():
         {k: v["ranges"] for k, v in SHIPPED_TABLE["shapes"].items()}
 
 
-def _refined(E: int, N: int, K: int, dtype: str, m: int) -> dict:
+def _refined(E: int, N: int, K: int, dtype: str, m: int, device: str, triton_version: str) -> dict:
     """The shipped table's record of `moe-serve tune --refine` for M's bucket ({} if none)."""
-    found = configs.find_table(E, N, K, dtype, "NVIDIA_H200", SHIPPED_TRITON)
+    found = configs.find_table(E, N, K, dtype, device, triton_version)
     if found.path is None:
         return {}
     refined = json.loads(found.path.read_text()).get("refined", {})
     return refined.get("buckets", {}).get(str(configs.bucket_of(m)), {})
 
 
-def test_routed_to_ours_configs_are_the_measured_ones():
+@pytest.mark.parametrize("path", sorted(SHIPPED.parent.glob("routing,device=*.json")), ids=lambda p: p.stem)
+def test_routed_to_ours_configs_are_the_measured_ones(path: Path):
     """Every measured M routed to ours still gets the config that was measured (the shared
     memory fit must not have changed a winning config), or the one `moe-serve tune --refine`
-    measured faster than it (the table records the refinement: before = the routed config).
+    measured faster than it (the table records the refinement: before = the routed config), in
+    every shipped routing table (one per GPU).
     Checked where the config does not depend on the machine: tuned tables and the decode
     heuristic. (An untuned shape's aligned config comes from vLLM's lookup for the GPU it runs
     on, which a CPU cannot reproduce.)"""
+    table = json.loads(path.read_text())
+    device, triton_version = table["device"], table["triton_version"]
     n = 0
-    for key, ent in SHIPPED_TABLE["shapes"].items():
+    for key, ent in table["shapes"].items():
         E, N, K = (int(p.split("=")[1]) for p in key.split(",")[:3])
         dt = key.split("dtype=")[1]
         for m, meas in ent["measured"].items():
             if routing.route_in(ent["ranges"], int(m)) != "ours":
                 continue
-            choice = selection.config_choice(int(m), E, N, K, ent["topk"], dt, "NVIDIA_H200",
-                                             triton_version=SHIPPED_TRITON)
+            choice = selection.config_choice(int(m), E, N, K, ent["topk"], dt, device,
+                                             triton_version=triton_version)
             if choice.source == selection.DEFAULT_RULE and not choice.config.get("DECODE"):
                 continue
-            served, ref = label(choice.config), _refined(E, N, K, dt, int(m))
+            served, ref = label(choice.config), _refined(E, N, K, dt, int(m), device, triton_version)
             assert served == meas["cfg"] or (ref.get("before") == meas["cfg"]
                                              and ref.get("after") == served
                                              and ref["after_us"] < ref["before_us"]), (key, m)
