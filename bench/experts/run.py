@@ -6,6 +6,7 @@
     moe-serve bench kernels --fp8-formats --out OUT           block and per-token FP8 (fp8.py)
     TRITON_INTERPRET=1 moe-serve bench kernels --smoke --out OUT            CPU, tiny shapes
     moe-serve bench kernels --dense --model DIR [-tp 8] --out OUT       the dense GEMMs (dense.py)
+    moe-serve bench kernels --router --model DIR --out OUT               the router at decode (router.py)
 
 Per (shape, format, M): ours (the config serving would use: its tuned table or the default),
 vLLM's `fused_experts` and the streaming floor of the expert bytes the call reads (floor.py), all
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from bench.experts import fp8 as kernels_fp8
+from bench.experts import router
 from bench.experts.checks import part_correctness, part_sass, part_sass_subprocess
 from bench.experts.compiles import part_compiles
 from bench.experts.problem import CUDA, DEV, copy_ceiling, log, problem
@@ -265,6 +267,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dense-shapes", default=None, help="with --dense and no --model: comma list of named "
                     "shapes (bench/experts/dense_shapes.py; default qwen3-30b-a3b/tp1,mixtral-8x7b/tp1)")
     ap.add_argument("--no-dense-sweep", dest="sweep", action="store_false", help="with --dense: no config search")
+    router.add_args(ap)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--sets", type=int, default=8, help="input sets rotated per graph")
     ap.add_argument("--replays", type=int, default=20)
@@ -299,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench.experts import dense
 
         return dense.main(args, RESULTS, lambda: _save(args.out))
+    if args.router:
+        return router.main(args, RESULTS, lambda: _save(args.out))
     t0 = time.perf_counter()
     if args.smoke:
         smoke()

@@ -22,9 +22,11 @@ With `counts` (a layer's expert load, int64 [E]) the program that picks a token'
 adds them there (kernels.moe.expert_count's sum, tokens m < num_tokens only): the expert load is
 counted inside this launch, at no extra launch at decode.
 
-Top-k is TOPK rounds of argmax over the E_P2 scores (ties to the lower expert id, as
-torch.topk's order on equal values is unspecified). Not covered (the caller keeps vLLM's
-router): grouped top-k, scoring functions other than softmax and sigmoid.
+Top-k (`method`): "rounds", TOPK rounds of argmax over the E_P2 scores (each a reduction across
+the program), or "sort", one bitonic top-k (tl.topk) over 64-bit keys: the choice value's
+order-preserving bits, then E_P2 - 1 - expert. Both pick the same experts in the same order, ties to
+the lower expert id (torch.topk's order on equal values is unspecified). Not covered (the caller
+keeps vLLM's router): grouped top-k, scoring functions other than softmax and sigmoid.
 """
 from __future__ import annotations
 
@@ -44,6 +46,8 @@ TARGET_PROGRAMS = 128       # per call at small M: enough loads in flight to str
 TILE = 4096                 # gate elements a program loads per K step (BLOCK_E x BLOCK_K)
 MAX_M = 16                  # the serving path's largest M (kernels.plugin.router_hook)
 MAX_WORK = 1 << 21          # gate multiply-adds (M * E * K) up to which one launch beats vLLM's two
+TOPK_METHODS = ("rounds", "sort")
+SERVED_TOPK_METHOD = "rounds"   # what serving launches; "sort" is timed beside it by bench/expert_load_check.py
 
 
 def max_tokens(E: int, K: int) -> int:
@@ -66,6 +70,7 @@ def router_topk_kernel(
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, SCORING_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
     RENORMALIZE: tl.constexpr, E_P2: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, ONE_PROGRAM: tl.constexpr, USE_PDL: tl.constexpr, COUNT: tl.constexpr = False,
+    SORT_TOPK: tl.constexpr = False,
 ):
     m = tl.program_id(0)
     if COUNT:                          # written before the forward, not by a kernel before us:
@@ -107,13 +112,22 @@ def router_topk_kernel(
         sel += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     sel = tl.where(mask, sel, float("-inf"))
     slot = tl.arange(0, TOPK_P2)
-    top_w = tl.zeros((TOPK_P2,), dtype=tl.float32)
-    top_id = tl.zeros((TOPK_P2,), dtype=tl.int32)
-    for j in tl.static_range(TOPK):
-        best = tl.argmax(sel, axis=0, tie_break_left=True)
-        top_w = tl.where(slot == j, tl.sum(tl.where(offs == best, score, 0.0), axis=0), top_w)
-        top_id = tl.where(slot == j, best, top_id)
-        sel = tl.where(offs == best, float("-inf"), sel)
+    if SORT_TOPK:                      # one bitonic top-k over (choice value, expert) keys
+        bits = sel.to(tl.uint32, bitcast=True)                     # order-preserving as unsigned:
+        key = tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)   # negatives flipped, sign set
+        key = (key.to(tl.uint64) << 32) | (E_P2 - 1 - offs).to(tl.uint64)   # ties: lower expert
+        top = tl.topk(key, TOPK_P2)                                # [TOPK_P2], largest first
+        top_id = (E_P2 - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
+        hit = offs[None, :] == top_id[:, None]                     # [TOPK_P2, E_P2]
+        top_w = tl.where(slot < TOPK, tl.sum(tl.where(hit, score[None, :], 0.0), axis=1), 0.0)
+    else:                              # TOPK rounds of argmax
+        top_w = tl.zeros((TOPK_P2,), dtype=tl.float32)
+        top_id = tl.zeros((TOPK_P2,), dtype=tl.int32)
+        for j in tl.static_range(TOPK):
+            best = tl.argmax(sel, axis=0, tie_break_left=True)
+            top_w = tl.where(slot == j, tl.sum(tl.where(offs == best, score, 0.0), axis=0), top_w)
+            top_id = tl.where(slot == j, best, top_id)
+            sel = tl.where(offs == best, float("-inf"), sel)
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, axis=0)
     out = m * TOPK + slot
@@ -143,16 +157,18 @@ def router_topk(x: torch.Tensor, gate_w: torch.Tensor, topk: int, scoring: str =
                 renormalize: bool = True, bias: torch.Tensor | None = None, scaling: float = 1.0,
                 out: tuple[torch.Tensor, torch.Tensor] | None = None,
                 counts: tuple[torch.Tensor, torch.Tensor] | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                method: str = SERVED_TOPK_METHOD) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_weights fp32 [M, topk], topk_ids int32 [M, topk]) for hidden states x [M, K] and
     the gate's weight gate_w [E, K] (see the module doc); bias: [E] correction added for the
     choice only; out: that pair to write into (else fresh tensors); counts: (expert load int64
-    [E], num_tokens int32 [1]) to add the first num_tokens tokens' experts to. No host sync:
-    CUDA-graph capturable."""
+    [E], num_tokens int32 [1]) to add the first num_tokens tokens' experts to; method: the top-k
+    (TOPK_METHODS, see the module doc). No host sync: CUDA-graph capturable."""
     if x.dim() != 2 or gate_w.dim() != 2 or x.shape[1] != gate_w.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and gate_w {tuple(gate_w.shape)} must be [M, K] and [E, K]")
     M, K = x.shape
     E = gate_w.shape[0]
+    if method not in TOPK_METHODS:
+        raise ValueError(f"method {method!r} not in {TOPK_METHODS}")
     if scoring not in SCORING:
         raise ValueError(f"scoring {scoring!r} not in {sorted(SCORING)}")
     if not 1 <= topk <= E or E > MAX_EXPERTS:
@@ -185,7 +201,8 @@ def router_topk(x: torch.Tensor, gate_w: torch.Tensor, topk: int, scoring: str =
            M, K, E, x.stride(0), gate_w.stride(0), float(scaling),
            TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), SCORING_FN=SCORING[scoring],
            HAS_BIAS=bias is not None, RENORMALIZE=renormalize, E_P2=e_p2, BLOCK_E=block_e,
-           BLOCK_K=block_k, SPLIT_K=split, ONE_PROGRAM=one, USE_PDL=pdl, COUNT=counts is not None, num_warps=4,
+           BLOCK_K=block_k, SPLIT_K=split, ONE_PROGRAM=one, USE_PDL=pdl, COUNT=counts is not None,
+           SORT_TOPK=method == "sort", num_warps=4,
            **({"launch_pdl": True} if pdl else {}))
     return topk_w, topk_ids
 

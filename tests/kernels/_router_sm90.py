@@ -1,5 +1,5 @@
 """Subprocess helper (TRITON_INTERPRET=0): compile the router's variants (kernels.moe.router_topk),
-one of them adding the expert load, and the expert count kernel (kernels.moe.expert_count) for
+two of them adding the expert load (one with the sort top-k), and the expert count kernel (kernels.moe.expert_count) for
 sm_90 on CPU (kernels.moe.aot) and print one JSON line per compiled kernel."""
 from __future__ import annotations
 
@@ -17,23 +17,24 @@ from kernels.moe.launch import record_launches  # noqa: E402
 from kernels.moe.expert_count import count_experts_triton  # noqa: E402
 from kernels.moe.router_topk import router_topk  # noqa: E402
 
-VARIANTS = {  # name: (M, E, K, topk, scoring, bias, count)
-    "qwen3-decode-split": (1, 128, 2048, 8, "softmax", False, False),
-    "qwen3-decode-split-counting": (1, 128, 2048, 8, "softmax", False, True),
-    "mixtral-decode-split": (4, 8, 4096, 2, "softmax", False, False),
-    "deepseek-sigmoid-bias": (2, 256, 7168, 8, "sigmoid", True, False),
-    "prefill-one-program": (512, 128, 2048, 8, "softmax", False, False),
-    "kimi-one-program": (256, 384, 7168, 8, "sigmoid", True, False),
+VARIANTS = {  # name: (M, E, K, topk, scoring, bias, count, top-k method)
+    "qwen3-decode-split": (1, 128, 2048, 8, "softmax", False, False, "rounds"),
+    "qwen3-decode-split-counting": (1, 128, 2048, 8, "softmax", False, True, "rounds"),
+    "qwen3-decode-split-sort": (1, 128, 2048, 8, "softmax", False, True, "sort"),
+    "mixtral-decode-split": (4, 8, 4096, 2, "softmax", False, False, "rounds"),
+    "deepseek-sigmoid-bias": (2, 256, 7168, 8, "sigmoid", True, False, "rounds"),
+    "prefill-one-program": (512, 128, 2048, 8, "softmax", False, False, "rounds"),
+    "kimi-one-program": (256, 384, 7168, 8, "sigmoid", True, False, "rounds"),
 }
 COUNTS = {"count-int32-ids": torch.int32, "count-int64-ids": torch.int64}  # name: topk_ids dtype
 
 if __name__ == "__main__":
     cache: dict = {}
-    for name, (M, E, K, topk, scoring, bias, count) in VARIANTS.items():
+    for name, (M, E, K, topk, scoring, bias, count, method) in VARIANTS.items():
         x, w = torch.empty(M, K, dtype=torch.bfloat16), torch.empty(E, K, dtype=torch.bfloat16)
         counts = (torch.zeros(E, dtype=torch.int64), torch.zeros(1, dtype=torch.int32)) if count else None
         with record_launches() as launches:
-            router_topk(x, w, topk, scoring, bias=torch.zeros(E) if bias else None, counts=counts)
+            router_topk(x, w, topk, scoring, bias=torch.zeros(E) if bias else None, counts=counts, method=method)
         for (kname, ck), (_, grid, _, kw) in zip(aot.compile_launches(launches, cache=cache), launches):
             print(json.dumps({"variant": name, "kernel": kname, "grid": list(grid), "count": kw["COUNT"],
                               "one_program": kw["ONE_PROGRAM"], "smem": int(ck.metadata.shared),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.moe.moe_decode_launch import split_workspace
-from kernels.moe.router_topk import launch_plan, router_topk
+from kernels.moe.router_topk import TOPK_METHODS, launch_plan, router_topk
 
 
 def _inputs(M: int, E: int, K: int, dtype: torch.dtype, bias: bool):
@@ -48,23 +48,40 @@ def _check(x, w, topk, scoring, renorm, bias, scaling, tw, ids):
 @pytest.mark.parametrize("M,E,K,topk", [(1, 8, 256, 2), (1, 128, 512, 8), (3, 60, 200, 4),
                                         (2, 256, 96, 8), (130, 16, 64, 2), (1, 1, 32, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_softmax_topk(M, E, K, topk, dtype):
+@pytest.mark.parametrize("method", TOPK_METHODS)
+def test_softmax_topk(M, E, K, topk, dtype, method):
     x, w, _ = _inputs(M, E, K, dtype, False)
     for renorm in (True, False):
         tw, ids = _poisoned(M, topk)
-        router_topk(x, w, topk, "softmax", renorm, out=(tw, ids))
+        router_topk(x, w, topk, "softmax", renorm, out=(tw, ids), method=method)
         _check(x, w, topk, "softmax", renorm, None, 1.0, tw, ids)
 
 
 @pytest.mark.parametrize("M,E,K,topk", [(1, 64, 256, 6), (4, 72, 128, 8)])
-def test_sigmoid_with_correction_bias_and_scaling(M, E, K, topk):
+@pytest.mark.parametrize("method", TOPK_METHODS)
+def test_sigmoid_with_correction_bias_and_scaling(M, E, K, topk, method):
     x, w, b = _inputs(M, E, K, torch.float32, True)
     tw, ids = _poisoned(M, topk)
-    router_topk(x, w, topk, "sigmoid", True, bias=b, scaling=2.5, out=(tw, ids))
+    router_topk(x, w, topk, "sigmoid", True, bias=b, scaling=2.5, out=(tw, ids), method=method)
     _check(x, w, topk, "sigmoid", True, b, 2.5, tw, ids)
     # the bias moves the choice, not the weights: without it, another set for some token
-    tw0, ids0 = router_topk(x, w, topk, "sigmoid", True, scaling=2.5)
+    tw0, ids0 = router_topk(x, w, topk, "sigmoid", True, scaling=2.5, method=method)
     _check(x, w, topk, "sigmoid", True, None, 2.5, tw0, ids0)
+
+
+@pytest.mark.parametrize("M,E,K,topk", [(1, 128, 256, 8), (3, 60, 64, 6), (2, 8, 64, 2)])
+def test_sort_picks_the_same_experts_in_the_same_order_as_rounds(M, E, K, topk):
+    """Bit-equal ids and weights from both methods, with a tie at the top (experts 2 and 3 share a
+    gate row aligned with every token: both picked first, the lower one first) and negative choice
+    values (a bias below minus the sigmoid)."""
+    x, w, _ = _inputs(M, E, K, torch.float32, False)
+    w[2] = w[3] = 4 * x.sum(0) / x.sum(0).norm()                  # the largest logit of every token
+    bias = -1.5 * torch.rand(E)
+    bias[2] = bias[3] = 0.0
+    for scoring, b in (("softmax", None), ("sigmoid", bias)):
+        (tw_r, ids_r), (tw_s, ids_s) = (router_topk(x, w, topk, scoring, bias=b, method=m) for m in TOPK_METHODS)
+        assert torch.equal(ids_r, ids_s) and torch.equal(tw_r, tw_s), (scoring, ids_r, ids_s)
+        assert ids_s[:, :2].tolist() == [[2, 3]] * M, ids_s
 
 
 def test_split_workspace_is_zero_after_each_call_and_calls_repeat():
@@ -104,12 +121,14 @@ def test_bad_arguments_are_refused():
         router_topk(x, w, 2, bias=torch.zeros(7))
     with pytest.raises(ValueError, match="out"):
         router_topk(x, w, 2, out=(torch.empty(2, 2), torch.empty(2, 2)))
+    with pytest.raises(ValueError, match="method"):
+        router_topk(x, w, 2, method="heap")
 
 
 def test_variants_compile_for_sm90():
     """Both paths (split with the arrival counter, one program per token) compile for sm_90 with
     the bundled ptxas, for bf16 gates of the served model families' sizes, one adding the expert
-    load; so does the expert count kernel, for int32 and int64 ids."""
+    load, one with the sort top-k; so does the expert count kernel, for int32 and int64 ids."""
     import json
     import os
     import subprocess
@@ -128,11 +147,11 @@ def test_variants_compile_for_sm90():
     counting = [r for r in rows if r["kernel"] == "count_experts_kernel"]   # kernels.moe.expert_count
     assert len(counting) == 2 and all(r["atomics"] >= 1 for r in counting), counting
     rows = [r for r in rows if r not in counting]
-    assert len(rows) == 6 and {r["kernel"] for r in rows} == {"router_topk_kernel"}
-    assert {r["one_program"] for r in rows} == {True, False} and sum(r["count"] for r in rows) == 1
+    assert len(rows) == 7 and {r["kernel"] for r in rows} == {"router_topk_kernel"}
+    assert {r["one_program"] for r in rows} == {True, False} and sum(r["count"] for r in rows) == 2
     assert all(r["grid"][0] * r["grid"][1] * r["grid"][2] >= 64 for r in rows if not r["one_program"])
     assert not any(r["launch_pdl"] or r["gdc"] for r in rows), rows      # launched plainly
     # with the block chained (sm_90 is the target here, no CUDA device), each is a programmatic
     # dependent launch that waits for the kernel before it and lets the next one launch
     chained = [r for r in compiled("1") if r["kernel"] == "router_topk_kernel"]
-    assert len(chained) == 6 and all(r["launch_pdl"] and len(r["gdc"]) == 2 for r in chained), chained
+    assert len(chained) == 7 and all(r["launch_pdl"] and len(r["gdc"]) == 2 for r in chained), chained
