@@ -47,7 +47,7 @@ TILE = 4096                 # gate elements a program loads per K step (BLOCK_E 
 MAX_M = 16                  # the serving path's largest M (kernels.plugin.router_hook)
 MAX_WORK = 1 << 21          # gate multiply-adds (M * E * K) up to which one launch beats vLLM's two
 TOPK_METHODS = ("rounds", "sort")
-SERVED_TOPK_METHOD = "rounds"   # what serving launches; "sort" is timed beside it by bench/expert_load_check.py
+SERVED_TOPK_METHOD = "rounds"   # what serving launches; `moe-serve bench kernels --router` times both
 
 
 def max_tokens(E: int, K: int) -> int:
