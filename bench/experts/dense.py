@@ -30,7 +30,7 @@ import torch
 import triton
 
 from bench.experts.dense_shapes import DEFAULT_NAMED, NAMED, SMOKE, DenseShape, dense_shapes
-from bench.experts.problem import CUDA, DEV, copy_ceiling, log
+from bench.experts.problem import CUDA, DEV, copy_ceiling, log, named
 from bench.experts.reference import rel_err
 from kernels.dense import configs
 from kernels.dense.gemv import dense_gemv, device_facts
@@ -252,12 +252,8 @@ def main(args: argparse.Namespace, results: dict[str, Any], save: Callable[[], N
     elif args.model:
         cfg = json.loads((Path(args.model) / "config.json").read_text())
         shapes = {f"{Path(args.model).name}/tp{args.tensor_parallel_size}": dense_shapes(cfg, args.tensor_parallel_size)}
-    else:
-        names = args.dense_shapes.split(",") if args.dense_shapes else list(DEFAULT_NAMED)
-        if unknown := [n for n in names if n not in NAMED]:
-            log(f"unknown dense shapes {unknown}; named: {', '.join(NAMED)}")
-            return 2
-        shapes = {n: NAMED[n] for n in names}
+    elif (shapes := named(args.dense_shapes, DEFAULT_NAMED, NAMED, "dense shapes")) is None:
+        return 2
     ms = tuple(int(m) for m in args.ms.split(",")) if args.ms else ms
     t0 = time.perf_counter()
     results["ceiling"] = copy_ceiling()

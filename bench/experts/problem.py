@@ -14,6 +14,16 @@ def log(*a: Any) -> None:
     print(*a, flush=True)
 
 
+def named(wanted: str | None, default: tuple[str, ...], known: dict[str, Any], what: str) -> dict[str, Any] | None:
+    """{name: known[name]} for a comma list (default when None); None, after saying which names are
+    unknown and which are known, where any is not."""
+    names = wanted.split(",") if wanted else list(default)
+    if unknown := [n for n in names if n not in known]:
+        log(f"unknown {what} {unknown}; named: {', '.join(known)}")
+        return None
+    return {n: known[n] for n in names}
+
+
 def copy_ceiling() -> dict[str, Any]:
     """Device copy bandwidth in bytes/s, counting bytes read + written (2 x buffer size).
 

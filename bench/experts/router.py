@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from bench.experts.problem import CUDA, DEV, log
+from bench.experts.problem import CUDA, DEV, log, named
 from kernels.moe.router_topk import SERVED_TOPK_METHOD, TOPK_METHODS, router_topk
 from kernels.tuning.timing import time_graph
 
@@ -227,12 +227,8 @@ def main(args: argparse.Namespace, results: dict[str, Any], save: Callable[[], N
         except ValueError as e:
             log(f"moe-serve bench kernels --router: {e}")
             return 2
-    else:
-        names = args.router_shapes.split(",") if args.router_shapes else list(DEFAULT_NAMED)
-        if unknown := [n for n in names if n not in NAMED]:
-            log(f"unknown routers {unknown}; named: {', '.join(NAMED)}")
-            return 2
-        shapes = {n: NAMED[n] for n in names}
+    elif (shapes := named(args.router_shapes, DEFAULT_NAMED, NAMED, "routers")) is None:
+        return 2
     ms = tuple(int(m) for m in args.ms.split(",")) if args.ms else ms
     t0 = time.perf_counter()
     results["router"] = part_router(shapes, ms, args.sets, args.replays)
