@@ -60,7 +60,7 @@ from bench.model_dirs import config_sha, dummy_model_dir
 from bench.serve import answers
 from bench.serve import host as serve_host
 from bench.serve import profile as serve_profile
-from bench.serve import roofline
+from bench.serve import provenance, roofline
 from bench.serve import stats as serve_stats
 from bench.serve.load import LoadClient
 from bench.serve.servers import (ALL_VARIANTS, CPU_KV_CACHE_BYTES, FRONTEND, SERVED_NAME, VARIANTS, WEIGHTS,
@@ -236,8 +236,7 @@ def run_process(a: argparse.Namespace, variant: str, rnd: int, model: tuple[Path
         meta["ready"] = time.time()
         log(f"  ready in {meta['ready_s']:.0f} s")
         log_text = (pdir / "server.log").read_text(errors="replace")
-        meta["engine_config"] = engine_config(log_text)
-        meta["backends"] = chosen_backends(log_text)
+        meta["engine_config"], meta["backends"] = engine_config(log_text), chosen_backends(log_text)
         if meta["engine_config"] is None:
             log("  the server log holds no engine configuration line")
         write()
@@ -387,12 +386,8 @@ def report(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["report"]:
-        return report(argv[1:])
-    if argv[:1] == ["verify"]:
-        from bench.serve import provenance
-
-        return provenance.main(argv[1:])
+    if argv[:1] in (["report"], ["verify"]):
+        return (report if argv[0] == "report" else provenance.main)(argv[1:])
     a = parse_args(argv)
     code = run(a)
     if code in (0, 3) and serve_stats.load([a.out]):
