@@ -13,7 +13,7 @@ import pytest
 
 from bench.serve.answers import PROMPT_TOKENS, PROMPTS
 from bench.serve.servers import BASELINE, FRONTEND, OURS, VARIANTS, config_differences
-from bench.serve.yardstick import warmup_pass_count
+from bench.serve.schedule import warmup_pass_count
 
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[1]

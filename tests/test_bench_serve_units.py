@@ -15,6 +15,7 @@ import pytest
 
 from bench.serve import answers, roofline
 from bench.serve import render as serve_render
+from bench.serve import schedule
 from bench.serve import stats as serve_stats
 from bench.serve import trace
 from bench.serve import yardstick as serve_ab
@@ -98,7 +99,7 @@ def test_batch_reads_the_expected_distinct_experts_and_fp8_halves_the_linear_lay
 # --- run order and plan --------------------------------------------------------------------------
 
 def test_three_variants_take_every_position_and_order_equally_often() -> None:
-    plan = serve_ab.plan(list(VARIANTS), 6, frontend_every=1)
+    plan = schedule.plan(list(VARIANTS), 6, frontend_every=1)
     orders = [[v for r, v in plan if r == k] for k in range(6)]
     assert all(sorted(o) == sorted(VARIANTS) for o in orders)
     assert set(Counter((i, v) for o in orders for i, v in enumerate(o)).values()) == {2}
@@ -107,16 +108,16 @@ def test_three_variants_take_every_position_and_order_equally_often() -> None:
 
 
 def test_two_variants_alternate_and_the_frontend_runs_every_kth_round() -> None:
-    assert [serve_ab.round_order([BASELINE, OURS], r)[0] for r in range(4)] == [BASELINE, OURS] * 2
-    plan = serve_ab.plan(list(VARIANTS), 4, frontend_every=2)
+    assert [schedule.round_order([BASELINE, OURS], r)[0] for r in range(4)] == [BASELINE, OURS] * 2
+    plan = schedule.plan(list(VARIANTS), 4, frontend_every=2)
     assert [r for r, v in plan if v == FRONTEND] == [0, 2]
     assert Counter(v for _, v in plan) == {BASELINE: 4, OURS: 4, FRONTEND: 2}
 
 
 def test_warmup_and_request_counts() -> None:
-    assert [serve_ab.warmup_count(c) for c in (1, 2, 3, 8, 32)] == [4, 4, 6, 8, 32]
-    assert [serve_ab.requests_at(c, None) for c in (1, 2, 8, 32, 64)] == [32, 32, 128, 512, 1024]
-    assert serve_ab.requests_at(64, 10) == 10
+    assert [schedule.warmup_count(c) for c in (1, 2, 3, 8, 32)] == [4, 4, 6, 8, 32]
+    assert [schedule.requests_at(c, None) for c in (1, 2, 8, 32, 64)] == [32, 32, 128, 512, 1024]
+    assert schedule.requests_at(64, 10) == 10
 
 
 def test_every_variant_gets_the_same_engine_flags_in_its_own_spelling(tmp_path: Path) -> None:

@@ -24,9 +24,9 @@ server, which is how a real model's traffic loads the experts at c >= 8.
 Each server gets closed-loop streaming loads at every `--concurrency` c: first an untimed pass
 over every level (one-time compiles of a fresh server), then per level a warm-up and
 `--requests-per-level` requests with exactly c in flight, fixed prompt and output lengths
-(load.py); then the fixed prompts of answers.py (teacher-forced log-probabilities, to compare the
-servers' answers). Ratios, intervals and the byte floor come from stats.py, the tables from
-render.py.
+(load.py; request counts and process order in schedule.py); then the fixed prompts of answers.py
+(teacher-forced log-probabilities, to compare the servers' answers). Ratios, intervals and the
+byte floor come from stats.py, the tables from render.py.
 
 Files: DIR/<variant>/r<round>/ meta.json (host, GPU, commit, dirty flag and source digest, versions, flags,
 start/ready/end times, copy ceiling, byte-floor bytes per c, the engine configuration vLLM logged),
@@ -63,6 +63,7 @@ from bench.serve import profile as serve_profile
 from bench.serve import provenance, roofline
 from bench.serve import stats as serve_stats
 from bench.serve.load import LoadClient
+from bench.serve.schedule import plan, requests_at, warmup_count, warmup_pass_count
 from bench.serve.servers import (ALL_VARIANTS, CPU_KV_CACHE_BYTES, FRONTEND, SERVED_NAME, VARIANTS, WEIGHTS,
                                  EngineFlags, Server, chosen_backends, engine_config)
 
@@ -72,39 +73,6 @@ PROBE_S = 60.0                 # what the host probe (imports, copy ceiling) may
 
 def log(msg: str) -> None:
     print(f"[bench serve {time.strftime('%H:%M:%S')} +{time.monotonic() - T0:6.0f}s] {msg}", flush=True)
-
-
-def round_order(variants: list[str], r: int) -> list[str]:
-    """Round r's order: rotated left by r; with an odd count, reversed in every second cycle."""
-    n = len(variants)
-    order = variants[r % n:] + variants[:r % n]
-    return order[::-1] if n % 2 == 1 and n > 1 and (r // n) % 2 == 1 else order
-
-
-def plan(variants: list[str], processes: int, frontend_every: int) -> list[tuple[int, str]]:
-    """(round, variant) in run order; the frontend variant only in rounds r % frontend_every == 0."""
-    return [(r, v) for r in range(processes) for v in round_order(variants, r)
-            if v != FRONTEND or r % frontend_every == 0]
-
-
-def warmup_count(c: int) -> int:
-    """At least 4 warm-up requests, a whole number of waves of c."""
-    return c * -(-4 // c)
-
-
-def warmup_pass_count(c: int) -> int:
-    """Requests per level of the warm-up pass: at least 16, two waves of c or more."""
-    return c * max(2, -(-16 // c))
-
-
-WAVES = 16   # default requests per level: c in flight this many times over (at least 32)
-
-
-def requests_at(c: int, per_level: int | None) -> int:
-    """Timed requests at c: per_level if given, else max(WAVES x c, 32). A level's output tok/s
-    is its tokens over its wall time, whose first and last waves ramp up and drain; with 4 waves
-    (c = 8, 32 requests) those ramps left a 3 + 3 process interval of [0.83, 1.44]."""
-    return per_level if per_level else max(WAVES * c, 32)
 
 
 def model_setup(a: argparse.Namespace) -> tuple[Path, str, str | None]:
