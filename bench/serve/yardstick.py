@@ -352,10 +352,13 @@ def report(argv: list[str]) -> int:
     return 0
 
 
+SUBCOMMANDS = {"report": report, "verify": provenance.main}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] in (["report"], ["verify"]):
-        return (report if argv[0] == "report" else provenance.main)(argv[1:])
+    if argv and argv[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[argv[0]](argv[1:])
     a = parse_args(argv)
     code = run(a)
     if code in (0, 3) and serve_stats.load([a.out]):
