@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from bench import tables
+from bench import cli, tables
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -17,6 +18,31 @@ REPO = Path(__file__).resolve().parents[1]
 def test_every_document_matches_its_raw_files(capsys: pytest.CaptureFixture[str]) -> None:
     assert tables.main(["--check"]) == 0, capsys.readouterr().out[-4000:]
     assert "RESULTS.md, README.md: " in capsys.readouterr().out
+
+
+def test_without_the_bench_extra_tables_says_in_one_line_which_extra(monkeypatch: pytest.MonkeyPatch,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's venv (cpu, loadtest extras) has no scipy: --check names the extra, no traceback."""
+    monkeypatch.setitem(sys.modules, "scipy", None)
+    assert cli.main(["tables", "--check"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs scipy" in err and "'.[bench]'" in err, err
+    assert "the bench extra" in cli.COMMANDS["tables"][1]       # --help says so too
+
+
+@pytest.mark.parametrize("command", ["serve", "tables"])
+def test_a_subcommand_whose_import_needs_the_bench_extra_says_so(command: str) -> None:
+    """A fresh interpreter without psutil (imported by the yardstick's server module): one line."""
+    run = subprocess.run([sys.executable, "-c", "import sys; sys.modules['psutil'] = None; from bench.cli import "
+                          f"main; sys.exit(main(['{command}', '--help']))"], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 2 and run.stdout == "", run
+    assert run.stderr.count("\n") == 1 and f"bench {command}: needs psutil" in run.stderr, run.stderr
+
+
+def test_a_missing_module_of_no_extra_is_not_dressed_up() -> None:
+    assert cli.missing_extra("tables", ModuleNotFoundError(name="no_such_module")) is None
+    assert "'.[cpu]' (CPU) or '.[gpu]'" in cli.missing_extra("kernels", ModuleNotFoundError(name="triton.language"))
 
 
 def test_an_edited_number_in_a_block_fails_the_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
