@@ -138,3 +138,60 @@ def time_vllm(prob: dict[str, Any], replays: int = 20) -> float | None:
         x, tw, ids = prob["sets"][i]
         fused_experts(x, w1, w2, tw, ids, quant_config=quant)
     return time_graph(call, len(prob["sets"]), replays)
+
+
+_FLOAT = {"fp16": torch.float16, "fp32": torch.float32}
+
+
+def make_vllm_problem(E: int, N: int, K: int, topk: int, M: int, fmt: str, n_sets: int,
+                      device: str, seed: int = 0, weights: tuple | None = None) -> dict[str, Any]:
+    """make_problem with unquantized fp16 / fp32 formats in their own dtype (hidden states and
+    weights; make_problem's are bf16), as a model of that dtype hands them to vLLM's experts."""
+    prob = make_problem(E, N, K, topk, M, fmt, n_sets, device, seed, weights)
+    dt = _FLOAT.get(fmt)
+    if dt is not None:
+        w1, w2 = (w.to(dt) for w in prob["weights"][:2])
+        prob["weights"] = (w1, w2, None, None)
+        prob["sets"] = [(x.to(dt), tw, ids) for x, tw, ids in prob["sets"]]
+    return prob
+
+
+def _pointer(scale: torch.Tensor | None) -> torch.Tensor | None:
+    """A 0-d scale as shape [1]: Triton passes a 0-d tensor argument as a scalar, not a pointer."""
+    return scale.reshape(1) if scale is not None and scale.dim() == 0 else scale
+
+
+def vllm_runner(prob: dict[str, Any], config: dict | None,
+                experts: Callable | None = None) -> Callable[[int], torch.Tensor]:
+    """call(i) -> vLLM's fused_experts on input set i of prob ([M, K] out), with `config` forced
+    through vLLM's override_config (None: the config vLLM picks itself). `experts` stands in for
+    fused_experts (same signature; the CPU tests)."""
+    from kernels.moe import vllm_kernels
+    from kernels.tuning.vllm_space import OVERRIDE_CONFIG
+
+    fx, override = vllm_kernels.fused_experts(), vllm_kernels.load(OVERRIDE_CONFIG)
+    if fx is None or override is None:
+        raise RuntimeError("vLLM's fused_experts / override_config are not importable")
+    fused_experts, qcfg = fx
+    fused_experts = experts or fused_experts
+    w1, w2, s1, s2 = prob["weights"]
+    q = prob["fp8"]
+    quant = None if q is None else qcfg(
+        w1_scale=s1, w2_scale=s2, a1_scale=_pointer(q.a1_scale), a2_scale=_pointer(q.a2_scale),
+        per_act_token_quant=q.per_token_act, per_out_ch_quant=q.per_token_act,
+        block_shape=list(q.block_shape) if q.block_shape else None)
+
+    def call(i: int) -> torch.Tensor:
+        x, tw, ids = prob["sets"][i]
+        if config is None:
+            return fused_experts(x, w1, w2, tw, ids, quant_config=quant)
+        with override(dict(config)):
+            return fused_experts(x, w1, w2, tw, ids, quant_config=quant)
+    return call
+
+
+def time_vllm_config(prob: dict[str, Any], config: dict | None, replays: int = 20,
+                     experts: Callable | None = None) -> float:
+    """us per call of vLLM's fused_experts with `config` forced (vllm_runner), CUDA-graph replay
+    of prob's rotating input sets (time_graph)."""
+    return time_graph(vllm_runner(prob, config, experts), len(prob["sets"]), replays)

@@ -15,6 +15,8 @@ Interrupted runs resume after their last finished phase; a shape already tuned i
 unless --force. --refine "decode prefetch[,...]" runs only those search phases on each shape's
 table in use (kernels.tuning.refine), writes the refined table to the cache (or --out), and
 keeps the routing as it is: a refined config is never slower than the one routed.
+`--for-vllm` tunes vLLM's own fused-MoE kernel instead, for plain `vllm serve`
+(kernels.tuning.vllm_tune; `moe-serve tune --for-vllm --help`).
 Exit codes: 0 done, 2 no GPU / bad model / no table to refine / unknown phase.
 On a CPU with TRITON_INTERPRET=1 the whole pipeline runs (for tests), timed by wall clock.
 """
@@ -143,6 +145,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-vllm", action="store_true", help="do not time vLLM (default routing)")
     ap.add_argument("--force", action="store_true", help="re-tune shapes already tuned")
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--for-vllm", action="store_true",
+                    help="tune vLLM's own fused-MoE kernel into vLLM's table format for plain "
+                         "`vllm serve` (VLLM_TUNED_CONFIG_FOLDER); its options: --for-vllm --help")
     ap.add_argument("--refine", default=None, metavar="PHASES",
                     help="comma-separated search phases to run on the tables in use, e.g. "
                          "'decode prefetch' (no full search, routing kept)")
@@ -184,6 +189,11 @@ def _refine(shapes: list[MoEShape], phases: list[str], out: Path, device: str,
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--for-vllm" in argv:
+        from kernels.tuning import vllm_tune
+
+        return vllm_tune.main([a for a in argv if a != "--for-vllm"])
     args = parse_args(argv)
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     if not torch.cuda.is_available() and not interp:

@@ -1,0 +1,97 @@
+"""Compile vLLM's fused-MoE kernel for candidate configs in parallel, ahead of timing.
+
+Worker processes on the same GPU each run vLLM's fused_experts once per (config, M key) with the
+config forced (override_config), so Triton's JIT compiles exactly the variants the timing
+process launches (same arguments, same integer specializations) into Triton's disk cache, where
+the timing process then finds them. kernels.tuning.precompile compiles for sm_90 on the host CPU
+from launches our launcher records; vLLM's launcher picks its Swap-AB tile from the live device
+and sizes its grid from its alignment op's output, so its exact launches exist only on the GPU.
+A config whose compile or launch fails (e.g. out of shared memory) is reported failed and never
+timed. Best effort: without a pool the timing process compiles each config itself.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing as mp
+import os
+import time
+from typing import Any, Callable
+
+import torch
+
+from kernels.tuning.timing import make_vllm_problem, vllm_runner
+from kernels.tuning.vllm_space import Config
+
+_STATE: dict[str, Any] = {}
+GPU_SHARE = 0.5             # of the free GPU memory the workers' weights may take
+
+
+def _init(shape: tuple[int, int, int, int, str]) -> None:
+    """Worker: one copy of the layer's weights on the GPU, problems made per M on demand."""
+    _STATE["shape"], _STATE["weights"], _STATE["probs"] = shape, None, {}
+
+
+def _problem(M: int) -> dict[str, Any]:
+    E, N, K, topk, fmt = _STATE["shape"]
+    if M not in _STATE["probs"]:
+        prob = make_vllm_problem(E, N, K, topk, M, fmt, 1, "cuda", seed=M,
+                                 weights=_STATE["weights"])
+        _STATE["weights"] = prob["weights"]
+        _STATE["probs"][M] = prob
+    return _STATE["probs"][M]
+
+
+def _job(key: tuple, cfg: Config, ms: list[int]) -> tuple[tuple, str | None]:
+    """Worker: vLLM's call with cfg at each M (compiling what it launches); (key, error)."""
+    try:
+        for M in ms:
+            vllm_runner(_problem(M), cfg)(0)
+        torch.cuda.synchronize()
+        return key, None
+    except Exception as e:  # noqa: BLE001 - the config cannot run: reported, never timed
+        return key, f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def worker_count(weight_bytes: int) -> int:
+    """Workers the host's cores and the GPU's free memory allow (each holds the weights and a
+    CUDA context, about 0.6 GB)."""
+    free, _ = torch.cuda.mem_get_info()
+    by_mem = int(free * GPU_SHARE // (weight_bytes + (600 << 20)))
+    return max(1, min(14, (os.cpu_count() or 2) - 2, by_mem))
+
+
+class Compiler:
+    """A pool of GPU worker processes for one shape; compile() as vllm_search.Bench wants it."""
+
+    def __init__(self, shape: tuple[int, int, int, int, str], workers: int,
+                 log: Callable[[str], None] = print) -> None:
+        self.log = log
+        self.pool = cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
+                                           initializer=_init, initargs=(shape,))
+        self.errors: dict[tuple, str] = {}
+
+    def compile(self, jobs: dict[tuple, tuple[Config, list[int]]],
+                deadline: float) -> tuple[set, set]:
+        t0 = time.perf_counter()
+        futs = [self.pool.submit(_job, k, cfg, ms) for k, (cfg, ms) in jobs.items()]
+        done, pending = cf.wait(futs, timeout=max(0.0, deadline - t0))
+        for f in pending:
+            f.cancel()
+        ok, bad = set(), set()
+        for f in done:
+            try:
+                k, err = f.result()
+            except Exception as e:  # noqa: BLE001 - a worker died: its configs compile lazily
+                self.log(f"  [compile] worker failed: {type(e).__name__}: {e}")
+                continue
+            if err is None:
+                ok.add(k)
+            else:
+                bad.add(k)
+                self.errors[k] = err
+        self.log(f"  [compile] {len(ok)} configs compiled, {len(bad)} failed, {len(pending)} "
+                 f"left at the deadline, in {time.perf_counter() - t0:.0f}s")
+        return ok, bad
+
+    def close(self) -> None:
+        self.pool.shutdown(cancel_futures=True)
