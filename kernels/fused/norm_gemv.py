@@ -22,10 +22,16 @@ norm_gemv_kernel   grid (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))
     Prologue: the rstd of each of the program's tokens, from a pass over their whole rows of x
     (and residual). Issued after the first weight tile's prefetch, so the row reads overlap the
     weight stream's first loads.
-    K loop: per tile, s = x + residual for the tile's columns, h as above (in registers), then
-    the GEMV's FMAs on h. The programs of n-block 0 (one per split: between them every column
-    once) also store residual_out and, with WRITE_H, h: written once, out of place (x and
-    residual are still being read by other programs), no extra pass.
+    K loop: per tile, s = x + residual for the tile's columns, then the GEMV's FMAs on
+      EXACT_H   h as above: the operand vLLM's unfused layer feeds its GEMM, bit for bit up to
+                rstd's summation order (two roundings per element and token, in every program);
+      else      s * w_norm in fp32, and rstd applied to each token's sums after the loop: h
+                without its two roundings (vLLM's Inductor-compiled norm does not round between
+                the two multiplies either), y within about one more rounding of EXACT_H's, and
+                some 40 % fewer instructions per element (sm_90 SASS).
+    The programs of n-block 0 (one per split: between them every column once) also store
+    residual_out and, with WRITE_H, h rounded as vLLM's norm rounds it: written once, out of
+    place (x and residual are still being read by other programs), no extra pass.
 
 Why the rows are re-read per program rather than a precomputed rstd: a precomputed rstd needs
 a launch before this one (what fusing removes), unless the kernel before produces it (an
@@ -49,6 +55,7 @@ from kernels.moe.moe_decode_launch import split_workspace
 from kernels.moe.moe_tiles import _arrive_last, _split_range
 
 MAX_M = 16                          # tokens one launch serves
+SERVED_EXACT_H = True               # the ops' operand: h as vLLM rounds it (bench_cases times both)
 TOKEN_BLOCK = 8                     # the GEMV's most accumulators per program
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -66,24 +73,41 @@ def _put(ptrs, even, odd, mask, DT: tl.constexpr, BF16: tl.constexpr, BKV: tl.co
 
 
 @triton.jit
+def _h(se, so, rstd, ne, no, DT: tl.constexpr):
+    """h's (even, odd) columns rounded as vLLM's norm rounds them: rnd(rnd(s * rstd) * w)."""
+    he = ((se * rstd).to(DT).to(tl.float32) * ne).to(DT).to(tl.float32)
+    ho = ((so * rstd).to(DT).to(tl.float32) * no).to(DT).to(tl.float32)
+    return he, ho
+
+
+@triton.jit
 def _token(acc, we, wo, ne, no, rstd, x_row, r_row, ro_row, h_row, keep, k0, ku, kv, K_U,
-           HAS_RESIDUAL: tl.constexpr, WRITE_H: tl.constexpr, EVEN_K: tl.constexpr, BF16: tl.constexpr,
-           ACC_PAIRS: tl.constexpr, BKV: tl.constexpr, LANES: tl.constexpr, DT: tl.constexpr):
-    """One token's accumulator after this K tile: h's columns (from x, the residual, rstd and the
-    norm weight's pairs ne, no) times the weight tile's (we, wo [BLOCK_N, BKV, LANES]); where
-    keep, residual_out's and h's columns stored too."""
+           HAS_RESIDUAL: tl.constexpr, WRITE_H: tl.constexpr, EXACT_H: tl.constexpr, EVEN_K: tl.constexpr,
+           BF16: tl.constexpr, ACC_PAIRS: tl.constexpr, BKV: tl.constexpr, LANES: tl.constexpr, DT: tl.constexpr):
+    """One token's accumulator after this K tile: the GEMV operand's columns (h with EXACT_H,
+    else s * w, rstd applied to the sums later) from x, the residual, rstd and the norm weight's
+    pairs ne, no, times the weight tile's (we, wo [BLOCK_N, BKV, LANES]); where keep (this
+    program writes this token's columns), residual_out's and h's columns stored too."""
     in_k = k0 + kv < K_U
-    out_k = k0 + kv < tl.where(keep, K_U, 0)            # this program writes these columns
     se, so = _pairs(x_row + k0 + ku, None if EVEN_K else in_k, BF16, 1, BKV, LANES)
     if HAS_RESIDUAL:
         re, ro = _pairs(r_row + k0 + ku, None if EVEN_K else in_k, BF16, 1, BKV, LANES)
         se += re
         so += ro
-        _put(ro_row + k0 + ku, se, so, out_k, DT, BF16, BKV, LANES)
-    he = ((se * rstd).to(DT).to(tl.float32) * ne).to(DT).to(tl.float32)
-    ho = ((so * rstd).to(DT).to(tl.float32) * no).to(DT).to(tl.float32)
-    if WRITE_H:
-        _put(h_row + k0 + ku, he, ho, out_k, DT, BF16, BKV, LANES)
+    if EXACT_H:
+        he, ho = _h(se, so, rstd, ne, no, DT)
+    else:
+        he = se * ne
+        ho = so * no
+    if keep:
+        if HAS_RESIDUAL:
+            _put(ro_row + k0 + ku, se, so, in_k, DT, BF16, BKV, LANES)
+        if WRITE_H:
+            if EXACT_H:
+                _put(h_row + k0 + ku, he, ho, in_k, DT, BF16, BKV, LANES)
+            else:
+                xe, xo = _h(se, so, rstd, ne, no, DT)
+                _put(h_row + k0 + ku, xe, xo, in_k, DT, BF16, BKV, LANES)
     if ACC_PAIRS:
         acc = tl.fma(wo, ho, tl.fma(we, he, acc))
     else:
@@ -125,7 +149,8 @@ def norm_gemv_kernel(
     # outputs contiguous), the norm's epsilon
     M, N, K, stride_wn, eps,
     # meta (ROW_BLOCK: the prologue's columns per step, one 16-byte vector per thread and token)
-    HAS_RESIDUAL: tl.constexpr, WRITE_H: tl.constexpr, HAS_BIAS: tl.constexpr, DT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, WRITE_H: tl.constexpr, EXACT_H: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, ACC_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
     BF16: tl.constexpr, ROW_BLOCK: tl.constexpr,
@@ -196,25 +221,34 @@ def norm_gemv_kernel(
             we, wo = _pairs(w_ptrs + k0, None if EVEN_K else k0 + kv < K_U, BF16, BLOCK_N, BKV, LANES)
         ne, no = _pairs(np_ + k0 + ku, None if EVEN_K else k0 + kv < K_U, BF16, 1, BKV, LANES)
         a0 = _token(a0, we, wo, ne, no, r0, xp + o0, rp + o0, rop + o0, hp + o0, writer & (m0 < M), k0, ku,
-                    kv, K_U, HAS_RESIDUAL, WRITE_H, EVEN_K, BF16, ACC_PAIRS, BKV, LANES, DT)
+                    kv, K_U, HAS_RESIDUAL, WRITE_H, EXACT_H, EVEN_K, BF16, ACC_PAIRS, BKV, LANES, DT)
         if BLOCK_M > 1:
             a1 = _token(a1, we, wo, ne, no, r1, xp + o1, rp + o1, rop + o1, hp + o1, writer & (m0 + 1 < M), k0,
-                        ku, kv, K_U, HAS_RESIDUAL, WRITE_H, EVEN_K, BF16, ACC_PAIRS, BKV, LANES, DT)
+                        ku, kv, K_U, HAS_RESIDUAL, WRITE_H, EXACT_H, EVEN_K, BF16, ACC_PAIRS, BKV, LANES, DT)
         if BLOCK_M > 2:
             a2 = _token(a2, we, wo, ne, no, r2, xp + o2, rp + o2, rop + o2, hp + o2, writer & (m0 + 2 < M), k0,
-                        ku, kv, K_U, HAS_RESIDUAL, WRITE_H, EVEN_K, BF16, ACC_PAIRS, BKV, LANES, DT)
+                        ku, kv, K_U, HAS_RESIDUAL, WRITE_H, EXACT_H, EVEN_K, BF16, ACC_PAIRS, BKV, LANES, DT)
             a3 = _token(a3, we, wo, ne, no, r3, xp + o3, rp + o3, rop + o3, hp + o3, writer & (m0 + 3 < M), k0,
-                        ku, kv, K_U, HAS_RESIDUAL, WRITE_H, EVEN_K, BF16, ACC_PAIRS, BKV, LANES, DT)
+                        ku, kv, K_U, HAS_RESIDUAL, WRITE_H, EXACT_H, EVEN_K, BF16, ACC_PAIRS, BKV, LANES, DT)
         if BLOCK_M > 4:
             a4 = _token(a4, we, wo, ne, no, r4, xp + o4, rp + o4, rop + o4, hp + o4, writer & (m0 + 4 < M), k0,
-                        ku, kv, K_U, HAS_RESIDUAL, WRITE_H, EVEN_K, BF16, ACC_PAIRS, BKV, LANES, DT)
+                        ku, kv, K_U, HAS_RESIDUAL, WRITE_H, EXACT_H, EVEN_K, BF16, ACC_PAIRS, BKV, LANES, DT)
             a5 = _token(a5, we, wo, ne, no, r5, xp + o5, rp + o5, rop + o5, hp + o5, writer & (m0 + 5 < M), k0,
-                        ku, kv, K_U, HAS_RESIDUAL, WRITE_H, EVEN_K, BF16, ACC_PAIRS, BKV, LANES, DT)
+                        ku, kv, K_U, HAS_RESIDUAL, WRITE_H, EXACT_H, EVEN_K, BF16, ACC_PAIRS, BKV, LANES, DT)
             a6 = _token(a6, we, wo, ne, no, r6, xp + o6, rp + o6, rop + o6, hp + o6, writer & (m0 + 6 < M), k0,
-                        ku, kv, K_U, HAS_RESIDUAL, WRITE_H, EVEN_K, BF16, ACC_PAIRS, BKV, LANES, DT)
+                        ku, kv, K_U, HAS_RESIDUAL, WRITE_H, EXACT_H, EVEN_K, BF16, ACC_PAIRS, BKV, LANES, DT)
             a7 = _token(a7, we, wo, ne, no, r7, xp + o7, rp + o7, rop + o7, hp + o7, writer & (m0 + 7 < M), k0,
-                        ku, kv, K_U, HAS_RESIDUAL, WRITE_H, EVEN_K, BF16, ACC_PAIRS, BKV, LANES, DT)
+                        ku, kv, K_U, HAS_RESIDUAL, WRITE_H, EXACT_H, EVEN_K, BF16, ACC_PAIRS, BKV, LANES, DT)
 
+    if not EXACT_H:                    # the norm's scale, per token, on the sums of s * w * W
+        a0 = a0 * r0
+        a1 = a1 * r1
+        a2 = a2 * r2
+        a3 = a3 * r3
+        a4 = a4 * r4
+        a5 = a5 * r5
+        a6 = a6 * r6
+        a7 = a7 * r7
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -268,11 +302,13 @@ def serving_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.dev
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
               w: torch.Tensor, bias: torch.Tensor | None = None, write_h: bool = False,
-              cfg: Config | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+              cfg: Config | None = None, exact_h: bool = True
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(y [M, N], residual_out [M, K] or None without a residual, h [M, K] or None unless
     write_h) for x [M, K], residual [M, K] or None, the norm's weight [K] and eps, the GEMV's
     weight w [N, K] and bias [N] (see the module doc; unsupported lists what it takes; it raises
-    ValueError otherwise, M > MAX_M included: the caller keeps the unfused path there). One
+    ValueError otherwise, M > MAX_M included: the caller keeps the unfused path there);
+    exact_h: the GEMV's operand is h as vLLM's norm rounds it (else s * w, rstd on the sums). One
     launch, fresh outputs, no host sync: CUDA-graph capturable."""
     why = unsupported(x, residual, norm_w, w, bias)
     if why is not None:
@@ -291,7 +327,7 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tens
            x, residual if residual is not None else x, norm_w, w, bias if bias is not None else y, y,
            res_out if res_out is not None else y, h if h is not None else y, ws, cnt,
            M, N, K, w.stride(0), float(eps),
-           HAS_RESIDUAL=residual is not None, WRITE_H=write_h, HAS_BIAS=bias is not None,
+           HAS_RESIDUAL=residual is not None, WRITE_H=write_h, EXACT_H=exact_h, HAS_BIAS=bias is not None,
            DT=TL_DTYPES[x.dtype], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, VEC=vec(dt), SPLIT_K=split,
            EVEN_K=K % bk == 0, ACC_PAIRS=cfg["ACC_PAIRS"], PREFETCH=cfg["PREFETCH"], BF16=dt == "bf16",
            ROW_BLOCK=vec(dt) * 32 * cfg["num_warps"] // bm, num_warps=cfg["num_warps"], num_stages=1)

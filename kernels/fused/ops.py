@@ -59,7 +59,8 @@ def _norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
     empty = x.new_empty(0)
     if runs_here(x):
         if ng.unsupported(x, residual, norm_weight, weight, bias) is None:
-            y, res_out, h = ng.norm_gemv(x, residual, norm_weight, eps, weight, bias, write_h)
+            y, res_out, h = ng.norm_gemv(x, residual, norm_weight, eps, weight, bias, write_h,
+                                         exact_h=ng.SERVED_EXACT_H)
             return y, res_out if res_out is not None else empty, h if h is not None else empty
         if rms_norm.unsupported(x, residual, norm_weight) is None:
             h, res_out = rms_norm.add_rms_norm(x, residual, norm_weight, eps)

@@ -5,6 +5,12 @@ torch.empty's allocator below), against a float64 reference and against vLLM's o
 RMSNorm.forward_native followed by the linear layer."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -48,10 +54,12 @@ def _float64(x, r, nw, w, b):
 
 
 def _check(M: int, N: int, K: int, dtype: torch.dtype, residual: bool, bias: bool, write_h: bool,
-           cfg: dict | None = None) -> None:
+           cfg: dict | None = None, exact_h: bool = True) -> None:
+    """exact_h: the GEMV's operand is h as vLLM rounds it (y within TOL / 2 of vLLM's layer's),
+    else s * w with rstd on the sums (about one more rounding: within TOL)."""
     x, r, nw, w, b = _inputs(M, N, K, dtype, residual, bias)
     x0, r0 = x.clone(), None if r is None else r.clone()
-    y, res_out, h = ng.norm_gemv(x, r, nw, EPS, w, b, write_h=write_h, cfg=cfg)
+    y, res_out, h = ng.norm_gemv(x, r, nw, EPS, w, b, write_h=write_h, cfg=cfg, exact_h=exact_h)
     assert torch.equal(x, x0) and (r is None or torch.equal(r, r0)), "inputs written"
     assert (res_out is None) == (r is None) and (h is None) == (not write_h)
     y64, s64, h64 = _float64(x, r, nw, w, b)
@@ -61,7 +69,7 @@ def _check(M: int, N: int, K: int, dtype: torch.dtype, residual: bool, bias: boo
         out = vllm_rms_norm(nw, EPS).forward_native(x.clone(), None if r is None else r.clone())
     h_v, res_v = out if r is not None else (out, x)
     y_v = h_v.double() @ w.double().T + (b.double() if b is not None else 0.0)
-    assert rel_err(y, y_v) < TOL[dtype] / 2
+    assert rel_err(y, y_v) < TOL[dtype] / (2 if exact_h else 1)
     if r is not None:
         assert torch.equal(res_out, res_v) and rel_err(res_out, s64) < TOL[dtype]
     if write_h:
@@ -80,24 +88,26 @@ def _cfg(dtype: torch.dtype, block_n: int, warps: int, split: int, pairs: bool, 
 def test_token_counts(M: int) -> None:
     """N 11 and K 264 (a partial row block and K tile), the serving config (M <= 3) or one of 8
     rows and 2 splits; with and without a residual (the first layer), bias and h by M; M 9 and
-    16 run two token blocks."""
+    16 run two token blocks; the GEMV's operand h as vLLM rounds it, or s * w (M 3, 9)."""
     cfg = None if M <= 3 else _cfg(torch.float16, 8, 1, 2, True, True)
-    _check(M, 11, 264, torch.float16, residual=M != 2, bias=M % 2 == 1, write_h=M in (1, 6, 9, 16), cfg=cfg)
+    _check(M, 11, 264, torch.float16, residual=M != 2, bias=M % 2 == 1, write_h=M in (1, 3, 9, 16), cfg=cfg,
+           exact_h=M not in (3, 9))
 
 
-FAMILIES = [  # dtype, M, N, K, BLOCK_N, num_warps, SPLIT_K, ACC_PAIRS, PREFETCH, vectors per thread
-    (torch.float16, 4, 12, 512, 4, 1, 2, True, True, 1),      # split K, h from two programs
-    (torch.float16, 3, 9, 768, 8, 1, 4, False, False, 1),     # 3 tiles over 4 splits: one empty
-    (torch.float16, 12, 8, 256, 4, 1, 1, False, True, 1),     # two token blocks (8 + 4), no split
-    (torch.float32, 2, 10, 136, 4, 1, 2, True, True, 1),      # K below one tile
-    (torch.float32, 7, 6, 256, 2, 2, 1, True, False, 2),      # two vectors per thread along K
+FAMILIES = [  # exact_h, dtype, M, N, K, BLOCK_N, num_warps, SPLIT_K, ACC_PAIRS, PREFETCH, vectors per thread
+    (True, torch.float16, 4, 12, 512, 4, 1, 2, True, True, 1),     # split K, h from two programs
+    (False, torch.float16, 3, 9, 768, 8, 1, 4, False, False, 1),   # 3 tiles over 4 splits: one empty
+    (True, torch.float16, 12, 8, 256, 4, 1, 1, False, True, 1),    # two token blocks (8 + 4), no split
+    (False, torch.float32, 2, 10, 136, 4, 1, 2, True, True, 1),    # K below one tile
+    (True, torch.float32, 7, 6, 256, 2, 2, 1, True, False, 2),     # two vectors per thread along K
 ]
 
 
-@pytest.mark.parametrize("case", FAMILIES, ids=lambda c: f"{str(c[0])[6:]}-M{c[1]}-N{c[2]}-K{c[3]}")
+@pytest.mark.parametrize("case", FAMILIES, ids=lambda c: f"{str(c[1])[6:]}-M{c[2]}-N{c[3]}-K{c[4]}-"
+                         f"{'exact' if c[0] else 'folded'}")
 def test_config_families(case: tuple) -> None:
-    dtype, M, N, K, *cfg = case
-    _check(M, N, K, dtype, residual=True, bias=M % 2 == 0, write_h=True, cfg=_cfg(dtype, *cfg))
+    exact_h, dtype, M, N, K, *cfg = case
+    _check(M, N, K, dtype, residual=True, bias=M % 2 == 0, write_h=True, cfg=_cfg(dtype, *cfg), exact_h=exact_h)
 
 
 def test_the_launcher_refuses_what_the_kernel_cannot_do() -> None:
@@ -129,3 +139,28 @@ def test_row_norm_kernel_matches_vllm_past_the_gemv_token_limit(dtype: torch.dty
     h_v = out[0] if residual else out
     assert close(h, h_v, dtype, ulps=2) and rel_err(h, _float64(x, r, nw, nw[None], None)[2]) < TOL[dtype]
     assert (res_out is None) == (not residual) and (res_out is None or torch.equal(res_out, out[1]))
+
+
+def test_sm90_compiles_without_spills_and_streams_through_registers() -> None:
+    """Every fused kernel compiled for sm_90 without a GPU (tests/kernels/_fused_sm90.py, a
+    subprocess outside the interpreter): Qwen3-30B-A3B's QKV at its serving configs for M = 1, 2,
+    8, 16 (h as vLLM rounds it, and s * w), its gate writing h, fp16 / fp32 with split K, the row
+    norm, Q/K norm + RoPE with the cache write. Nothing spills; the norm GEMV's K loop holds no
+    shared-memory traffic and exactly one 16-byte load per weight row, per token of x (and of
+    the residual) and of the norm weight, one 16-byte store per token of residual_out and of h."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, str(Path(__file__).with_name("_fused_sm90.py"))], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    kernels = {r["kernel"] for r in rows}
+    assert len(rows) == 12 and kernels == {"norm_gemv_kernel", "add_rms_norm_kernel", "qk_norm_rope_kernel"}
+    assert {r["block_m"] for r in rows if r["block_m"]} == {1, 2, 4, 8} and {False, True} <= {r["exact_h"] for r in rows}
+    for r in rows:
+        assert r["spills"] == 0, r
+        if r["kernel"] != "norm_gemv_kernel":
+            continue
+        loop, residual, write_h = r["loop"], "M2" not in r["variant"], "-h" in r["variant"]
+        assert not [k for k in loop if k.startswith(("LDS", "STS", "BAR"))], r
+        assert loop["LDG.E.128"] == r["block_n"] + r["block_m"] * (1 + residual) + 1, r
+        assert loop.get("STG.E.128", 0) == r["block_m"] * (residual + write_h), r
