@@ -35,13 +35,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dense.configs import BUCKETS, DEFAULT_SMS, Config, bucket, config_for, validate, vec
+from kernels.dense.configs import DEFAULT_SMS, Config, bucket, config_for, max_m, validate, vec
 from kernels.moe.configs import device_file_name
 from kernels.moe.launch import jit, launch
 from kernels.moe.moe_decode_launch import split_workspace
 from kernels.moe.moe_tiles import _arrive_last, _split_range, _take_row
 
-MAX_M = BUCKETS[-1]                 # tokens one launch serves (one accumulator each)
+MAX_M = max_m("bf16")               # tokens one launch serves (one accumulator each)
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
@@ -93,15 +93,18 @@ def _row_sum(acc, ACC_PAIRS: tl.constexpr):
 
 @triton.jit
 def _store(y_ptr, ws_ptr, bias, acc, m, M, N, offs_n, ACC_PAIRS: tl.constexpr,
-           SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, FINAL: tl.constexpr):
+           SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, FINAL: tl.constexpr, row_scale=None):
     """Token m's row: its fp32 partial into the workspace (SPLIT_K > 1, not FINAL), or the final
-    row (+ bias) into y (FINAL: the sums read back from the workspace; SPLIT_K 1: acc's)."""
+    row (x row_scale [BN], if given, + bias) into y (FINAL: the sums read back from the
+    workspace; SPLIT_K 1: acc's)."""
     mask = offs_n < tl.where(m < M, N, 0)                             # [BN]: rows < N of tokens < M
     if FINAL:
         if SPLIT_K > 1:
             row = _take_row(ws_ptr + m * N + offs_n, mask, BLOCK_N)
         else:
             row = _row_sum(acc, ACC_PAIRS)
+        if row_scale is not None:
+            row = row * row_scale
         tl.store(y_ptr + m * N + offs_n, (row + bias).to(y_ptr.dtype.element_ty), mask=mask)
     else:
         tl.atomic_add(ws_ptr + m * N + offs_n, _row_sum(acc, ACC_PAIRS), mask=mask, sem="relaxed",

@@ -1,7 +1,9 @@
 """Subprocess helper (TRITON_INTERPRET=0): compile the dense GEMV (kernels.dense.gemv) for sm_90 on
 CPU (kernels.moe.aot) -- the default config's variant at M = 1..8 for real decode shapes, and each
 config family -- and print one JSON line per compiled kernel with what its SASS shows of the K
-loop (the innermost backward branch): its instructions by kind, and spills anywhere."""
+loop (the innermost backward branch): its instructions by kind, and spills anywhere. With the
+argument fp8: the FP8 GEMV (kernels.dense.gemv_fp8) at its default configs instead, Qwen3-30B's
+QKV block-FP8 at each bucket M = 1..16 with bf16 x, and a per-channel O with fp16 x."""
 from __future__ import annotations
 
 import json
@@ -15,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from kernels.dense.gemv import MAX_M, dense_gemv  # noqa: E402
+from kernels.dense.gemv_fp8 import FP8, dense_gemv_fp8  # noqa: E402
 from kernels.moe import aot  # noqa: E402
 from kernels.moe.launch import record_launches  # noqa: E402
 
@@ -42,19 +45,31 @@ def k_loop(sass: str) -> Counter:
     return Counter(min(spans, key=len)) if spans else Counter()
 
 
+FP8_CASES = {  # name: (x dtype, M, N, K, scale, block)
+    **{f"qkv-block-M{m}": (torch.bfloat16, m, 5120, 2048, torch.ones(40, 16), (128, 128)) for m in (1, 2, 4, 8, 16)},
+    "o-channel-fp16-M3": (torch.float16, 3, 2048, 4096, torch.ones(2048, 1), None),
+}
+
+
 def report(variant: str, launches: list, cache: dict) -> None:
     for (name, ck), (_, grid, _, kw) in zip(aot.compile_launches(launches, cache=cache), launches):
         sass = aot.sass(ck)
         loop = k_loop(sass)
         print(json.dumps({"variant": variant, "kernel": name, "grid": list(grid),
                           "block_m": kw["BLOCK_M"], "block_n": kw["BLOCK_N"], "split": kw["SPLIT_K"],
-                          "vec": kw["VEC"], "pairs": kw["ACC_PAIRS"],
+                          "vec": kw.get("VEC", 16), "pairs": kw["ACC_PAIRS"], "scale": kw.get("SCALE"),
                           "spills": len(re.findall(r"\b(?:STL|LDL)\b", sass)),
                           "loop": dict(loop)}), flush=True)
 
 
 if __name__ == "__main__":
     cache: dict = {}
+    if sys.argv[1:] == ["fp8"]:
+        for name, (dtype, M, N, K, scale, block) in FP8_CASES.items():
+            with record_launches() as launches:
+                dense_gemv_fp8(torch.empty(M, K, dtype=dtype), torch.empty(N, K, dtype=FP8), scale, block=block)
+            report(name, launches, cache)
+        sys.exit(0)
     for name, (N, K) in SHAPES.items():
         w = torch.empty(N, K, dtype=torch.bfloat16)
         for M in range(1, MAX_M + 1):
