@@ -79,7 +79,8 @@ class PluginConfig(BaseModel):
     vllm_warmup_max_calls: int = _setting(
         4096, "most calls of vLLM's MoE kernel per layer shape in the plugin's warm-up", "an integer >= 0", ge=0)
     kernel_config_dir: str | None = _setting(
-        None, "a dir of kernel tables searched before the tuner's cache and the shipped tables", "a directory path", min_length=1)
+        None, "a dir of kernel tables searched before the tuner's cache and the shipped tables", "a directory path",
+        min_length=1)
     cache: str | None = _setting(
         None, "moe-serve's cache root; `moe-serve tune` writes tables under kernels/<GPU>/triton-<version> "
         "(default ~/.cache/moe-serve)", "a directory path", min_length=1)
@@ -96,9 +97,11 @@ class PluginConfig(BaseModel):
 
     @classmethod
     def from_vllm(cls, additional_config: Mapping[str, Any] | None,
-                  environ: Mapping[str, str]) -> "PluginConfig":
+                  environ: Mapping[str, str] | None = None) -> "PluginConfig":
         """The config of a vLLM engine: additional_config["moe_serve"] over the environment's
-        MOE_SERVE_<FIELD> over the defaults. Raises PluginConfigError naming the bad setting."""
+        (default: this process's) MOE_SERVE_<FIELD> over the defaults. Raises PluginConfigError
+        naming the bad setting."""
+        environ = os.environ if environ is None else environ
         given = (additional_config or {}).get(KEY)
         if given is None:
             given = {}
@@ -121,7 +124,7 @@ class PluginConfig(BaseModel):
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "PluginConfig":
         """The environment's settings alone (no vLLM config at hand)."""
-        return cls.from_vllm(None, os.environ if environ is None else environ)
+        return cls.from_vllm(None, environ)
 
     @classmethod
     def build(cls, values: Mapping[str, Any], sources: Mapping[str, str] | None = None) -> "PluginConfig":

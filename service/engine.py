@@ -87,6 +87,10 @@ def build_engine_args(settings: Settings, model_path: str) -> Any:
         from vllm.config import ProfilerConfig
 
         kwargs["profiler_config"] = ProfilerConfig(**kwargs["profiler_config"])
+    # the plugin's settings (kernels/config.py): every field, so an engine process's environment
+    # cannot undo a flag; vLLM hashes additional_config into its compile cache's key
+    kwargs["additional_config"] = {**(kwargs.get("additional_config") or {}),
+                                   **settings.plugin_config().additional_config()}
     if settings.uses_fused_router:
         # kernels/plugin/runner_gate.py changes what torch.compile traces (a Mixtral block's gate
         # moves into vLLM's MoE op). vLLM's AOT compile cache keys on the config, not on the traced
@@ -165,14 +169,10 @@ class EngineHandle:
         from kernels.plugin.vllm_plugin import ENABLE_ENV as PLUGIN_ENABLE_ENV
 
         began = time.perf_counter()
-        # Read by the plugin in every engine process, which inherits them: the first marks the processes
-        # moe-serve starts (elsewhere, e.g. a plain `vllm serve` in this environment, the plugin is inert).
+        # Read by the plugin in every engine process, which inherits it: it marks the processes moe-serve
+        # starts (elsewhere, e.g. a plain `vllm serve` in this environment, the plugin is inert). The
+        # plugin's settings go in the engine args' additional_config (build_engine_args).
         os.environ[PLUGIN_ENABLE_ENV] = "1"
-        os.environ["MOE_SERVE_MOE_KERNELS"] = self.settings.moe_kernels
-        os.environ["MOE_SERVE_FUSED_ROUTER"] = "1" if self.settings.uses_fused_router else "0"
-        os.environ["MOE_SERVE_DENSE_GEMV"] = "1" if self.settings.uses_dense_gemv else "0"  # plugin/dense_hook.py
-        os.environ["MOE_SERVE_EXPERT_STATS"] = "1" if self.settings.expert_stats else "0"  # plugin/expert_load.py
-        os.environ["MOE_SERVE_EXPERT_STATS_WINDOW"] = f"{self.settings.expert_stats_window_s:g}"
         try:
             from service import vllm_compat
             from service.engine_client import ObservedEngineClient, report_acceptance

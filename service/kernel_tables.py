@@ -4,8 +4,9 @@ At start the server reads the model's config.json (kernels.tuning.model_shapes),
 table for each per-rank shape (kernels.moe.configs: env dir, `moe-serve tune`'s cache, shipped
 tables; a table tuned under another Triton version is refused), logs one warning per untuned
 shape naming the command that tunes it, and exports `moe_serve_moe_shape_info{shape, tuned,
-routing}`, `moe_serve_moe_untuned_shapes` and `moe_serve_moe_refused_kernel_tables`.
-`moe-serve explain` shows the same choice per M bucket (kernels.tuning.explain).
+routing}` (the routing of each shape's layer plan, kernels/plugin/layer_plan.py),
+`moe_serve_moe_untuned_shapes` and `moe_serve_moe_refused_kernel_tables`. `moe-serve explain`
+prints the same plans per M bucket (kernels.tuning.explain).
 `--tune-on-start` runs that command (bounded) before the engine starts. The GPU's name comes
 from NVML, so the API process never creates a CUDA context of its own.
 """
@@ -19,7 +20,10 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Gauge
 
+from kernels.config import current
 from kernels.moe import configs, routing, selection
+from kernels.plugin import layer_plan
+from kernels.plugin.layer_plan import LayerFacts, PlanContext
 from kernels.tuning.model_shapes import ModelConfigError, MoEShape, moe_shapes, read_config
 
 logger = logging.getLogger(__name__)
@@ -44,7 +48,7 @@ def gpu_name() -> str:
 class ShapeStatus:
     shape: MoEShape
     tuned: bool
-    routing: str                     # kernels.moe.selection.describe(): '1-4:ours,5+:vllm'
+    routing: str                     # its layer plan's describe(): '1-4:ours,5+:vllm'
     refused: tuple[str, ...] = ()    # its config and routing files refused (another Triton)
 
     @property
@@ -68,12 +72,12 @@ def shape_statuses(model: str, tp: int, quantization: str | None,
         return []
     dev = device or gpu_name()
     routing_refused = tuple((routing.load(dev) or {}).get("refused", []))
+    ctx = PlanContext(current(), dev, None, "")
     out = []
     for s in shapes:
         found = configs.find_table(s.E, s.N, s.K, s.dtype, dev)
-        out.append(ShapeStatus(s, found.table is not None,
-                               selection.describe(s.E, s.N, s.K, s.dtype, dev, s.topk),
-                               found.refused + routing_refused))
+        plan = layer_plan.build(LayerFacts(s.E, s.N, s.K, s.topk, s.dtype, name=s.name, layers=s.layers), ctx)
+        out.append(ShapeStatus(s, found.table is not None, plan.describe(), found.refused + routing_refused))
     return out
 
 

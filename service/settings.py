@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from kernels.config import KEY as PLUGIN_KEY
+from kernels.config import PluginConfig, PluginConfigError, env_name
 
 MoeKernels = Literal["optimized", "vllm"]
 MAX_TENSOR_PARALLEL = 8  # one node's GPUs; over several nodes (executor backend ray) there is no cap
@@ -166,7 +170,27 @@ class Settings:
             raise SettingsError("--expert-stats-window must be > 0")
         if self.malloc_trim_interval_s < 0:
             raise SettingsError("--malloc-trim-interval must be >= 0 (0 disables)")
+        self.plugin_config()
         return self
+
+    def plugin_config(self) -> PluginConfig:
+        """The engine's plugin settings (kernels/config.py), passed as additional_config["moe_serve"]:
+        the flags' choices, and for the settings without a flag the --engine-arg additional_config's
+        "moe_serve" over MOE_SERVE_* over the defaults. Raises SettingsError naming a bad setting."""
+        flags = {"mode": self.moe_kernels, "fused_router": self.uses_fused_router,
+                 "dense_gemv": self.uses_dense_gemv, "expert_stats": self.expert_stats,
+                 "expert_stats_window_s": self.expert_stats_window_s}
+        extra = self.engine_args.get("additional_config") or {}
+        given = extra.get(PLUGIN_KEY, {}) if isinstance(extra, Mapping) else {}
+        if isinstance(given, Mapping) and set(given) & set(flags):
+            name = sorted(set(given) & set(flags))[0]
+            raise SettingsError(f"additional_config['{PLUGIN_KEY}']['{name}']: set it with its flag "
+                                f"({FLAG_OF[name]}) or {env_name(name)}")
+        try:
+            merged = {**given, **flags} if isinstance(given, Mapping) else given
+            return PluginConfig.from_vllm({PLUGIN_KEY: merged})
+        except PluginConfigError as exc:
+            raise SettingsError(str(exc)) from None
 
     @property
     def executor_backend(self) -> str | None:
@@ -179,6 +203,11 @@ class Settings:
         if self.tensor_parallel_size is not None:
             return self.tensor_parallel_size
         return max(1, min(visible_gpu_count(), MAX_TENSOR_PARALLEL))
+
+
+FLAG_OF = {"mode": "--moe-kernels", "fused_router": "--fused-router / --no-fused-router",
+           "dense_gemv": "--dense-gemv / --no-dense-gemv", "expert_stats": "--expert-stats / --no-expert-stats",
+           "expert_stats_window_s": "--expert-stats-window"}
 
 
 def _is_local_path(model: str) -> bool:

@@ -194,9 +194,10 @@ def _one_worker(pid: str, fams: dict[str, list[Sample]]) -> dict[str, Any] | Non
 
     kinfo = next((s.labels for s in fams.get(pm.KERNEL_INFO, [])), {})
     routes = {s.labels["shape"]: s.labels["routing"] for s in fams.get(pm.ROUTING_INFO, [])}
+    plans = {s.labels["shape"]: s.labels["plan"] for s in fams.get(pm.PLAN_INFO, [])}
     w["moe_calls"] = totals(pm.LAUNCHES, "path")
     w["fallback_reasons"] = totals(pm.FALLBACKS, "reason")
-    w["kernel_info"] = {**{k: v for k, v in kinfo.items() if k != "mode"}, "routing": routes}
+    w["kernel_info"] = {**{k: v for k, v in kinfo.items() if k != "mode"}, "routing": routes, "plans": plans}
     gauge = {name: next((s.value for s in fams.get(name, [])), 0.0)
              for name in (pm.WARMUP_SECONDS, pm.WARMUP_SHAPES)}
     w["warmup"] = {"seconds": gauge[pm.WARMUP_SECONDS], "shapes": int(gauge[pm.WARMUP_SHAPES]),

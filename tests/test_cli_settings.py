@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import pytest
 
+from kernels.config import PluginConfig
 from service.cli import settings_from_args
 from service.settings import Settings, SettingsError, visible_gpu_count
+
+_STOCK = PluginConfig(mode="vllm", fused_router=False, dense_gemv=False)   # --moe-kernels vllm's
 
 
 @pytest.fixture(autouse=True)
 def _no_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("REQUEST_TIMEOUT", "ENABLE_DOCS", "FORWARDED_ALLOW_IPS", "MODEL", "SERVED_MODEL_NAME",
-                 "FUSED_ROUTER", "MOE_KERNELS", "EXPERT_STATS", "EXPERT_STATS_WINDOW"):
+                 "FUSED_ROUTER", "MOE_KERNELS", "EXPERT_STATS", "EXPERT_STATS_WINDOW", *map(str.upper, PluginConfig.model_fields)):
         monkeypatch.delenv("MOE_SERVE_" + name, raising=False)
 
 
@@ -90,7 +93,9 @@ def test_the_router_hook_and_the_expert_stats_key_their_own_compile_cache(embedd
                                 RUNNER_GATE_KEY, build_engine_args)
 
     def extra(*flags: str) -> dict:
-        return build_engine_args(settings_from_args(list(flags)), embedded_model_dir).additional_config or {}
+        config = build_engine_args(settings_from_args(list(flags)), embedded_model_dir).additional_config
+        assert PluginConfig.from_vllm(config, {}) == settings_from_args(list(flags)).plugin_config()
+        return {k: v for k, v in config.items() if k != "moe_serve"}
 
     stats = {EXPERT_STATS_KEY: EXPERT_STATS_GRAPH} if visible_gpu_count() == 0 else {}   # traced on CPU only
     dense = {DENSE_GEMV_KEY: DENSE_GEMV_GRAPH}
@@ -151,8 +156,44 @@ def test_engine_args_are_vllm_serves_but_for_the_cpu_kv_budget(embedded_model_di
               if getattr(ours, f.name) != getattr(serve, f.name)}
     if visible_gpu_count() == 0:
         assert differ.pop("kv_cache_memory_bytes") == (settings_from_args([]).cpu_kv_cache_bytes, None)
-        assert differ.pop("additional_config") == ({EXPERT_STATS_KEY: EXPERT_STATS_GRAPH}, {})  # traced on CPU
+        assert differ.pop("additional_config") == ({EXPERT_STATS_KEY: EXPERT_STATS_GRAPH,  # traced on CPU
+                                                    **_STOCK.additional_config()}, {})
+    else:
+        assert differ.pop("additional_config") == (_STOCK.additional_config(), {})
     assert differ == {}
+
+
+def test_the_plugin_settings_go_to_the_engine_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flags' choices, and for the settings without a flag --engine-arg additional_config's
+    "moe_serve" over MOE_SERVE_*; a flag's setting given in additional_config is refused."""
+    monkeypatch.setenv("MOE_SERVE_BLOCK_PDL", "1")
+    monkeypatch.setenv("MOE_SERVE_MOE_ROUTING", "ours")
+    cfg = settings_from_args(["--no-dense-gemv", "--expert-stats-window", "5", "--engine-arg",
+                              'additional_config={"moe_serve": {"moe_routing": "vllm"}}']).plugin_config()
+    assert cfg == PluginConfig(dense_gemv=False, expert_stats_window_s=5.0, block_pdl=True, moe_routing="vllm")
+    assert settings_from_args(["--moe-kernels", "vllm"]).plugin_config().mode == "vllm"
+    with pytest.raises(SettingsError, match="--no-dense-gemv"):
+        settings_from_args(["--engine-arg", 'additional_config={"moe_serve": {"dense_gemv": false}}'])
+
+
+@pytest.mark.parametrize("env,flags,named", [
+    ({"MOE_SERVE_BLOCK_PDL": "2"}, [], "MOE_SERVE_BLOCK_PDL"),
+    ({}, ["--engine-arg", 'additional_config={"moe_serve": {"fuse_moe_chain": "sometimes"}}'],
+     "additional_config['moe_serve']['fuse_moe_chain']"),
+    ({}, ["--engine-arg", 'additional_config={"moe_serve": {"no_such_switch": 1}}'], "'no_such_switch'")])
+def test_moe_serve_stops_at_start_on_a_bad_plugin_setting(env: dict, flags: list, named: str) -> None:
+    """The real `moe-serve` command exits 2 naming the setting, in its API process before an engine
+    starts."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    began = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "service", "--port", "0", *flags], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, **env})
+    assert res.returncode == 2 and res.stderr.startswith("moe-serve: error:"), res.stderr[-2000:]
+    assert named in res.stderr and "Traceback" not in res.stderr and time.monotonic() - began < 60
 
 
 def test_served_model_name_is_never_a_path(tmp_path) -> None:

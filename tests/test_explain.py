@@ -12,10 +12,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kernels.config import PluginConfig
 from kernels.moe import configs, routing, selection
-from kernels.plugin import vllm_compat
+from kernels.moe.router_topk import max_tokens
+from kernels.plugin import layer_plan, vllm_compat
+from kernels.plugin.layer_plan import LayerFacts, PlanContext
 from kernels.plugin.moe_hook import unsupported_reason
 from kernels.tuning import explain
+from kernels.tuning.model_shapes import moe_shapes, read_config
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_ROUTING = json.loads((configs.CONFIG_DIR / routing.file_name("NVIDIA_H200")).read_text())
@@ -72,9 +76,39 @@ def test_shipped_tables_per_m(tmp_path, capsys) -> None:
 
 
 def test_the_router_line_follows_the_measured_token_limit() -> None:
-    assert "at M <= 8, vLLM's above" in explain.router_line(128, 2048)             # Qwen3-30B-A3B
-    assert "at M <= 4, vLLM's above" in explain.router_line(128, 4096)             # Qwen3-235B, GLM-4.5-Air
-    assert "at every M" in explain.router_line(1024, 8192)
+    def line(E: int, K: int) -> str:
+        ctx = PlanContext(PluginConfig(), "cpu", None, "test")
+        facts = LayerFacts(E, 768, K, 8, "bf16", router=layer_plan.config_router({}, E, K, 8))
+        return layer_plan.build(facts, ctx).router_line()
+
+    assert "at M <= 8, vLLM's above" in line(128, 2048)             # Qwen3-30B-A3B
+    assert "at M <= 4, vLLM's above" in line(128, 4096)             # Qwen3-235B, GLM-4.5-Air
+    assert "at every M" in line(1024, 8192)
+
+
+@pytest.mark.parametrize("model", sorted(p.name for p in (REPO / "bench" / "models").iterdir()))
+def test_every_bench_models_plan_is_what_explain_prints(model: str, capsys) -> None:
+    """Each bench model's layer plans, built on this CPU for the H200's shipped tables: the
+    experts' decision per M is selection's, the router follows the model's routing (grouped top-k:
+    vLLM's; else ours up to the gate's token limit), and explain prints exactly these plans."""
+    path = REPO / "bench" / "models" / model
+    cfg = read_config(path)
+    shapes = moe_shapes(cfg, 1, None, name=model)
+    ctx = PlanContext(PluginConfig(), "NVIDIA_H200", SHIPPED_TRITON, explain.vllm_version())
+    plans = explain.plans(cfg, shapes, ctx, None)
+    ms = list(configs.M_BUCKETS)
+    grouped = int(explain.router_config(cfg).get("n_group") or 1) > 1
+    for plan in plans:
+        f = plan.facts
+        for M in ms:
+            s = selection.choose(f.E, f.N, f.K, f.topk, f.fmt, M, "NVIDIA_H200", triton_version=SHIPPED_TRITON)
+            assert (plan.select(M).path, plan.config(M)) == (s.path, s.config.config), (model, M)
+        want = None if grouped else max_tokens(f.E, f.K)
+        assert (plan.router.spec.max_m if plan.router.spec else None) == (want if want else None), model
+    assert explain.main(["--model", str(path), "--device", "NVIDIA_H200", "--triton-version", SHIPPED_TRITON]) == 0
+    out = capsys.readouterr().out
+    for plan in plans:
+        assert "\n".join(plan.lines(ms)) in out, model
 
 
 def test_tables_of_another_triton_are_refused_and_defaults_shown(tmp_path, capsys) -> None:

@@ -87,3 +87,34 @@ def test_no_module_over_400_lines() -> None:
     long = {str(p.relative_to(REPO)) for p in _modules().values() if len(p.read_text().splitlines()) > MAX_LINES}
     assert long - KNOWN_LONG == set(), long
     assert KNOWN_LONG - long == set(), "a known long module got short: remove it from KNOWN_LONG"
+
+
+def test_the_hooks_look_their_choices_up_in_the_layer_plan() -> None:
+    """Every MoE hook imports kernels/plugin/layer_plan.py, and no module of kernels/ or service/
+    but the plan asks kernels/moe/selection.py for a route or a whole decision."""
+    import re
+
+    graph = _graph()
+    for hook in ("kernels.plugin.moe_hook", "kernels.plugin.router_hook", "kernels.plugin.layer_warmup"):
+        assert "kernels.plugin.layer_plan" in graph[hook], hook
+    asks = re.compile(r"selection\.(route|route_choice|choose|describe|ranges)\(|routing\.policy\(")
+    deciding = {name for name, path in _modules().items() if name.split(".")[0] in ("kernels", "service")
+                and asks.search(path.read_text())}
+    assert deciding - {"kernels.moe.selection"} == {"kernels.plugin.layer_plan"}, deciding
+
+
+def test_no_moe_serve_setting_is_read_from_the_environment_outside_the_config() -> None:
+    """kernels/ reads its MOE_SERVE_* settings through kernels/config.py; the environment only
+    for the process plumbing that module's docstring names."""
+    import re
+
+    plumbing = ("ENABLE_ENV", "PINS_WARNED_ENV", "RUNTIME_DIR_ENV")
+    read = re.compile(r"os\.environ\.get\(([^),]+)|os\.getenv\(([^),]+)|os\.environ\[([^\]]+)\](?!\s*=[^=])")
+    found = {}
+    for name, path in _modules().items():
+        if name.startswith("kernels.") and name != "kernels.config":
+            keys = [next(g for g in m.groups() if g).strip() for m in read.finditer(path.read_text())]
+            ours = [k for k in keys if "MOE_SERVE" in k or (k.endswith("ENV") and k not in plumbing)]
+            if ours:
+                found[name] = ours
+    assert found == {}, found

@@ -29,6 +29,7 @@ def _run(code: str, **env: str) -> dict:
 
 _REGISTER = """
     import json, inspect, logging
+    from types import SimpleNamespace
     logging.basicConfig(level=logging.DEBUG, format="LOG %(levelname)s %(message)s")
     from kernels.plugin import vllm_pins, vllm_plugin as vp
     if {fail_pin}:
@@ -37,19 +38,29 @@ _REGISTER = """
     from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
     from vllm.v1.worker.worker_base import WorkerBase
     p = vp.PLUGIN
+    before = getattr(TritonExperts.apply, "__moe_serve__", False)
+    if p is not None and {worker}:      # a worker's init: its config, then the kernel hooks it asks for
+        class Worker:
+            compile_or_warm_up_model = lambda self: None
+        worker = Worker()
+        worker.vllm_config = SimpleNamespace(additional_config={additional})
+        p.on_worker_init(worker)
     print(json.dumps({{"hooks": p.hooks if p else None, "mode": p.mode if p else None,
-                      "pins_failed": list(p.pins_failed) if p else None,
+                      "pins_failed": list(p.pins_failed) if p else None, "before_worker": before,
                       "wrapped": getattr(TritonExperts.apply, "__moe_serve__", False),
                       "init": getattr(WorkerBase.__init__, "__moe_serve__", False),
                       "params": list(inspect.signature(TritonExperts.apply).parameters)}}))
 """
 
 
-def _register(fail_pin: bool = False, **env: str) -> tuple[dict, str]:
-    """register() twice in a fresh process: (what it installed, its log lines)."""
+def _register(fail_pin: bool = False, worker: bool = True, additional: dict | None = None,
+              **env: str) -> tuple[dict, str]:
+    """register() twice in a fresh process, then one worker init with `additional` as its
+    vllm_config.additional_config: (what it installed, its log lines)."""
     full = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "0", **env}
     full.pop("MOE_SERVE_VLLM_PINS_WARNED", None)
-    res = subprocess.run([sys.executable, "-c", textwrap.dedent(_REGISTER.format(fail_pin=fail_pin))], env=full,
+    code = _REGISTER.format(fail_pin=fail_pin, worker=worker, additional=repr(additional or {}))
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full,
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-4000:]
     return json.loads(res.stdout.strip().splitlines()[-1]), res.stderr
@@ -57,11 +68,44 @@ def _register(fail_pin: bool = False, **env: str) -> tuple[dict, str]:
 
 @pytest.mark.parametrize("mode,wrapped", [("optimized", True), ("vllm", False)])
 def test_register_per_mode(mode: str, wrapped: bool) -> None:
-    out, _ = _register(MOE_SERVE_MOE_KERNELS=mode, MOE_SERVE_VLLM_PLUGIN="1")
+    """register() hooks the worker's init only; the worker's config (its additional_config over
+    the environment) then decides the kernel hooks."""
+    out, _ = _register(additional={"moe_serve": {"mode": mode}}, MOE_SERVE_VLLM_PLUGIN="1",
+                       MOE_SERVE_MOE_KERNELS="vllm" if mode == "optimized" else "optimized")
     assert out["mode"] == mode and out["init"] is True and out["pins_failed"] == []
+    assert out["before_worker"] is False
     assert out["wrapped"] is wrapped and ("TritonExperts.apply" in out["hooks"]) is wrapped
     assert out["params"] == list(vllm_compat.APPLY_PARAMS)
     assert out["hooks"].count("WorkerBase.__init__") == 1
+    from kernels.plugin.vllm_pins import PATCHES
+
+    assert set(out["hooks"]) - {"triton.knobs.runtime.jit_post_compile_hook"} <= set(PATCHES), out["hooks"]
+
+
+def test_a_bad_setting_stops_the_process_at_register_or_at_worker_init(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad MOE_SERVE_* value raises in register() (vllm serve stops as it starts) before anything
+    is patched; a bad additional_config value raises out of the worker's __init__ (the worker does
+    not start), before any kernel hook is installed."""
+    from kernels.config import PluginConfig, PluginConfigError
+    from kernels.plugin import vllm_plugin as vp
+
+    monkeypatch.setenv(vp.ENABLE_ENV, "1")
+    monkeypatch.setenv("MOE_SERVE_BLOCK_PDL", "2")
+    monkeypatch.setattr(vp, "PLUGIN", None)
+    with pytest.raises(PluginConfigError, match="MOE_SERVE_BLOCK_PDL"):
+        vp.register()
+    assert vp.PLUGIN is None
+    monkeypatch.delenv("MOE_SERVE_BLOCK_PDL")
+    plugin = vp.MoePlugin(PluginConfig(), None)
+
+    class Worker:
+        def __init__(self, extra: dict) -> None:
+            self.vllm_config = SimpleNamespace(additional_config=extra)
+
+    assert vllm_compat.wrap_method(Worker, "__init__", plugin.around_worker_init)
+    with pytest.raises(PluginConfigError, match=r"additional_config\['moe_serve'\]\['moe_routing'\]"):
+        Worker({"moe_serve": {"moe_routing": "sometimes"}})
+    assert plugin.hooks == [] and not plugin.kernel_hooks_installed
 
 
 def test_register_is_inert_in_a_vllm_process_moe_serve_did_not_start() -> None:
@@ -75,7 +119,7 @@ def test_register_is_inert_in_a_vllm_process_moe_serve_did_not_start() -> None:
 
 
 def test_a_failing_pin_leaves_vllm_kernels_serving_with_one_warning() -> None:
-    out, log = _register(fail_pin=True, MOE_SERVE_MOE_KERNELS="optimized", MOE_SERVE_VLLM_PLUGIN="1")
+    out, log = _register(fail_pin=True, additional={"moe_serve": {"mode": "optimized"}}, MOE_SERVE_VLLM_PLUGIN="1")
     assert out["mode"] == "vllm" and out["pins_failed"] == ["<lambda>"]
     assert not out["wrapped"] and not any("Router" in h or "Runner" in h for h in out["hooks"]), out["hooks"]
     warnings = [line for line in log.splitlines() if line.startswith("LOG WARNING") and "moe-serve" in line]
@@ -234,7 +278,7 @@ def test_our_path_maps_arguments_correctly() -> None:
             tw, ids = routing(M, E, TOPK, g)
             out = torch.full((M, K), float("nan"), dtype=dt)
             c = call(x, w1, w2, tw, ids, out)
-            hook.run_ours(SimpleNamespace(quant_config=q), c, fp8_scales(None, c))
+            hook.run_ours(SimpleNamespace(quant_config=q), c, fp8_scales(None, c), None)
             res[str(dt)] = rel_err(out, moe_reference(x, w1, w2, tw, ids))
         fp8 = torch.float8_e4m3fn
         x = torch.randn(M, K, generator=g).to(fp8)
@@ -246,7 +290,7 @@ def test_our_path_maps_arguments_correctly() -> None:
                              per_act_token_quant=False)
         out = torch.full((M, K), float("nan"), dtype=torch.bfloat16)
         c = call(x, w1, w2, tw, ids, out, a1, a2)
-        hook.run_ours(ex, c, fp8_scales(ex, c))
+        hook.run_ours(ex, c, fp8_scales(ex, c), None)
         ref = moe_reference(x, w1, w2, tw, ids, w1_scale=s1, w2_scale=s2, a1_scale=a1, quant_acts="static",
                             a2_scale=a2)
         res["fp8"] = rel_err(out.float(), ref)
@@ -269,7 +313,7 @@ def test_our_path_maps_arguments_correctly() -> None:
                                  w1_scale=s1, w2_scale=s2, a1_scale=None)
             out = torch.full((M, K), float("nan"), dtype=torch.bfloat16)
             c = call(xq, q1, q2, tw, ids, out, a1, None)
-            hook.run_ours(ex, c, fp8_scales(ex, c))
+            hook.run_ours(ex, c, fp8_scales(ex, c), None)
             ref = moe_reference(xq, q1, q2, tw, ids, w1_scale=s1, w2_scale=s2, a1_scale=a1,
                                 block_shape=tuple(block) if block else None)
             res[name] = rel_err(out.float(), ref)
@@ -282,3 +326,36 @@ def test_our_path_maps_arguments_correctly() -> None:
     assert out["block"] < 0.12 and out["per_token"] < 0.12, out
     assert out["block_key"] == "fp8_w8a8,block_shape=[16,16]", out
     assert out["per_token_key"] == "fp8_w8a8,per_token", out
+
+
+def test_the_hook_looks_its_layers_plan_up_and_fails_closed() -> None:
+    """The hook builds a layer's plan at its first supported call (once per layer) and follows it:
+    under VLLM_BATCH_INVARIANT every call is vLLM's, counted as a fallback with the plan's reason;
+    else the plan's route and config for M."""
+    from kernels.config import PluginConfig
+    from kernels.plugin import layer_plan
+    from kernels.plugin.layer_warmup import LayerWarmup
+    from kernels.plugin.moe_hook import MoeHook
+
+    def served(batch_invariant: bool) -> tuple[list, list, list]:
+        ctx = layer_plan.PlanContext(PluginConfig(moe_routing="ours"), "cpu", None, "test", batch_invariant)
+        built, counted, ours = [], [], []
+        plugin = SimpleNamespace(
+            phase="warmup", logger=None, count_fallback=counted.append, count_launch=counted.append,
+            plan_for=lambda facts, w1: built.append(facts) or layer_plan.build(facts, ctx))
+        hook = MoeHook(plugin, LayerWarmup(plugin))
+        hook.require_cuda = False
+        hook.run_ours = lambda experts, call, scales, config: ours.append(config["BLOCK_M"])
+        experts = _experts()
+        for M in (1, 2, 1):
+            call = vllm_compat.ApplyCall(
+                torch.zeros(M, K), torch.zeros(M, K), torch.zeros(E, 2 * N, K), torch.zeros(E, K, N), torch.ones(M, TOPK),
+                torch.zeros(M, TOPK, dtype=torch.int32), SILU, -1, None, None, None, torch.zeros(1), torch.zeros(1),
+                None, False)
+            hook.handle(lambda self, **kw: counted.append("vllm"), experts, call)
+        return built, counted, ours
+
+    built, counted, ours = served(batch_invariant=True)
+    assert len(built) == 1 and ours == [] and counted == ["batch_invariant", "vllm"] * 3
+    built, counted, ours = served(batch_invariant=False)
+    assert len(built) == 1 and counted == ["optimized"] * 3 and len(ours) == 3

@@ -182,4 +182,71 @@ def test_a_traced_runner_keeps_vllms_path_and_the_trace_has_no_break() -> None:
     x = torch.randn(3, 4)
     doubled, weights, ids = step(x)
     assert torch.equal(doubled, x * 2) and torch.equal(ids, x.argmax(-1))
-    assert hook._specs == {}                      # no eligibility read, no log, under the trace
+    assert hook._plans == {}                      # no eligibility read, no log, under the trace
+
+
+def test_a_routing_term_ours_ignores_keeps_vllms_router() -> None:
+    """vLLM 0.32's image-token bias (bias_vl, set by model code on the router) and scoring
+    functions other than softmax / sigmoid: fail closed, with the reason."""
+    plain_cls, bias_cls = (vc.load(w) for w in vc.ROUTERS)
+    w = torch.zeros(16, 64, dtype=torch.bfloat16)
+    biased = bias_cls(top_k=4, global_num_experts=16, e_score_correction_bias=torch.zeros(16), scoring_func="sigmoid")
+    biased.bias_vl = torch.zeros(16)
+    assert "bias_vl" in eligibility(_runner(biased, w), (plain_cls, bias_cls))
+    odd = plain_cls(top_k=4, global_num_experts=16, scoring_func="sqrtsoftplus", renormalize=True)
+    assert eligibility(_runner(odd, w), (plain_cls,)) == "scoring:sqrtsoftplus"
+
+
+class _Gate(torch.nn.Module):
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(w, requires_grad=False)
+        self.bias, self.quant_method = None, None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return x @ self.weight.t(), None
+
+
+def _marked_call(vllm_step: str) -> tuple[list, object]:
+    """One runner call through the router hook's three wrappers, with vLLM's _forward_impl played
+    by `vllm_step`: 'routes' (the gate's output to the router, as vLLM does), 'copies' (routes a
+    copy of it), 'skips' (never routes). (what ours served, the call's result or exception)."""
+    from kernels.config import PluginConfig
+    from kernels.plugin import layer_plan
+    from kernels.plugin.router_hook import RouterHook
+
+    plain_cls = vc.load(vc.ROUTERS[0])
+    router = plain_cls(top_k=2, global_num_experts=8, scoring_func="softmax", renormalize=True)
+    runner = _runner(router, None)
+    runner.gate = _Gate(torch.randn(8, 32))
+    ctx = layer_plan.PlanContext(PluginConfig(), "cpu", None, "test")
+    plugin = SimpleNamespace(logger=None, count_router=lambda: None, expert_counts=lambda r: None,
+                             router_plan=lambda runner, spec: layer_plan.router_plan(spec, ctx))
+    hook = RouterHook(plugin, (plain_cls,))
+    hook.require_cuda = False
+    served: list = []
+    hook.run_ours = lambda *args: served.append(args[1].shape) or ("weights", "ids")
+    routing = hook.compute_routing(lambda r, h, logits, *a: ("vllm", logits))
+
+    def vllm_forward(runner: object, h: torch.Tensor) -> object:
+        logits, _ = runner.gate(h)
+        if vllm_step == "skips":
+            return "no routing"
+        return routing(runner.router, h, logits.clone() if vllm_step == "copies" else logits, None)
+
+    forward = hook.forward_impl(vllm_forward)
+    try:
+        return served, forward(runner, torch.randn(3, 32))
+    except RuntimeError as exc:
+        return served, exc
+
+
+def test_the_logits_marker_refuses_rather_than_fails_open() -> None:
+    """Once the gate handed back hidden states for logits, only our router may take them: a
+    routing step given anything else, or none at all, raises instead of routing on hidden states."""
+    served, out = _marked_call("routes")
+    assert served == [(3, 32)] and out == ("weights", "ids")
+    for step in ("copies", "skips"):
+        served, out = _marked_call(step)
+        assert served == [] and isinstance(out, RuntimeError), (step, out)
+        assert ("refusing" if step == "skips" else "other logits than the marked hidden states") in str(out)

@@ -44,3 +44,27 @@ def test_cpu_points_of_the_test_plugin() -> None:
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
     assert callable(CPUModelRunner.profile_run)
+
+
+def test_every_patch_names_its_vllm_symbol_and_a_pin() -> None:
+    """PATCHES: each symbol the plugin replaces exists on this vLLM and is guarded by a pin the
+    plugin runs (test_register_per_mode checks that what a worker installs is listed here)."""
+    import importlib
+
+    assert len(vllm_pins.PATCHES) == 14
+    for hook, (symbol, pin, why) in vllm_pins.PATCHES.items():
+        assert pin in vllm_pins.PINS and why, hook
+        if ":" in symbol:
+            module, qualname = symbol.split(":")
+            obj = importlib.import_module(module)
+            for part in qualname.split("."):
+                obj = getattr(obj, part)
+            assert callable(obj) and qualname.endswith(hook.split(".", 1)[1]), hook
+
+
+def test_a_routing_term_the_router_hook_does_not_know_fails_the_pins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pin_router_terms reads the routers' own state: a router attribute router_spec has never
+    seen (a new routing term of a later vLLM) makes the plugin fall back to vLLM's kernels."""
+    monkeypatch.setattr(vllm_pins, "KNOWN_ROUTER_STATE", vllm_pins.KNOWN_ROUTER_STATE - {"bias_vl"})
+    with pytest.raises(AssertionError, match="bias_vl"):
+        vllm_pins.pin_router_terms()

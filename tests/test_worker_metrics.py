@@ -30,6 +30,7 @@ for kernel, phase, kind, n in events:
     m.jit(kernel, phase, kind, n)
 m.launch("optimized"); m.launch("optimized"); m.fallback("device")
 m.routing("E=8,N=1792,K=4096,dtype=bf16", "1-16:ours,17+:vllm")
+m.plan("E=8,N=1792,K=4096,dtype=bf16", "experts 1-16:ours,17+:vllm; router ours M<=16")
 m.kernel_info("triton", "true", "bf16", 2)   # after warm-up: swap_ab known
 m.worker_state("serving", True, True)
 m.warmup_done(1.5, 1)
@@ -112,7 +113,8 @@ def test_version_summary_is_per_worker(tmp_path: Path) -> None:
     assert w["moe_calls"] == {"optimized": 2, "fallback": 1, "routed_to_vllm": 0}
     assert w["fallback_reasons"] == {"device": 1}
     assert w["kernel_info"] == {"backend": "triton", "swap_ab": "true", "dtype": "bf16", "tp_size": "2",
-                                "routing": {"E=8,N=1792,K=4096,dtype=bf16": "1-16:ours,17+:vllm"}}
+                                "routing": {"E=8,N=1792,K=4096,dtype=bf16": "1-16:ours,17+:vllm"},
+                                "plans": {"E=8,N=1792,K=4096,dtype=bf16": "experts 1-16:ours,17+:vllm; router ours M<=16"}}
     assert w["warmup"] == {"seconds": 1.5, "shapes": 1, "failures": 0}
 
 

@@ -3,8 +3,9 @@
 Tables: ``E={E},N={N},K={K},dtype={dtype},device={device}.json`` (schema: kernels.moe.config_schema;
 dtype: the layer's kernels.moe.quant_format key, e.g. ``dtype=fp8_w8a8,block_shape=[128,128]``),
 keyed by M bucket; M maps to the smallest bucket >= M (else the largest), so the set of
-configs, hence of compiled variants, is finite. Searched in order: $MOE_SERVE_KERNEL_CONFIG_DIR
-("env dir"), the tuner's cache ($MOE_SERVE_CACHE/kernels/<device>/triton-<version>, written by
+configs, hence of compiled variants, is finite. Searched in order: the kernel_config_dir setting
+("env dir"; kernels/config.py, env $MOE_SERVE_KERNEL_CONFIG_DIR), the tuner's cache (the cache
+setting's kernels/<device>/triton-<version>, env $MOE_SERVE_CACHE; written by
 `moe-serve tune`), then the tables shipped in kernels/moe/configs/. A table that records another
 ``triton_version`` than the running Triton's is refused with a warning (a config tuned for one
 compiler can lose, or fail to fit, under another): the search goes on, and a shape left with no
@@ -22,10 +23,10 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kernels.config import current
 from kernels.moe import heuristics, quant_format, smem, vllm_kernels
 from kernels.moe.config_schema import (KEYS, Config, block_k_fits, block_k_of, down_config, validate,
                                        with_block_k)
@@ -75,14 +76,14 @@ def bucket_of(M: int, buckets: tuple[int, ...] = M_BUCKETS) -> int:
 
 def cache_dir(device: str | None = None, triton_version: str | None = None) -> Path:
     """Where `moe-serve tune` writes tables for this device and Triton version."""
-    root = Path(os.environ.get("MOE_SERVE_CACHE", Path.home() / ".cache" / "moe-serve"))
+    root = Path(current().cache or Path.home() / ".cache" / "moe-serve")
     version = triton_version or running_triton_version()
     return root / "kernels" / (device or device_name()) / f"triton-{version}"
 
 
 def labelled_dirs(device: str | None = None, triton_version: str | None = None) -> list[tuple[str, Path]]:
     """(source, dir) in search order: env dir, tuner cache, shipped tables."""
-    env = os.environ.get("MOE_SERVE_KERNEL_CONFIG_DIR")
+    env = current().kernel_config_dir
     return (([(ENV_DIR, Path(env))] if env else [])
             + [(TUNER_CACHE, cache_dir(device, triton_version)), (SHIPPED, CONFIG_DIR)])
 

@@ -9,6 +9,8 @@ from typing import Any, Callable, Iterator
 
 import triton
 
+from kernels.config import current, env_name
+
 JIT_OPTIONS: dict[str, dict[str, Any]] = {}  # kernel name -> triton.jit keyword options
 _recorder: list[tuple[Any, tuple, tuple, dict]] | None = None
 
@@ -35,18 +37,16 @@ def pdl_supported() -> bool:
     return torch.cuda.get_device_capability()[0] >= 9
 
 
-BLOCK_PDL_ENV = "MOE_SERVE_BLOCK_PDL"
+BLOCK_PDL_ENV = env_name("block_pdl")
 
 
 def block_pdl() -> bool:
-    """Whether PDL chains the whole MoE block at decode (env MOE_SERVE_BLOCK_PDL=1, where
-    pdl_supported): our router and the decode path's up kernel become programmatic dependent
-    launches too, not only the down kernel. Off unless the whole-model A/B shows it faster
-    (`moe-serve bench serve`, variant moe-serve-block-pdl)."""
-    value = os.environ.get(BLOCK_PDL_ENV, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{BLOCK_PDL_ENV}={value!r}: expected 0 or 1")
-    return value == "1" and pdl_supported()
+    """Whether PDL chains the whole MoE block at decode (the block_pdl setting, kernels/config.py:
+    env MOE_SERVE_BLOCK_PDL=1; where pdl_supported): our router and the decode path's up kernel
+    become programmatic dependent launches too, not only the down kernel. Off unless the
+    whole-model A/B shows it faster (`moe-serve bench serve`, variant moe-serve-block-pdl). In a
+    worker an attribute of the config built at its start (a bad value stopped the start)."""
+    return current().block_pdl and pdl_supported()
 
 
 def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:

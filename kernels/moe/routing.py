@@ -20,21 +20,22 @@ warning, as kernel config tables are. Shapes no table names route by the default
 (heuristics.use_decode_path: few tokens per expert, where that path beat the aligned one in
 every measured cell), vLLM above. Which backend serves an M is kernels.moe.selection's decision.
 
-Env ``MOE_SERVE_MOE_ROUTING``: ``table`` (default), ``ours`` (always ours where supported: A/B
-benchmarks, the CPU tests), ``vllm`` (never ours).
+The setting ``moe_routing`` (kernels/config.py; env ``MOE_SERVE_MOE_ROUTING``): ``table``
+(default), ``ours`` (always ours where supported: A/B benchmarks, the CPU tests), ``vllm`` (never
+ours).
 """
 from __future__ import annotations
 
 import functools
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
+from kernels.config import current, env_name
 from kernels.moe import configs, heuristics
 
-ROUTING_ENV = "MOE_SERVE_MOE_ROUTING"
+ROUTING_ENV = env_name("moe_routing")
 OURS, VLLM = "ours", "vllm"
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,8 @@ def shape_key(E: int, N: int, K: int, dtype: str) -> str:
 
 
 def policy() -> str:
-    v = os.environ.get(ROUTING_ENV, "table").strip().lower() or "table"
-    return v if v in ("table", OURS, VLLM) else "table"
+    """'table', 'ours' or 'vllm': the process's moe_routing setting."""
+    return current().moe_routing
 
 
 @functools.lru_cache(maxsize=None)

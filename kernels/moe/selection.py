@@ -1,9 +1,10 @@
-"""Which kernel serves M tokens of a MoE layer shape, and why: one decision, used by the hot
-path (fused_moe's config, the plugin's hook and layer warm-up) and by `moe-serve explain`.
+"""Which kernel serves M tokens of a MoE layer shape, and why: one decision, which each MoE
+layer's plan (kernels/plugin/layer_plan.py) holds per bucket for the hooks, `moe-serve explain`
+and the reports; fused_moe asks it directly only when called without a config (benchmarks, tuner).
 
 For a shape (E experts, N per-rank intermediate, K hidden, topk, dtype key) and M:
 
-- route, ours or vLLM: ``MOE_SERVE_MOE_ROUTING=ours|vllm`` forces it. Else the routing table's
+- route, ours or vLLM: the moe_routing setting ``ours|vllm`` forces it (kernels/config.py). Else the routing table's
   range holding M (kernels.moe.routing), with the measured ratio behind it (vLLM's time / ours
   at the measured M of that range nearest to M) and the table's reason for that point. A
   shape whose tuned config table was refused ignores its routing entry too (it was measured
@@ -158,11 +159,13 @@ def ranges(E: int, N: int, K: int, dtype: str, device: str | None = None, topk: 
 
 
 def route_choice(E: int, N: int, K: int, dtype: str, M: int, device: str | None = None,
-                 topk: int | None = None, triton_version: str | None = None) -> RouteChoice:
-    """Ours or vLLM for M tokens, with the evidence (see the module doc)."""
-    pol = routing.policy()
+                 topk: int | None = None, triton_version: str | None = None,
+                 policy: str | None = None) -> RouteChoice:
+    """Ours or vLLM for M tokens, with the evidence (see the module doc); policy: the
+    moe_routing setting (default: the process's)."""
+    pol = policy or routing.policy()
     if pol != "table":
-        return RouteChoice(pol, f"{routing.ROUTING_ENV}={pol}", None, None, "forced by the env")
+        return RouteChoice(pol, f"moe_routing={pol}", None, None, "forced by the moe_routing setting")
     device = device or configs.device_name()
     entry, no_entry = _table_entry(E, N, K, dtype, device, triton_version)
     if entry is None:

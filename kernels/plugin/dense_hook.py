@@ -19,8 +19,9 @@ weight in bf16, fp16 or fp32 with unit stride along K and K a multiple of 16 byt
 dtype on the same CUDA device; a bias [N] or none (added in fp32 by the kernel). Everything else
 runs vLLM's apply unchanged, and the op itself falls back to F.linear for M > 8 and for layouts
 only the data can rule out (16-byte alignment). Not installed with VLLM_BATCH_INVARIANT (vLLM's
-batch-invariant GEMM) set. On when env MOE_SERVE_DENSE_GEMV is 1 (moe-serve sets it for its
-engine unless `--no-dense-gemv`).
+batch-invariant GEMM) set (the worker's HookPlan, kernels/plugin/layer_plan.py). Installed in
+optimized mode with the dense_gemv setting (on by default, under moe-serve and `vllm serve` alike;
+kernels/config.py, `moe-serve --no-dense-gemv`).
 
 Warm-up: every weight the op has seen (vLLM's profile run passes each layer once) gets the
 variants it serves at M = 1..8 compiled before vLLM captures its CUDA graphs (warm_pending), so serving
@@ -28,7 +29,6 @@ compiles nothing.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import torch
@@ -36,14 +36,6 @@ import torch
 from kernels.dense import op
 from kernels.plugin import vllm_compat as vc
 from kernels.plugin.plugin_host import PluginHost
-
-ENV = "MOE_SERVE_DENSE_GEMV"
-
-
-def enabled_from_env() -> bool:
-    """On when MOE_SERVE_DENSE_GEMV is 1/true/yes/on (off by default)."""
-    return os.environ.get(ENV, "0").strip().lower() in ("1", "true", "yes", "on")
-
 
 class DenseHook:
     """The apply wrappers, and the weights warmed so far, for one plugin."""
@@ -55,11 +47,8 @@ class DenseHook:
         self._is_default = vc.default_dense_gemm()
 
     def install(self) -> list[str]:
-        """Wrap both methods' apply (once); the names of what was wrapped. Nothing when vLLM's
-        batch-invariant mode is on."""
-        if vc.batch_invariant():
-            self.plugin.logger.info("moe-serve dense GEMV: off, VLLM_BATCH_INVARIANT is set")
-            return []
+        """Wrap both methods' apply (once); the names of what was wrapped. (The worker's HookPlan,
+        kernels/plugin/layer_plan.py, installs it only without VLLM_BATCH_INVARIANT.)"""
         done = []
         for where in vc.DENSE_METHODS:
             if vc.wrap_method(vc.load(where), "apply", self.apply):

@@ -2,27 +2,28 @@
 serving every kernel variant serving can hit, ours and vLLM's.
 
 Ours: kernels.moe.moe_variants.warm_moe_variants (all M buckets up to max_num_batched_tokens) when
-the routing table sends any M of the shape to ours. vLLM's: its original TritonExperts.apply,
-with the layer's real weights and quant config, at every decode M (1..max_num_seqs) and one M
-per specialization class of vLLM's kernel up to max_num_batched_tokens (warmup_plan) that the
-table routes to vLLM. Env MOE_SERVE_VLLM_WARMUP_MAX_CALLS caps vLLM calls per shape (4096).
+the layer's plan (kernels/plugin/layer_plan.py) sends any M of the shape to ours. vLLM's: its
+original TritonExperts.apply, with the layer's real weights and quant config, at every decode M
+(1..max_num_seqs) and one M per specialization class of vLLM's kernel up to
+max_num_batched_tokens (warmup_plan) that the plan routes to vLLM. The setting
+vllm_warmup_max_calls (kernels/config.py) caps vLLM calls per shape (4096).
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from kernels.moe import quant_format, routing, selection
+from kernels.config import current
+from kernels.moe import quant_format, routing
 from kernels.moe.fused_moe import dtype_name
 from kernels.moe.moe_variants import warm_moe_variants
+from kernels.plugin.layer_plan import LayerPlan
 from kernels.plugin.plugin_host import PluginHost
 from kernels.plugin.vllm_compat import ApplyCall, call_apply, vllm_config_chooser
 
-VLLM_WARMUP_MAX_CALLS_ENV = "MOE_SERVE_VLLM_WARMUP_MAX_CALLS"
 DEFAULT_MAX_TOKENS, DEFAULT_MAX_SEQS = 8192, 256  # when the worker's scheduler config is unknown
 
 
@@ -90,7 +91,7 @@ class LayerWarmup:
 
     def __init__(self, plugin: PluginHost) -> None:
         self.plugin = plugin
-        self.pending: dict[LayerShape, None] = {}
+        self.pending: dict[LayerShape, LayerPlan] = {}
         self.warmed: set[LayerShape] = set()
         self.failed: set[LayerShape] = set()  # warm-up raised: not retried, serving may compile
         self.vllm_calls: dict[LayerShape, VllmCallTemplate] = {}
@@ -98,15 +99,16 @@ class LayerWarmup:
         self.seconds = 0.0
         self.warm_variants: Callable[..., int] = warm_moe_variants
 
-    def see(self, shape: LayerShape, template: Callable[[], VllmCallTemplate] | None = None) -> None:
-        """A MoE call of this shape happened; queue it (and keep template() for vLLM warm-up
-        calls, made once per shape). A shape first seen while serving (not under CUDA-graph
+    def see(self, shape: LayerShape, plan: LayerPlan,
+            template: Callable[[], VllmCallTemplate] | None = None) -> None:
+        """A MoE call of this shape, whose layer has this plan, happened; queue it (and keep
+        template() for vLLM warm-up calls, made once per shape). A shape first seen while serving (not under CUDA-graph
         capture) is warmed at once: its compiles then count as serving's."""
         if template is not None and shape not in self.vllm_calls:
             self.vllm_calls[shape] = template()
         if shape in self.warmed or shape in self.pending or shape in self.failed:
             return
-        self.pending[shape] = None
+        self.pending[shape] = plan
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         if self.plugin.phase == "serving" and not capturing:
             self.plugin.logger.warning("moe-serve: MoE shape first seen while serving, warming it up now: %s",
@@ -119,10 +121,10 @@ class LayerWarmup:
         if not self.pending:
             return
         t0 = time.perf_counter()
-        for shape in list(self.pending):
+        for shape, plan in list(self.pending.items()):
             del self.pending[shape]
             try:
-                self._warm(shape)
+                self._warm(shape, plan)
                 self.warmed.add(shape)
             except Exception as exc:  # noqa: BLE001 - serve anyway; the failure is counted
                 self.failed.add(shape)
@@ -130,22 +132,23 @@ class LayerWarmup:
         self.seconds += time.perf_counter() - t0
         self.plugin.report_warmup(self.seconds, len(self.warmed))
 
-    def _warm(self, shape: LayerShape) -> None:
+    def _warm(self, shape: LayerShape, layer: LayerPlan) -> None:
         p, s = self.plugin, time.perf_counter()
         max_tokens = (p.facts and p.facts.max_num_batched_tokens) or DEFAULT_MAX_TOKENS
         max_seqs = (p.facts and p.facts.max_num_seqs) or DEFAULT_MAX_SEQS
         E, N, K, wname = shape.E, shape.N, shape.K, shape.route_dtype
-        plan = warmup_plan(selection.ranges(E, N, K, wname, topk=shape.topk), max_seqs, max_tokens, shape.topk,
-                           policy=routing.policy(), cfg_key=_chooser(self.vllm_calls.get(shape), shape))
-        desc = selection.describe(E, N, K, wname, topk=shape.topk)
+        rngs = [{"m_min": lo, "m_max": hi, "backend": b} for lo, hi, b in layer.ranges]
+        plan = warmup_plan(rngs, max_seqs, max_tokens, shape.topk,
+                           policy=routing.VLLM if layer.reason else layer.context.config.moe_routing,
+                           cfg_key=_chooser(self.vllm_calls.get(shape), shape))
+        desc = layer.describe()
         n = 0
         if plan["ours"]:
             n = self.warm_variants(E, N, K, shape.topk, shape.dtype, max_tokens, fp8=shape.fp8,
                                    device=shape.device, static_act=shape.static_act,
                                    router_weight_on_input=shape.router_on_input, ids_dtypes=(shape.ids_dtype,),
                                    per_token_act=shape.per_token_act, block_shape=shape.block_shape)
-            swaps = {bool(selection.get_config(b, E, N, K, shape.topk, wname).get("SWAP_AB"))
-                     for b in selection.buckets_for(E, N, K, wname)}
+            swaps = {bool(c.config.get("SWAP_AB")) for c in layer.choices}
             p.set_swap_ab("mixed" if len(swaps) > 1 else str(swaps.pop()).lower())
         nv = self.warm_vllm(shape, plan["vllm"]) if plan["vllm"] else 0
         p.report_routing(routing.shape_key(E, N, K, wname), desc)
@@ -203,13 +206,13 @@ def warmup_plan(rngs: list[dict], max_seqs: int, max_tokens: int, topk: int,
     "dropped": M values cut by max_calls}. vLLM M list: every M in 1..min(max_seqs, max_tokens)
     routed to vLLM (decode batch sizes), plus for the prefill range (max_seqs, max_tokens] one M
     per specialization class of vLLM's kernel (_vllm_group), i.e. at most 16 per vLLM config
-    bucket; capped at max_calls (env MOE_SERVE_VLLM_WARMUP_MAX_CALLS, default 4096) keeping
+    bucket; capped at max_calls (default: the vllm_warmup_max_calls setting, 4096) keeping
     the decode M first."""
     def backend(M: int) -> str:
         return policy if policy in (routing.OURS, routing.VLLM) else routing.route_in(rngs, M)
 
     if max_calls is None:
-        max_calls = int(os.environ.get(VLLM_WARMUP_MAX_CALLS_ENV, "4096"))
+        max_calls = current().vllm_warmup_max_calls
     top = max(1, max_tokens)
     dec = min(max_seqs, top)
     probe = sorted({1, top} | {r["m_min"] for r in rngs if r["m_min"] <= top})

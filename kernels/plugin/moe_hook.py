@@ -1,5 +1,6 @@
 """The plugin's MoE hook: vLLM's TritonExperts.apply -> our fused_moe where we support the call
-and the routing (kernels/moe/selection.py) says ours is faster for (E, N, K, dtype, M).
+and the layer's plan (kernels/plugin/layer_plan.py, built at the layer's first call) routes its M
+to ours, with the plan's config for that M.
 
 Supported: gated SiLU, no expert_map / LoRA / bias / clamp, GEMM2 finished by TritonExperts' own
 top-k sum (vllm_compat.custom_finish); bf16/fp16/fp32, or FP8 W8A8 in
@@ -9,7 +10,8 @@ scales ([bn, bk] weight blocks, activations per token per bk columns; bk a power
 it is the K loop's tile), read from the experts as vLLM's Triton experts read them
 (vllm_compat.fp8_layout). Everything else, and
 supported calls routed to vLLM, run vLLM's original (counted 'fallback' + reason, or
-'routed_to_vllm'). Every layer shape seen is queued for warm-up (kernels/plugin/layer_warmup.py).
+'routed_to_vllm'); so does every call of a layer whose plan fails closed (VLLM_BATCH_INVARIANT).
+Every layer shape seen is queued for warm-up (kernels/plugin/layer_warmup.py).
 Why this point: it owns the whole expert computation (both GEMMs, activation, routed-weight
 reduction into ``output``: TritonExperts' finalize is a no-op) for every model and for both the
 unquantized and FP8 paths, while prepare/finalize, routing and CUDA graphs stay vLLM's.
@@ -20,8 +22,10 @@ from typing import Any, Callable
 
 import torch
 
-from kernels.moe import routing, selection
+from kernels.moe import routing
+from kernels.moe.config_schema import Config
 from kernels.moe.fused_moe import FP8, Fp8Scales, fused_moe
+from kernels.plugin.layer_plan import LayerFacts, LayerPlan
 from kernels.plugin.layer_warmup import LayerShape, LayerWarmup, VllmCallTemplate
 from kernels.plugin.plugin_host import PluginHost
 from kernels.plugin.vllm_compat import OUTPUT_WRITTEN, ApplyCall, call_apply, custom_finish, fp8_layout
@@ -140,7 +144,7 @@ class MoeHook:
     def __init__(self, plugin: PluginHost, layers: LayerWarmup) -> None:
         self.plugin = plugin
         self.layers = layers
-        self._shapes: dict[int, LayerShape] = {}  # id(experts) -> its layer's shape (fixed per layer)
+        self._plans: dict[int, LayerPlan] = {}  # id(experts) -> its layer's plan (fixed per layer)
 
     def handle(self, orig: Callable, experts: Any, call: ApplyCall) -> Any:
         why = unsupported_reason(experts, call, self.require_cuda, self.experts_base)
@@ -148,19 +152,17 @@ class MoeHook:
             return self._fallback(orig, experts, call, why)
         try:
             scales = fp8_scales(experts, call)
-            shape = self._shapes.get(id(experts))
-            if shape is None:
-                shape = layer_shape(call, scales)
-                self.layers.see(shape, lambda: VllmCallTemplate.of(orig, experts, call))
-                self._shapes[id(experts)] = shape
+            plan = self._plans.get(id(experts)) or self._plan(orig, experts, call, scales)
         except Exception as exc:  # noqa: BLE001
             return self._fallback(orig, experts, call, f"error:{type(exc).__name__}")
+        if plan.reason_key is not None:                 # fail closed: the whole layer is vLLM's
+            return self._fallback(orig, experts, call, plan.reason_key)
         M = call.hidden_states.size(0)
-        if selection.route(shape.E, shape.N, shape.K, shape.route_dtype, M, topk=shape.topk) != routing.OURS:
+        if plan.route(M) != routing.OURS:
             self.plugin.count_launch("routed_to_vllm")
             return call_apply(orig, experts, call)
         try:
-            self.run_ours(experts, call, scales)
+            self.run_ours(experts, call, scales, plan.config(M))
         except Exception as exc:  # noqa: BLE001 - serve with vLLM's kernel, say so loudly once
             key = f"error:{type(exc).__name__}"
             self.plugin.log_once(key, "moe-serve kernel failed, falling back to vLLM's: %r", exc)
@@ -168,10 +170,21 @@ class MoeHook:
         self.plugin.count_launch("optimized")
         return OUTPUT_WRITTEN
 
-    def run_ours(self, experts: Any, call: ApplyCall, scales: Fp8Scales | None) -> None:
-        """Our fused MoE into vLLM's `output` buffer (the final [M, K] sum)."""
+    def _plan(self, orig: Callable, experts: Any, call: ApplyCall, scales: Fp8Scales | None) -> LayerPlan:
+        """The layer's plan, at its first supported call; its shape queued for warm-up."""
+        shape = layer_shape(call, scales)
+        facts = LayerFacts(shape.E, shape.N, shape.K, shape.topk, shape.route_dtype,
+                           act_bytes=call.hidden_states.element_size())
+        plan = self._plans[id(experts)] = self.plugin.plan_for(facts, call.w1)
+        self.layers.see(shape, plan, lambda: VllmCallTemplate.of(orig, experts, call))
+        return plan
+
+    def run_ours(self, experts: Any, call: ApplyCall, scales: Fp8Scales | None, config: Config | None) -> None:
+        """Our fused MoE with the plan's config (None: selection's for M) into vLLM's `output`
+        buffer (the final [M, K] sum)."""
         fused_moe(call.hidden_states, call.w1, call.w2, call.topk_weights, call.topk_ids, fp8=scales,
-                  apply_router_weight_on_input=call.apply_router_weight_on_input, out=call.output)
+                  apply_router_weight_on_input=call.apply_router_weight_on_input, out=call.output,
+                  config=config)
 
     def _fallback(self, orig: Callable, experts: Any, call: ApplyCall, why: str) -> Any:
         self.plugin.count_fallback(why)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
+from kernels.plugin.layer_plan import LayerFacts, LayerPlan, RouterPlan, RouterSpec
 from kernels.plugin.vllm_compat import WorkerFacts
 
 
@@ -31,6 +32,13 @@ class PluginHost(Protocol):
     def expert_counts(self, router: Any) -> tuple[Any, Any] | None:
         """(counts [E] int64, num_tokens [1] int32) for our router kernel to add this call's
         experts to (kernels/plugin/expert_load.py); None when the router's layer is not counted."""
+
+    def plan_for(self, facts: LayerFacts, w1: Any) -> LayerPlan:
+        """The plan of a MoE layer with these facts (w1: its experts' [E, 2N, K] weight, which
+        joins it to the router its runner's plan saw); made once per distinct layer."""
+
+    def router_plan(self, runner: Any, spec: RouterSpec | str) -> RouterPlan:
+        """The router part of a runner's layer plan, for its eligibility (spec or why not)."""
 
     def log_once(self, kind: str, message: str, *args: Any) -> None: ...
 

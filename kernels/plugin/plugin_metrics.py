@@ -40,6 +40,7 @@ FALLBACKS = "moe_serve_moe_kernel_fallbacks"
 FUSED_ROUTER = "moe_serve_fused_router_calls"
 KERNEL_INFO = "moe_serve_moe_kernel_info"
 ROUTING_INFO = "moe_serve_moe_routing_info"
+PLAN_INFO = "moe_serve_moe_plan_info"
 WORKER_INFO = "moe_serve_vllm_worker_info"
 WORKERS_REPORTING = "moe_serve_vllm_workers_reporting"
 WARMUP_FAILURES = "moe_serve_plugin_warmup_failures"
@@ -49,7 +50,7 @@ PINS_FAILED = "moe_serve_plugin_vllm_pins_failed"
 KERNEL_INFO_LABELS = ("backend", "swap_ab", "dtype", "tp_size", "mode")
 WORKER_INFO_LABELS = ("rank", "mode", "phase", "moe_hook", "jit_monitor")  # + pid (gauge mode 'all')
 LAUNCH_PATHS = ("optimized", "routed_to_vllm", "fallback")
-GAUGE_MODES = {KERNEL_INFO: "max", ROUTING_INFO: "max", WORKER_INFO: "all", WORKERS_REPORTING: "sum",
+GAUGE_MODES = {KERNEL_INFO: "max", ROUTING_INFO: "max", PLAN_INFO: "max", WORKER_INFO: "all", WORKERS_REPORTING: "sum",
                WARMUP_SECONDS: "all", WARMUP_SHAPES: "all", PINS_FAILED: "max"}  # how each gauge combines over workers
 JIT_FAMILIES = {  # Triton event kind (kernels.plugin.jit_monitor) -> (family, help)
     "compile": (JIT_COMPILES, "Triton JIT compilations in the vLLM workers, per kernel, phase "
@@ -126,6 +127,9 @@ class PluginMetrics:
                               "the measured routing table (ours = moe-serve kernel, vllm = vLLM's), "
                               "value 1", ["shape", "routing"], registry=registry,
                               multiprocess_mode=GAUGE_MODES[ROUTING_INFO])
+        self._plan = Gauge(PLAN_INFO, "Each MoE layer's plan (kernels/plugin/layer_plan.py) in one line: the "
+                           "experts' backend per M range, the router, what fails closed; value 1",
+                           ["shape", "plan"], registry=registry, multiprocess_mode=GAUGE_MODES[PLAN_INFO])
         self._worker = Gauge(WORKER_INFO, "One series per vLLM worker process that loaded the "
                              "moe-serve plugin (value 1)", list(WORKER_INFO_LABELS), registry=registry,
                              multiprocess_mode=GAUGE_MODES[WORKER_INFO])
@@ -180,6 +184,9 @@ class PluginMetrics:
 
     def routing(self, shape: str, desc: str) -> None:
         self._routing.labels(shape, desc).set(1)
+
+    def plan(self, shape: str, summary: str) -> None:
+        self._plan.labels(shape, summary).set(1)
 
     def pins_failed(self, count: int) -> None:
         self._pins_failed.set(count)

@@ -3,21 +3,26 @@ launch of ours (kernels.moe.router_topk) where vLLM's runner holds the gate.
 
 vLLM's MoERunner._forward_impl computes ``router_logits, _ = self.gate(hidden_states)`` and
 later, through ``router.select_experts``, calls the router's ``_compute_routing(hidden_states,
-router_logits, ...)``. For a call of an eligible layer with M <= its RouterSpec.max_m tokens
-(router_topk.max_tokens: where one launch beats vLLM's two), the wrapped _forward_impl marks
-the call; the gate's forward (wrapped on the gate instance) then
-returns hidden_states itself in place of logits, skipping the GEMM; the wrapped _compute_routing
+router_logits, ...)``. Each runner's RouterPlan (kernels/plugin/layer_plan.py, built at its first
+call from the eligibility read here) says where ours serves: for a call with M <= its
+RouterSpec.max_m tokens (router_topk.max_tokens: where one launch beats vLLM's two), the wrapped
+_forward_impl marks the call; the gate's forward (wrapped on the gate instance) then returns
+hidden_states itself in place of logits, skipping the GEMM; the wrapped _compute_routing
 recognises that marker and runs router_topk on hidden_states and the gate's weight. vLLM's EPLB
 mapping, routed-expert capture and index dtype still apply to what it returns. With the expert
 load counted (kernels/plugin/expert_load.py), our kernel adds the experts it picks to it.
+The marker refuses rather than fails open: once the gate was skipped, a routing step that gets
+other "logits" than the marked hidden states, another router, or none at all raises (vLLM would
+otherwise route on hidden states as if they were logits).
 
 Eligible (checked once per runner, `eligibility`): a gate inside the runner (Qwen3-MoE style;
 Mixtral's, which the model computes, is moved there by kernels/plugin/runner_gate.py),
 unquantized, without bias, [E, K] for E = the router's experts; a plain softmax / sigmoid top-k
-router, or a sigmoid one with a correction bias (no hash table, no fused shared experts); no gate
+router, or a sigmoid one with a correction bias (no hash table, no fused shared experts, no
+image-token bias ``bias_vl`` of vLLM 0.32: fail closed on a routing term ours ignores); no gate
 fused with a shared expert's, no dispatch of the logits (naive DP/EP, prefill context parallel),
-a modular (not monolithic) expert method. On in optimized mode unless env MOE_SERVE_FUSED_ROUTER=0
-(`moe-serve --no-fused-router`). The hook acts only where the runner runs eagerly (on CUDA,
+a modular (not monolithic) expert method. Installed in optimized mode with the fused_router setting
+(kernels/config.py; `moe-serve --no-fused-router`). The hook acts only where the runner runs eagerly (on CUDA,
 inside vLLM's opaque MoE custom op); in a region torch.compile traces, the wrappers call
 vLLM's code and nothing else.
 """
@@ -30,22 +35,11 @@ from typing import Any, Callable
 import torch
 
 from kernels.moe.router_topk import max_tokens, router_topk, warm_router_variants
+from kernels.plugin.layer_plan import RouterPlan, RouterSpec
 from kernels.plugin.plugin_host import PluginHost
 
-ENV = "MOE_SERVE_FUSED_ROUTER"
 BIAS_ROUTER = "FusedTopKBiasRouter"
-
-
-@dataclass(frozen=True)
-class RouterSpec:
-    """What router_topk needs of one layer's router, read from vLLM's router object."""
-
-    topk: int
-    scoring: str                # 'softmax' | 'sigmoid'
-    renormalize: bool
-    scaling: float              # routed_scaling_factor (bias routers), else 1
-    bias: torch.Tensor | None   # e_score_correction_bias [E] (choice only)
-    max_m: int                  # the largest call (tokens) ours serves: router_topk.max_tokens(E, K)
+__all__ = ["RouterHook", "RouterSpec", "eligibility", "router_spec"]
 
 
 def router_spec(router: Any, E: int, K: int) -> RouterSpec | str:
@@ -54,6 +48,8 @@ def router_spec(router: Any, E: int, K: int) -> RouterSpec | str:
     scoring = getattr(router, "scoring_func", None)
     if getattr(router, "global_num_experts", None) != E:
         return "experts"
+    if getattr(router, "bias_vl", None) is not None:
+        return "routing term bias_vl (image tokens' bias): not ours"
     max_m = max_tokens(E, K)
     if max_m < 1:
         return f"gate [{E}, {K}] too large for one launch"
@@ -96,15 +92,17 @@ def eligibility(runner: Any, router_classes: tuple[type, ...]) -> RouterSpec | s
     return router_spec(router, *w.shape)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Marked:
-    """The call _forward_impl marked: its hidden states (which stand for the logits), and the
-    runner's gate, router and the RouterSpec eligibility gave it."""
+    """The call _forward_impl marked: its hidden states (which stand for the logits once the gate
+    skipped its GEMM), the runner's gate, router and RouterSpec, and how far the call got."""
 
     hidden_states: torch.Tensor
     gate: Any
     router: Any
     spec: RouterSpec
+    gate_skipped: bool = False
+    served: bool = False
 
 
 class RouterHook:
@@ -117,7 +115,7 @@ class RouterHook:
         self.plugin = plugin
         self.router_classes = router_classes
         self._state = threading.local()               # .pending: _Marked or None
-        self._specs: dict[int, RouterSpec | str] = {}  # id(runner) -> spec or reason
+        self._plans: dict[int, RouterPlan] = {}       # id(runner) -> its layer's router plan
         self._pending_warm: dict[tuple, tuple[torch.Tensor, RouterSpec]] = {}
         self._warmed: set[tuple] = set()
 
@@ -127,15 +125,18 @@ class RouterHook:
         def _forward_impl(runner: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if torch.compiler.is_compiling():     # traced (vLLM-CPU compiles the runner): vLLM's router
                 return orig(runner, hidden_states, *args, **kwargs)
-            spec = self._spec(runner)
-            if (isinstance(spec, str) or hidden_states.size(0) > spec.max_m
-                    or (self.require_cuda and not hidden_states.is_cuda)):
+            plan = self._plan(runner)
+            if not plan.serves(hidden_states.size(0)) or (self.require_cuda and not hidden_states.is_cuda):
                 return orig(runner, hidden_states, *args, **kwargs)
-            self._state.pending = _Marked(hidden_states, runner.gate, runner.router, spec)
+            marked = self._state.pending = _Marked(hidden_states, runner.gate, runner.router, plan.spec)
             try:
-                return orig(runner, hidden_states, *args, **kwargs)
+                out = orig(runner, hidden_states, *args, **kwargs)
             finally:
                 self._state.pending = None
+            if marked.gate_skipped and not marked.served:
+                raise RuntimeError("moe-serve router hook: the gate's GEMM was skipped but no routing step of "
+                                   "its router took the marked hidden states (a vLLM change); refusing to go on")
+            return out
         return _forward_impl
 
     def compute_routing(self, orig: Callable) -> Callable:
@@ -145,11 +146,15 @@ class RouterHook:
             if torch.compiler.is_compiling():
                 return orig(router, hidden_states, router_logits, *args, **kwargs)
             pending = getattr(self._state, "pending", None)
-            if pending is None or router_logits is not pending.hidden_states:
+            if pending is None or not pending.gate_skipped:
                 return orig(router, hidden_states, router_logits, *args, **kwargs)
-            if router is not pending.router:   # not the router eligibility read: a vLLM change; never guess
-                raise RuntimeError("moe-serve router hook: another router than the runner's after the gate "
-                                   "was skipped")
+            if router is not pending.router or router_logits is not pending.hidden_states:
+                # the gate handed back hidden states: vLLM's routing on them would be wrong; never guess
+                raise RuntimeError("moe-serve router hook: after the gate was skipped, "
+                                   + ("another router than the runner's" if router is not pending.router
+                                      else "other logits than the marked hidden states")
+                                   + " reached the routing step (a vLLM change)")
+            pending.served = True
             self.plugin.count_router()
             return self.run_ours(router, hidden_states, pending.gate.weight, pending.spec,
                                  self.plugin.expert_counts(router))
@@ -165,28 +170,30 @@ class RouterHook:
                 return orig(x, *args, **kwargs)
             pending = getattr(self._state, "pending", None)
             if pending is not None and pending.hidden_states is x and pending.gate is gate:
+                pending.gate_skipped = True
                 return x, None
             return orig(x, *args, **kwargs)
         gate.forward = forward
 
     # -- decisions, running, warm-up --------------------------------------------------------
-    def _spec(self, runner: Any) -> RouterSpec | str:
-        key = id(runner)
-        if key not in self._specs:
+    def _plan(self, runner: Any) -> RouterPlan:
+        """The runner's router plan, made at its first call from its eligibility."""
+        plan = self._plans.get(id(runner))
+        if plan is None:
             try:
                 spec = eligibility(runner, self.router_classes)
             except Exception as exc:  # noqa: BLE001 - a vLLM we do not know: keep vLLM's router
                 spec = f"error:{type(exc).__name__}"
-            self._specs[key] = spec
-            if isinstance(spec, RouterSpec):
+            plan = self._plans[id(runner)] = self.plugin.router_plan(runner, spec)
+            if plan.spec is not None:
                 self._gate_forward(runner.gate)
                 w = runner.gate.weight
-                shape = (tuple(w.shape), w.dtype, spec.topk, spec.scoring, spec.bias is not None)
+                shape = (tuple(w.shape), w.dtype, plan.spec.topk, plan.spec.scoring, plan.spec.bias is not None)
                 if shape not in self._warmed:
-                    self._pending_warm.setdefault(shape, (w, spec))
+                    self._pending_warm.setdefault(shape, (w, plan.spec))
             else:
-                self.plugin.logger.info("moe-serve router hook: layer keeps vLLM's router (%s)", spec)
-        return self._specs[key]
+                self.plugin.logger.info("moe-serve router hook: layer keeps vLLM's router (%s)", plan.reason)
+        return plan
 
     def run_ours(self, router: Any, hidden_states: torch.Tensor, gate_w: torch.Tensor, spec: RouterSpec,
                  counts: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:

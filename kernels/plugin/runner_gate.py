@@ -10,8 +10,8 @@ block registering them first), and its
 forward then passes the hidden states in place of the logits, as vLLM's own Qwen3-MoE block does:
 the runner computes the gate itself, inside vLLM's opaque MoE op, where the router hook can
 replace it. A block whose runner already holds a gate, or whose parts are not a gate module and
-a runner, is left as vLLM built it. Installed with the router hook (optimized mode, unless
-MOE_SERVE_FUSED_ROUTER=0); service.engine keys vLLM's compile cache on it, since the traced graph
+a runner, is left as vLLM built it. Installed with the router hook (optimized mode, with
+the fused_router setting); service.engine keys vLLM's compile cache on it, since the traced graph
 changes.
 """
 from __future__ import annotations

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -202,6 +203,19 @@ def worker_facts(worker: Any) -> WorkerFacts:
         backend=str(getattr(getattr(cfg, "kernel_config", None), "moe_backend", None) or "auto"),
         dtype=str(quant) if quant else dt, activation_dtype=dt,
         tp_size=getattr(getattr(cfg, "parallel_config", None), "tensor_parallel_size", None))
+
+
+def additional_config(worker: Any) -> Mapping[str, Any] | None:
+    """The worker's vllm_config.additional_config where it is a dict (vLLM also takes an object
+    with compute_hash, which holds no moe-serve settings), else None."""
+    extra = getattr(getattr(worker, "vllm_config", None), "additional_config", None)
+    return extra if isinstance(extra, Mapping) else None
+
+
+def experts_weight(runner: Any) -> Any:
+    """A MoE runner's expert weight w13 [E, 2N, K] (what its experts' apply gets as w1), or None
+    where the runner has none in vLLM's RoutedExperts."""
+    return getattr(getattr(runner, "routed_experts", None), "w13_weight", None)
 
 
 def moe_routers(vllm_config: Any) -> list[tuple[str, Any]]:

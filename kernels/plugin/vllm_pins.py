@@ -2,6 +2,16 @@
 what it expects, on the vLLM of this process (the plugin runs them all before it patches anything,
 `check_pins`; tests/test_vllm_compat.py runs them here on 0.32, bench/check_vllm_pins.py on a GPU
 host). Each returns what it checked, or raises.
+
+PATCHES lists every vLLM symbol the plugin replaces or adds, the pin that guards it and why no
+supported extension point serves instead, checked in vLLM 0.26 and 0.32: ``CustomOp.register_oot``
+replaces classes vLLM registers as custom ops, which are the MoE *methods*
+(UnquantizedFusedMoEMethod, FusedMoEModularMethod), not the TritonExperts class below them that
+serves both the unquantized and the FP8 formats (Fp8MoEMethod is no custom op): an OOT method
+would cover bf16 only and the FP8 patch would stay; the routers' capture hook
+(``BaseRouter.set_capture_fn``, both versions) sees every layer's logical top-k ids, which is what
+the expert load counts (kernels/plugin/expert_load.py), and has one slot that vLLM's own
+routed-experts capture also sets.
 """
 from __future__ import annotations
 
@@ -13,7 +23,7 @@ from typing import Callable
 
 import torch
 import vllm
-from vllm.config import KernelConfig, ParallelConfig, SchedulerConfig
+from vllm.config import KernelConfig, ParallelConfig, SchedulerConfig, VllmConfig
 
 from kernels.moe import vllm_kernels as vk
 from kernels.plugin.vllm_compat import (APPLY_PARAMS, APPLY_RETURNS, COMPUTE_ROUTING_PARAMS, DENSE_APPLY_PARAMS,
@@ -144,12 +154,42 @@ def pin_worker() -> str:
     return "WorkerBase.__init__, Worker.compile_or_warm_up_model"
 
 
+# The attributes vLLM 0.26's and 0.32's routers set up (their __init__, the base classes'), each one
+# read by router_spec (or an attribute of the plumbing around it: capture, EPLB, replay). A router
+# attribute not in this set is a routing term router_spec has never seen: the pin fails, and vLLM's
+# kernels serve (fail closed).
+KNOWN_ROUTER_STATE = frozenset({
+    "_routing_replay_out", "eplb_state", "capture_fn", "global_num_experts", "top_k", "renormalize",
+    "scoring_func", "_hash_indices_table", "e_score_correction_bias", "num_fused_shared_experts",
+    "routed_scaling_factor", "shared_expert_weight", "bias_vl", "image_sentinel_lo"})
+
+
+def _init_state(cls: type) -> set[str]:
+    """The self.X names cls.__init__ assigns."""
+    src = inspect.getsource(inspect.unwrap(cls.__init__))
+    return set(re.findall(r"self\.(\w+)\s*(?::[^=\n]+)?=(?!=)", src))
+
+
+def pin_router_terms() -> str:
+    """Every routing term the routers our router hook serves can carry is one router_spec knows
+    (vLLM 0.32 added bias_vl, which it refuses): a new one fails here, not silently in serving."""
+    state: set[str] = set()
+    for where in ROUTERS:
+        for cls in load(where).__mro__:                       # the router and vLLM's bases of it
+            if "__init__" in vars(cls) and cls.__module__.startswith("vllm."):
+                state |= _init_state(cls)
+    unknown = state - KNOWN_ROUTER_STATE
+    assert not unknown, f"router attributes router_spec does not know: {sorted(unknown)}"
+    return "FusedMoERouter/BaseRouter/FusedTopK(Bias)Router state: no routing term router_spec does not know"
+
+
 def pin_config_fields() -> str:
     names = {f: set(getattr(c, "__dataclass_fields__", {})) for f, c in
              (("kernel", KernelConfig), ("parallel", ParallelConfig), ("scheduler", SchedulerConfig))}
     assert "moe_backend" in names["kernel"] and "tensor_parallel_size" in names["parallel"]
     assert {"max_num_batched_tokens", "max_num_seqs"} <= names["scheduler"]
-    return "KernelConfig.moe_backend, ParallelConfig/SchedulerConfig fields"
+    assert "additional_config" in VllmConfig.__dataclass_fields__      # the plugin's settings (kernels/config.py)
+    return "KernelConfig.moe_backend, ParallelConfig/SchedulerConfig fields, VllmConfig.additional_config"
 
 
 def pin_config_chooser() -> str:
@@ -200,8 +240,44 @@ def pin_fp8_layout() -> str:
 
 PINS: tuple[Callable[[], str], ...] = (pin_version, pin_apply, pin_finish_points, pin_worker, pin_config_fields,
                                        pin_config_chooser, pin_workspace_views,
-                                       pin_kernel_baselines, pin_fp8_layout, pin_router, pin_runner_gate,
-                                       pin_expert_load, pin_dense_linear)
+                                       pin_kernel_baselines, pin_fp8_layout, pin_router, pin_router_terms,
+                                       pin_runner_gate, pin_expert_load, pin_dense_linear)
+
+# hook name (as MoePlugin.hooks lists it) -> (the vLLM symbol replaced or added, its pin, why a patch)
+NO_OOT = "not a custom op: no register_oot point"
+PATCHES: dict[str, tuple[str, Callable[[], str], str]] = {
+    "WorkerBase.__init__": ("vllm.v1.worker.worker_base:WorkerBase.__init__", pin_worker,
+                            "the worker's config, before the model is built: vLLM calls plugins before, not after"),
+    "TritonExperts.apply": ("vllm.model_executor.layers.fused_moe.experts.triton_moe:TritonExperts.apply", pin_apply,
+                            NO_OOT + " (its methods are; one per format, FP8's none)"),
+    "MoERunner._forward_impl": ("vllm.model_executor.layers.fused_moe.runner.moe_runner:MoERunner._forward_impl",
+                                pin_router, NO_OOT),
+    "FusedTopKRouter._compute_routing": (
+        "vllm.model_executor.layers.fused_moe.router.fused_topk_router:FusedTopKRouter._compute_routing", pin_router,
+        NO_OOT),
+    "FusedTopKBiasRouter._compute_routing": (
+        "vllm.model_executor.layers.fused_moe.router.fused_topk_bias_router:FusedTopKBiasRouter._compute_routing",
+        pin_router, NO_OOT),
+    "gate.forward": ("a MoE runner's gate module's forward (per instance)", pin_router, NO_OOT + " for a model's gate"),
+    "MixtralMoE.__init__": ("vllm.model_executor.models.mixtral:MixtralMoE.__init__", pin_runner_gate,
+                            "a model class: only replaceable whole (ModelRegistry)"),
+    "MixtralMoE.forward": ("vllm.model_executor.models.mixtral:MixtralMoE.forward", pin_runner_gate,
+                           "a model class: only replaceable whole (ModelRegistry)"),
+    "UnquantizedLinearMethod.apply": ("vllm.model_executor.layers.linear:UnquantizedLinearMethod.apply",
+                                      pin_dense_linear, NO_OOT + " (the linear layers are: one subclass per type)"),
+    "UnquantizedEmbeddingMethod.apply": (
+        "vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod.apply", pin_dense_linear,
+        NO_OOT),
+    "Worker.compile_or_warm_up_model": ("vllm.v1.worker.gpu_worker:Worker.compile_or_warm_up_model", pin_worker,
+                                        "no warm-up callback for plugins"),
+    "FusedMoERouter.select_experts": (
+        "vllm.model_executor.layers.fused_moe.router.fused_moe_router:FusedMoERouter.select_experts",
+        pin_expert_load, "set_capture_fn has one slot, vLLM's routed-experts capture's (module doc)"),
+    "Worker.load_model": ("vllm.v1.worker.gpu_worker:Worker.load_model", pin_expert_load,
+                          "no after-load callback for plugins"),
+    "Worker.execute_model": ("vllm.v1.worker.gpu_worker:Worker.execute_model", pin_expert_load,
+                             "no per-step callback for plugins"),
+}
 
 
 class _DropDefaultMoEConfigWarning(logging.Filter):

@@ -6,20 +6,24 @@ moe-serve is installed. The plugin is inert (no patch, one debug log line) unles
 ``MOE_SERVE_VLLM_PLUGIN=1``: the moe-serve server sets it for its own engine, whose processes
 inherit it; a user sets it to run our kernels under ``vllm serve``. Active, the plugin then:
 
-1. install (every process): the Triton JIT monitor, a hook on WorkerBase.__init__, and with
-   ``MOE_SERVE_MOE_KERNELS=optimized`` the MoE hook on TritonExperts.apply (kernels/plugin/moe_hook.py)
-   and, unless ``MOE_SERVE_FUSED_ROUTER=0``, the router hook (kernels/plugin/router_hook.py) with
-   the gate of blocks that compute it in the model moved into vLLM's runner
-   (kernels/plugin/runner_gate.py); with ``MOE_SERVE_DENSE_GEMV=1`` the dense-GEMV hook on the
-   unquantized linear and lm_head methods (kernels/plugin/dense_hook.py). Those kernel hooks only where every pin on this vLLM's
-   internals holds (vllm_pins.check_pins); else the mode is 'vllm' (vLLM's kernels serve), said
-   in one warning (the first process to load the plugin warns; those it starts log it at info)
-   and in the workers' moe_serve_plugin_vllm_pins_failed.
-2. worker init (workers only): reads rank and scheduler limits (vllm_compat.worker_facts),
+1. install (every process): the Triton JIT monitor and a hook on WorkerBase.__init__, after
+   running the pins on this vLLM's internals (vllm_pins.check_pins): where one fails, the mode
+   is 'vllm' (vLLM's kernels serve), said in one warning (the first process to load the plugin
+   warns; those it starts log it at info) and in the workers' moe_serve_plugin_vllm_pins_failed.
+   The environment's MOE_SERVE_* settings are validated here already (kernels/config.py), so a
+   bad one stops `vllm serve` as it starts.
+2. worker init (workers only): builds the worker's PluginConfig (kernels/config.py) from
+   vllm_config.additional_config["moe_serve"] over the environment, once (a bad value raises: the
+   worker does not start), then installs the kernel hooks it asks for: in optimized mode the MoE
+   hook on TritonExperts.apply (kernels/plugin/moe_hook.py), with ``fused_router`` the router hook
+   (kernels/plugin/router_hook.py) with the gate of blocks that compute it in the model moved into
+   vLLM's runner (kernels/plugin/runner_gate.py), with ``dense_gemv`` the dense-GEMV hook on the
+   unquantized linear and lm_head methods (kernels/plugin/dense_hook.py); all before the worker
+   builds the model. Then it reads rank and scheduler limits (vllm_compat.worker_facts),
    switches this process's metrics to prometheus multiprocess files in the runtime dir
    (kernels/plugin/plugin_metrics.py), gives the worker the method through which the API process
    asks a worker on another node for them (``REPORT_METHOD``, over vLLM's collective_rpc) and
-   wraps the worker's compile_or_warm_up_model; unless ``MOE_SERVE_EXPERT_STATS=0``, installs the
+   wraps the worker's compile_or_warm_up_model; with ``expert_stats``, installs the
    expert load counting (kernels/plugin/expert_load.py), zeroed and snapshotted from each serve().
 3. kernel warm-up, before and after vLLM's own warm-up / CUDA-graph capture: every MoE layer
    shape seen gets its kernel variants compiled (kernels/plugin/layer_warmup.py), every gate the
@@ -33,36 +37,34 @@ inherit it; a user sets it to run our kernels under ``vllm serve``. Active, the 
 5. report: all along, through PluginMetrics (read by the API process for /metrics, /version).
 
 On vLLM-CPU the MoE runs in vLLM's CPU experts: the hooks are installed and reported, but
-TritonExperts is never called. Env: MOE_SERVE_VLLM_PLUGIN, MOE_SERVE_MOE_KERNELS (optimized|vllm),
-MOE_SERVE_FUSED_ROUTER, MOE_SERVE_DENSE_GEMV, MOE_SERVE_EXPERT_STATS, MOE_SERVE_EXPERT_STATS_WINDOW
-(kernels/plugin/expert_snapshot.py),
-MOE_SERVE_MOE_ROUTING (kernels/moe/routing.py), MOE_SERVE_VLLM_WARMUP_MAX_CALLS
-(kernels/plugin/layer_warmup.py), MOE_SERVE_RUNTIME_DIR (set by the API process).
+TritonExperts is never called. Settings: kernels/config.py; process plumbing: MOE_SERVE_VLLM_PLUGIN
+(the opt-in), MOE_SERVE_RUNTIME_DIR (set by the API process).
 """
 from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import replace
 import os
 import threading
 from typing import Any, Callable
 
-from kernels.plugin import dense_hook, expert_load, jit_monitor, runner_gate
+from kernels.config import PluginConfig, PluginConfigError, configure
+from kernels.plugin import expert_load, jit_monitor, runner_gate
 from kernels.plugin import vllm_compat as vc
 from kernels.plugin import vllm_pins
 from kernels.plugin.dense_hook import DenseHook
+from kernels.plugin.layer_plan import HookPlan, LayerFacts, LayerPlan, RouterPlan, RouterSpec
 from kernels.plugin.layer_warmup import LayerWarmup
 from kernels.plugin.moe_hook import MoeHook
-from kernels.plugin.router_hook import ENV as ROUTER_ENV
+from kernels.plugin.plan_book import PlanBook
 from kernels.plugin.router_hook import RouterHook
 from kernels.plugin.plugin_metrics import (REPORT_METHOD, RUNTIME_DIR_ENV, PluginMetrics, enable_multiprocess,
                                            ensure_runtime_dir, worker_report)
 
 ENABLE_ENV = "MOE_SERVE_VLLM_PLUGIN"  # "1": patch this vLLM process (set by moe-serve; opt-in for vllm serve)
 PINS_WARNED_ENV = "MOE_SERVE_VLLM_PINS_WARNED"  # set once a process warned of failed pins (inherited)
-MODE_ENV = "MOE_SERVE_MOE_KERNELS"
 JIT_PHASE_RPC = "moe_serve_set_jit_phase"  # a worker method: collective_rpc(JIT_PHASE_RPC, args=(phase,))
-MODES = ("optimized", "vllm")
 
 
 def enabled() -> bool:
@@ -70,32 +72,26 @@ def enabled() -> bool:
     return os.environ.get(ENABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def mode_from_env() -> str:
-    """'optimized' (default) or 'vllm', from MOE_SERVE_MOE_KERNELS."""
-    value = os.environ.get(MODE_ENV, "optimized").strip().lower() or "optimized"
-    if value not in MODES:
-        MoePlugin.logger.warning("%s=%r is not one of %s; using 'optimized'", MODE_ENV, value, MODES)
-        return "optimized"
-    return value
-
-
 class MoePlugin:
     """The plugin's state in one process: hooks, phase, layer shapes, metrics (workers only)."""
 
     logger = logging.getLogger("vllm.moe_serve_plugin")  # under "vllm": vLLM's handlers in workers
 
-    def __init__(self, mode: str, runtime_dir: str | None) -> None:
-        self.mode = mode
+    def __init__(self, config: PluginConfig, runtime_dir: str | None) -> None:
+        self.config = config   # the environment's until worker init builds the worker's (kernels/config.py)
+        self.mode = config.mode
         self.runtime_dir = runtime_dir
         self.hooks: list[str] = []
         self.phase = "warmup"
         self.facts: vc.WorkerFacts | None = None
         self.metrics: PluginMetrics | None = None
+        self.plans = PlanBook(lambda: self.config, self._report_plan)
         self.layers = LayerWarmup(self)
         self.moe = MoeHook(self, self.layers)
-        self.router: RouterHook | None = None  # installed in optimized mode unless MOE_SERVE_FUSED_ROUTER=0
-        self.dense: DenseHook | None = None    # installed in optimized mode with MOE_SERVE_DENSE_GEMV=1
-        self.expert_load = expert_load.ExpertLoad(self) if expert_load.enabled_from_env() else None
+        self.router: RouterHook | None = None  # installed in optimized mode with config.fused_router
+        self.dense: DenseHook | None = None    # installed in optimized mode with config.dense_gemv
+        self.expert_load: expert_load.ExpertLoad | None = None  # made at worker init with config.expert_stats
+        self.kernel_hooks_installed = False
         self.swap_ab = "n/a"
         self.pins_failed: dict[str, str] = {}  # pin -> error, on a vLLM whose internals do not match
         self._last_spec: dict[str, dict[str, Any]] = {}
@@ -106,29 +102,45 @@ class MoePlugin:
         return self.facts.rank if self.facts else None
 
     # -- 1. install -------------------------------------------------------------------------
-    def install_steps(self) -> list[tuple[str, Callable[[], None]]]:
-        """(name, install function) of every hook this mode and the env ask for, in order."""
-        steps: list[tuple[str, Callable[[], None]]] = [("jit_monitor", self._install_jit_monitor),
-                                                       ("worker", self._install_worker_hook)]
+    def install(self) -> None:
+        """The JIT monitor and the worker hook (every process), after the pins; a hook that
+        fails is logged, never raised."""
         self._check_pins()  # every mode: a patch of vLLM's internals needs them to hold
-        if self.mode == "optimized":
+        self._run_steps([("jit_monitor", self._install_jit_monitor), ("worker", self._install_worker_hook)])
+        self.logger.info("moe-serve plugin loaded (pid %d, mode %s, hooks %s)", os.getpid(), self.mode,
+                         self.hooks)
+
+    def kernel_hook_steps(self) -> list[tuple[str, Callable[[], None]]]:
+        """(name, install function) of every kernel hook the worker's HookPlan installs, in order."""
+        plan = HookPlan.of(replace(self.plans.context, config=self.config.model_copy(update={"mode": self.mode})))
+        steps: list[tuple[str, Callable[[], None]]] = []
+        if plan.moe is None:
             steps.append(("moe", self._install_moe_hook))
-            if os.environ.get(ROUTER_ENV, "1").strip().lower() not in ("0", "false", "no", "off"):
-                steps.append(("router", self._install_router_hook))
-                steps.append(("runner gate", self._install_runner_gate))
-            if dense_hook.enabled_from_env():
-                steps.append(("dense gemv", self._install_dense_hook))
+        if plan.router is None:
+            steps.append(("router", self._install_router_hook))
+            steps.append(("runner gate", self._install_runner_gate))
+        if plan.dense is None:
+            steps.append(("dense gemv", self._install_dense_hook))
+        for name, why in (("router", plan.router), ("dense GEMV", plan.dense)):
+            if why and plan.moe is None:
+                self.logger.info("moe-serve plugin: no %s hook: %s", name, why)
         return steps
 
-    def install(self) -> None:
-        """Install every hook this mode needs; a hook that fails is logged, never raised."""
-        for name, step in self.install_steps():
+    def install_kernel_hooks(self) -> None:
+        """The kernel hooks of kernel_hook_steps, once per process (worker init, before the model
+        is built)."""
+        if not self.kernel_hooks_installed:
+            self.kernel_hooks_installed = True
+            self._run_steps(self.kernel_hook_steps())
+            self.logger.info("moe-serve plugin: worker hooks (pid %d, mode %s): %s", os.getpid(), self.mode,
+                             self.hooks)
+
+    def _run_steps(self, steps: list[tuple[str, Callable[[], None]]]) -> None:
+        for name, step in steps:
             try:
                 step()
             except Exception as exc:  # noqa: BLE001 - a broken hook must not stop vLLM
                 self.logger.error("moe-serve plugin: %s hook not installed: %r", name, exc)
-        self.logger.info("moe-serve plugin loaded (pid %d, mode %s, hooks %s)", os.getpid(), self.mode,
-                         self.hooks)
 
     def _check_pins(self) -> None:
         """Fall back to mode 'vllm' where a pin on vLLM's internals fails: no kernel hook then
@@ -154,17 +166,21 @@ class MoePlugin:
         self.hooks.append("triton.knobs.runtime.jit_post_compile_hook")
 
     def _install_worker_hook(self) -> None:
-        def make(orig: Callable) -> Callable:
-            def __init__(worker: Any, *args: Any, **kwargs: Any) -> None:
-                orig(worker, *args, **kwargs)
-                try:
-                    self.on_worker_init(worker)
-                except Exception as exc:  # noqa: BLE001
-                    self.logger.error("moe-serve plugin: worker set-up failed: %r", exc)
-            return __init__
-
-        if vc.wrap_method(vc.load(vc.WORKER_BASE), "__init__", make):
+        if vc.wrap_method(vc.load(vc.WORKER_BASE), "__init__", self.around_worker_init):
             self.hooks.append("WorkerBase.__init__")
+
+    def around_worker_init(self, orig: Callable) -> Callable:
+        """make() for a worker class's __init__: on_worker_init after it; a bad setting
+        (PluginConfigError) stops the worker, any other failure is logged."""
+        def __init__(worker: Any, *args: Any, **kwargs: Any) -> None:
+            orig(worker, *args, **kwargs)
+            try:
+                self.on_worker_init(worker)
+            except PluginConfigError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                self.logger.error("moe-serve plugin: worker set-up failed: %r", exc)
+        return __init__
 
     def _install_moe_hook(self) -> None:
         self.moe.experts_base = vc.load(vc.EXPERTS)
@@ -191,6 +207,10 @@ class MoePlugin:
 
     # -- 2. worker init ---------------------------------------------------------------------
     def on_worker_init(self, worker: Any) -> None:
+        """The worker's config (raises PluginConfigError on a bad setting), its kernel hooks,
+        metrics, warm-up wrapper and expert load."""
+        self.configure(PluginConfig.from_vllm(vc.additional_config(worker)))
+        self.install_kernel_hooks()
         self.facts = vc.worker_facts(worker)
         if self.runtime_dir and ensure_runtime_dir(self.runtime_dir):  # set by the API process
             enable_multiprocess(self.runtime_dir)
@@ -202,13 +222,19 @@ class MoePlugin:
         if vc.wrap_method(type(worker), vc.WARMUP_METHOD, self._around_vllm_warmup):
             self.hooks.append(f"{type(worker).__qualname__}.{vc.WARMUP_METHOD}")
         setattr(type(worker), JIT_PHASE_RPC, _set_jit_phase)
-        if self.pins_failed:                 # a vLLM whose internals we do not know: patch nothing
-            self.expert_load = None
+        if self.config.expert_stats and not self.pins_failed:  # unknown internals: patch nothing
+            self.expert_load = expert_load.ExpertLoad(self)
         if self.expert_load is not None:
             try:
                 self.hooks.extend(self.expert_load.install(worker))
             except Exception as exc:  # noqa: BLE001 - serve without the expert load
                 self.logger.error("moe-serve plugin: expert load not counted: %r", exc)
+
+    def configure(self, config: PluginConfig) -> None:
+        """Make `config` this process's (kernels.config.current) and set the mode from it."""
+        self.config = config
+        configure(config)
+        self.mode = "vllm" if self.pins_failed else config.mode
 
     def _around_vllm_warmup(self, orig: Callable) -> Callable:
         def compile_or_warm_up_model(worker: Any, *args: Any, **kwargs: Any) -> Any:
@@ -284,6 +310,17 @@ class MoePlugin:
         self.swap_ab = value if self.swap_ab in ("n/a", value) else "mixed"
         self._report_state()
 
+    def plan_for(self, facts: LayerFacts, w1: Any) -> LayerPlan:
+        return self.plans.layer(facts, w1)
+
+    def router_plan(self, runner: Any, spec: RouterSpec | str) -> RouterPlan:
+        return self.plans.router(runner, spec)
+
+    def _report_plan(self, plan: LayerPlan) -> None:
+        self.logger.info("moe-serve plan (rank %s): %s %s", self.rank, plan.facts.shape_key, plan.summary())
+        if self.metrics is not None:
+            self.metrics.plan(plan.facts.shape_key, plan.summary())
+
     def report_routing(self, shape: str, desc: str) -> None:
         if self.metrics is not None:
             self.metrics.routing(shape, desc)
@@ -342,7 +379,8 @@ def _set_jit_phase(worker: Any, phase: str) -> None:
 
 def register() -> None:
     """vLLM general-plugin entry point: this process's MoePlugin, installed once, where enabled();
-    else nothing but one debug line. Never raises."""
+    else nothing but one debug line. Raises PluginConfigError on a bad MOE_SERVE_* setting in the
+    environment (the process stops as it starts); else never raises."""
     global PLUGIN, _inert_logged
     with _lock:
         if not enabled():
@@ -353,5 +391,5 @@ def register() -> None:
             return
         if PLUGIN is not None:
             return
-        PLUGIN = MoePlugin(mode_from_env(), os.environ.get(RUNTIME_DIR_ENV))
+        PLUGIN = MoePlugin(PluginConfig.from_env(), os.environ.get(RUNTIME_DIR_ENV))
     PLUGIN.install()

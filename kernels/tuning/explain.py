@@ -1,15 +1,17 @@
 """`moe-serve explain`: which kernel serves each MoE shape of a model at each M, and why.
 
     moe-serve explain --model DIR [-tp N] [--quantization fp8] [--device NVIDIA_H200]
-                      [--triton-version 3.6.0] [--m 1,2,4,...] [--max-num-seqs N]
+                      [--triton-version 3.6.0] [--m 1,2,4,...] [--max-num-seqs N] [--batch-invariant]
 
-Reads DIR/config.json (no weights) for the shapes one rank runs, then for each shape and M
-(default: the M buckets) prints kernels.moe.selection's decision as serving makes it: ours
-decode / ours aligned / vLLM, the config ours runs and its source (env dir, tuner cache,
-shipped table, default rule) with any shared-memory shrink, the measured ratio behind the
-route (vLLM's time / ours) and the fallback reason. Runs on a CPU (reading tables: pass the
-GPU's table name with --device, and --triton-version for the Triton the server will run;
-both default to this machine's) and on the GPU. Exit codes: 0 done, 2 bad model.
+Reads DIR/config.json (no weights) for the shapes one rank runs and their routers, builds each
+shape's layer plan (kernels/plugin/layer_plan.py, the object the server's hooks look up, with
+the settings of kernels/config.py from the environment) and prints it per M (default: the M
+buckets): ours decode / ours aligned / vLLM, the config ours runs and its source (env dir, tuner
+cache, shipped table, default rule) with any shared-memory shrink, the measured ratio behind the
+route (vLLM's time / ours), the fallback reason, what ours fuses, and where our router serves.
+Runs on a CPU (reading tables: pass the GPU's table name with --device, and --triton-version for
+the Triton the server will run; both default to this machine's) and on the GPU. Exit codes: 0
+done, 2 bad model or setting.
 """
 from __future__ import annotations
 
@@ -17,12 +19,15 @@ import argparse
 import json
 import re
 import sys
+from importlib import metadata
 from pathlib import Path
+from typing import Any
 
-from kernels.moe import configs, routing, selection
-from kernels.moe.router_topk import max_tokens
-from kernels.plugin import backend_policy
-from kernels.tuning.model_shapes import ModelConfigError, MoEShape, model_parser, moe_shapes, read_config
+from kernels.config import PluginConfigError, current
+from kernels.moe import configs, routing
+from kernels.plugin import backend_policy, layer_plan
+from kernels.plugin.layer_plan import LayerFacts, LayerPlan, PlanContext
+from kernels.tuning.model_shapes import NESTED, ModelConfigError, MoEShape, model_parser, moe_shapes, read_config
 
 # the hook's unsupported_reason for every layer of a quantization scheme ours cannot run at all
 # (none: per-tensor, per-channel/per-token and block FP8 all run on ours; test_explain pins it)
@@ -37,6 +42,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--m", default=None, help="comma-separated M values (default: the M buckets)")
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="the server's max_num_seqs (the FP8 backend policy depends on it)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="as a server with vLLM's VLLM_BATCH_INVARIANT set (our kernels then fail closed)")
     return ap.parse_args(argv)
 
 
@@ -56,37 +63,28 @@ def backend_line(scheme: str, arch: str, max_num_seqs: int | None) -> str:
     return f"vLLM MoE backend: {d.label} ({scheme}, {arch}: {d.reason}); {hook}"
 
 
-def shape_lines(shape: MoEShape, ms: list[int], device: str, triton_version: str,
-                unsupported: str | None) -> list[str]:
-    E, N, K, topk, dt = shape.E, shape.N, shape.K, shape.topk, shape.dtype
-    first = selection.choose(E, N, K, topk, dt, ms[0], device, triton_version=triton_version)
-    table = first.config.detail if first.config.source != selection.DEFAULT_RULE else "none (default rule)"
-    out = [f"{shape.name}: E={E} N={N} K={K} topk={topk} {dt}, {shape.layers} layers",
-           f"  config table: {table}",
-           f"  routing: {selection.describe(E, N, K, dt, device, topk, triton_version)} ({first.route.rule})"]
-    out += [f"  refused: {why}" for why in first.config.refused]
-    out.append(f"  {'M':>6}  {'path':12}  {'config':36}  {'source':38}  {'ratio':>13}  why")
-    for M in ms:
-        s = selection.choose(E, N, K, topk, dt, M, device, triton_version=triton_version,
-                             unsupported=unsupported)
-        source = s.config.source if s.config.source != selection.DEFAULT_RULE else \
-            f"default: {s.config.detail}"
-        ratio = "-" if s.route.ratio is None else f"{s.route.ratio:.3f}x@M={s.route.measured_m}"
-        why = (s.fallback or s.route.why) + (f"; smem fit: {', '.join(s.config.shrunk)}"
-                                            if s.config.shrunk else "")
-        out.append(f"  {M:>6}  {s.path:12}  {s.config.label:36}  {source:38}  {ratio:>13}  {why}")
+def router_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The routing keys of a config.json, nested text configs merged over the top level."""
+    out = dict(cfg)
+    for key in NESTED:
+        if isinstance(cfg.get(key), dict):
+            out.update(cfg[key])
     return out
 
 
-def router_line(E: int, K: int) -> str:
-    """Where the gate GEMM + top-k of an [E, K] gate run (kernels/plugin/router_hook.py)."""
-    limit = max_tokens(E, K)
-    if limit < 1:
-        return f"router: vLLM's gate GEMM + top-k at every M (an [{E}, {K}] gate is too large for our one launch)"
-    return (f"router: ours (gate GEMM + top-k in one launch) at M <= {limit}, vLLM's above; only where vLLM's "
-            f"MoE runner holds the gate (Qwen3-MoE style, or Mixtral's moved there; the worker log names a layer "
-            f"that keeps vLLM's), "
-            f"not with --no-fused-router")
+def plans(cfg: dict[str, Any], shapes: list[MoEShape], ctx: PlanContext, unsupported: str | None) -> list[LayerPlan]:
+    """Each shape's layer plan, its router read from config.json (kernels.plugin.layer_plan.config_router)."""
+    keys = router_config(cfg)
+    return [layer_plan.build(LayerFacts(s.E, s.N, s.K, s.topk, s.dtype, experts_unsupported=unsupported,
+                                        router=layer_plan.config_router(keys, s.E, s.K, s.topk),
+                                        name=s.name, layers=s.layers), ctx) for s in shapes]
+
+
+def vllm_version() -> str:
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return "none"
 
 
 def explain(args: argparse.Namespace) -> list[str]:
@@ -109,12 +107,15 @@ def explain(args: argparse.Namespace) -> list[str]:
     loaded = routing.load(device, triton_version) or {}
     head.append(f"routing tables: {', '.join(loaded.get('sources', [])) or 'none'}")
     head += [f"refused: {why}" for why in loaded.get("refused", [])]
+    ctx = PlanContext(current(), device, triton_version, vllm_version(), args.batch_invariant)
+    head.append(f"settings: {', '.join(f'{k}={v}' for k, v in ctx.config.model_dump().items())}")
     lines = head
-    for shape in shapes:
-        lines += [""] + shape_lines(shape, ms, device, triton_version, SCHEME_FALLBACKS.get(scheme))
-        lines.append("  " + router_line(shape.E, shape.K))
+    for plan in plans(cfg, shapes, ctx, SCHEME_FALLBACKS.get(scheme)):
+        lines += [""] + plan.lines(ms)
     lines += ["", "ratio: vLLM's time / ours at the measured M nearest to M in its routing range "
-              "(> 1: ours faster). Under CUDA graphs the choice for a batch size is made at capture."]
+              "(> 1: ours faster). Under CUDA graphs the choice for a batch size is made at capture. "
+              "Our router serves only where vLLM's MoE runner holds the gate (Qwen3-MoE style, or "
+              "Mixtral's moved there; the worker log names a layer that keeps vLLM's)."]
     lines += triton_note(lines, triton_version, given=args.triton_version is not None)
     if capability is None and any("vLLM's config for the shape" in ln for ln in lines):
         lines.append("Aligned-path defaults come from vLLM's config lookup on this machine (no GPU: "
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         lines = explain(args)
-    except (ModelConfigError, OSError, json.JSONDecodeError, ValueError) as e:
+    except (ModelConfigError, PluginConfigError, OSError, json.JSONDecodeError, ValueError) as e:
         print(f"moe-serve explain: {e}", file=sys.stderr)
         return 2
     print("\n".join(lines))

@@ -16,7 +16,8 @@ import torch
 
 from kernels.dense import op
 from kernels.plugin import vllm_compat as vc
-from kernels.plugin.dense_hook import ENV, DenseHook
+from kernels.config import KEY, PluginConfig
+from kernels.plugin.dense_hook import DenseHook
 from kernels.plugin.vllm_plugin import MoePlugin
 
 
@@ -132,16 +133,15 @@ def test_torch_compile_traces_the_wrapper_whole(hooked: list) -> None:
     assert [m for m, _, _ in hooked] == [2, 5]
 
 
-def test_the_plugin_installs_the_hook_only_when_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    def steps(mode: str) -> list[str]:
-        return [name for name, _ in MoePlugin(mode, None).install_steps()]
+def test_the_plugin_installs_the_hook_only_when_switched_on() -> None:
+    def steps(mode: str, environ: dict[str, str], **given: object) -> list[str]:
+        config = PluginConfig.from_vllm({KEY: {"mode": mode, **given}}, environ)
+        return [name for name, _ in MoePlugin(config, None).kernel_hook_steps()]
 
-    monkeypatch.delenv(ENV, raising=False)
-    assert "dense gemv" not in steps("optimized")                 # off by default
-    monkeypatch.setenv(ENV, "1")
-    assert steps("optimized")[-1] == "dense gemv" and "dense gemv" not in steps("vllm")
-    monkeypatch.setenv(ENV, "0")
-    assert "dense gemv" not in steps("optimized")
+    assert steps("optimized", {})[-1] == "dense gemv"             # on by default, under any server
+    assert "dense gemv" not in steps("vllm", {})
+    assert "dense gemv" not in steps("optimized", {"MOE_SERVE_DENSE_GEMV": "0"})
+    assert steps("optimized", {"MOE_SERVE_DENSE_GEMV": "0"}, dense_gemv=True)[-1] == "dense gemv"
 
 
 def test_warm_up_compiles_what_the_op_saw_and_reports_small_calls_left_to_f_linear(

@@ -16,6 +16,8 @@ from kernels.moe import configs, routing, selection
 from kernels.plugin import jit_monitor, vllm_compat
 from kernels.plugin.layer_warmup import LayerShape, VllmCallTemplate, _vllm_group, warmup_plan
 from kernels.plugin.plugin_metrics import PluginMetrics
+from kernels.config import PluginConfig
+from kernels.plugin.layer_plan import LayerFacts
 from kernels.plugin.vllm_plugin import MoePlugin
 from bench.experts.reference import moe_reference, rel_err
 
@@ -24,7 +26,7 @@ E, N, K, TOPK = 4, 16, 32, 2
 
 @pytest.fixture()
 def plugin() -> Any:
-    p = MoePlugin("optimized", None)
+    p = MoePlugin(PluginConfig(), None)
     p.registry = CollectorRegistry()
     p.metrics = PluginMetrics(0, "optimized", registry=p.registry)
     yield p
@@ -173,10 +175,15 @@ def test_phase_turns_serving_whatever_warmup_does(plugin, vllm_fails):
     assert _value(plugin, "moe_serve_triton_jit_compiles_total", kernel="k", phase="serving", rank="0") == 1
 
 
-def test_one_failing_shape_does_not_stop_the_others(plugin, monkeypatch):
+def _plan(plugin: Any, shape: LayerShape) -> Any:
+    """The shape's layer plan, as the MoE hook has it made at the layer's first call."""
+    return plugin.plan_for(LayerFacts(shape.E, shape.N, shape.K, shape.topk, shape.route_dtype), None)
+
+
+def test_one_failing_shape_does_not_stop_the_others(plugin):
     """A shape whose warm-up raises is counted, not retried (also not when seen again while
     serving), and the other shapes still warm."""
-    monkeypatch.setenv(routing.ROUTING_ENV, "ours")
+    plugin.config = PluginConfig(moe_routing="ours")
     warmed = []
 
     def warm_variants(E, N, K, *args, **kwargs) -> int:
@@ -188,13 +195,13 @@ def test_one_failing_shape_does_not_stop_the_others(plugin, monkeypatch):
     plugin.layers.warm_variants = warm_variants
     bad = LayerShape(8, N, K, TOPK, torch.float32, None, False, False, torch.int32, "cpu")
     good = LayerShape(E, N, K, TOPK, torch.float32, None, False, False, torch.int32, "cpu")
-    plugin.layers.see(bad)
-    plugin.layers.see(good)
+    plugin.layers.see(bad, _plan(plugin, bad))
+    plugin.layers.see(good, _plan(plugin, good))
     plugin.layers.warm_pending()
     assert warmed == [E] and plugin.layers.warmed == {good} and plugin.layers.failed == {bad}
     assert _value(plugin, "moe_serve_plugin_warmup_failures_total", rank="0") == 1
     plugin.serve()
-    plugin.layers.see(bad)  # seen again while serving: no second attempt
+    plugin.layers.see(bad, _plan(plugin, bad))  # seen again while serving: no second attempt
     assert not plugin.layers.pending and warmed == [E]
     assert _value(plugin, "moe_serve_plugin_warmup_failures_total", rank="0") == 1
 
@@ -207,7 +214,7 @@ def test_block_and_per_token_layers_warm_their_own_variants(plugin, monkeypatch)
     from kernels.moe.fused_moe import fused_moe
     from kernels.moe.launch import record_launches
 
-    monkeypatch.setenv(routing.ROUTING_ENV, "ours")
+    plugin.config = PluginConfig(moe_routing="ours")
     plugin.facts = vllm_compat.WorkerFacts(0, 0, "test", max_num_batched_tokens=8, max_num_seqs=8,
                                            backend="auto", dtype="fp8", activation_dtype="bf16",
                                            tp_size=1)
@@ -223,7 +230,7 @@ def test_block_and_per_token_layers_warm_their_own_variants(plugin, monkeypatch)
     assert block.route_dtype == quant_format.block_key(16, 16)
     assert token.route_dtype == quant_format.PER_TOKEN
     for shape in (block, token):
-        plugin.layers.see(shape)
+        plugin.layers.see(shape, _plan(plugin, shape))
     plugin.layers.warm_pending()
     assert plugin.layers.warmed == {block, token} and not plugin.layers.failed
     modes = set()

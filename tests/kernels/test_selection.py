@@ -82,7 +82,7 @@ def test_a_refused_config_table_voids_its_measured_routing(env_dir):
 def test_env_policy_and_unsupported_layers(env_dir, monkeypatch):
     monkeypatch.setenv(routing.ROUTING_ENV, "vllm")
     forced = selection.choose(*MIXTRAL, 1, **H200)
-    assert forced.path == selection.VLLM and routing.ROUTING_ENV in forced.route.rule
+    assert forced.path == selection.VLLM and forced.route.rule == "moe_routing=vllm"
     assert selection.describe(8, 1792, 4096, "bf16", **H200) == "all:vllm"
     monkeypatch.setenv(routing.ROUTING_ENV, "ours")
     blocked = selection.choose(*MIXTRAL, 1, **H200, unsupported="fp8_block")

