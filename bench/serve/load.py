@@ -27,7 +27,6 @@ from loadtest.scenarios import RequestSpec
 from loadtest.stream import StreamTimer, request_body, stream_into
 
 FIRST_PROMPT_ID = 1000            # prompt ids are drawn from [FIRST_PROMPT_ID, vocab)
-MAX_PROMPT_VOCAB = 32000          # the Mixtral tokenizer the dummy models carry
 
 
 @dataclass
@@ -56,10 +55,10 @@ class LoadRecord(Record):
 
 
 def prompt_ids(level: int, index: int, tokens: int, vocab: int, seed: int = 0) -> list[int]:
-    """The prompt of request `index` at concurrency `level`: `tokens` ids, the same in every run."""
+    """The prompt of request `index` at concurrency `level`: `tokens` ids below `vocab` (the ids
+    the model's tokenizer decodes: bench.model_dirs.decodable_ids), the same in every run."""
     rng = random.Random(f"yardstick-{seed}-{level}-{index}")
-    top = min(vocab, MAX_PROMPT_VOCAB)
-    return [rng.randrange(min(FIRST_PROMPT_ID, top // 2), top) for _ in range(tokens)]
+    return [rng.randrange(min(FIRST_PROMPT_ID, vocab // 2), vocab) for _ in range(tokens)]
 
 
 class LoadClient:

@@ -4,19 +4,14 @@ A GPU host often gets a copy of the tree without .git, so `--commit` names the c
 dirty flag is unknown there. Every run therefore also records `source_sha256`: a digest of the
 files that decide what the servers and the yardstick do (SOURCE: code, configs and tables, the
 benchmark models' configs; not bench/results). Where git has the commit, `digest_at` recomputes
-the same digest from the commit's blobs, so
-
-    moe-serve bench serve verify DIR [DIR...]
-
-tells, per process, whether it ran exactly the named commit's source ("clean"), something else
-("differs": an uncommitted change or another commit), or cannot be told (no digest recorded, or
-the commit is not in this clone). Exit 1 where any process differs.
+the same digest from the commit's blobs, so `verdict` tells, per process, whether it ran
+exactly the named commit's source ("clean"), something else ("differs": an uncommitted change or
+another commit), or cannot be told (no digest recorded, or the commit is not in this clone);
+`moe-serve bench serve verify` (verify.py) reports it with the run record's other checks.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
 import subprocess
 from collections.abc import Iterable
 from pathlib import Path
@@ -80,22 +75,3 @@ def verdict(meta: dict, root: Path = ROOT, cache: dict[str, str | None] | None =
     if cache[commit] is None:
         return "commit not in this clone"
     return "clean" if cache[commit] == recorded else "differs"
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="moe-serve bench serve verify", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("dirs", nargs="+", type=Path, help="yardstick output or claim folders")
-    a = p.parse_args(argv)
-    cache: dict[str, str | None] = {}
-    metas = sorted(m for d in a.dirs for m in d.rglob("meta.json"))
-    if not metas:
-        print(f"no yardstick process (meta.json) under {', '.join(map(str, a.dirs))}")
-        return 2
-    bad = 0
-    for path in metas:
-        meta = json.loads(path.read_text())
-        v = verdict(meta, cache=cache)
-        bad += v == "differs"
-        print(f"{path.parent}: {(meta.get('commit') or 'no commit')[:10]} {v}")
-    return 1 if bad else 0

@@ -35,6 +35,8 @@ from typing import Any
 
 import psutil
 
+from bench.serve import run_env
+from bench.serve.run_env import ROUTING_ENV   # vLLM's routing simulation (0.26 and later)
 from loadtest.server_proc import ServerProcess
 
 BASELINE, FRONTEND, OURS = "vllm-serve", "moe-serve-vllm-kernels", "moe-serve"
@@ -56,7 +58,6 @@ VARIANT_FLAGS = {FUSED_ROUTER: ["--fused-router"], NO_ROUTER: ["--no-fused-route
 BLOCK_PDL_ENV = "MOE_SERVE_BLOCK_PDL"           # set for every moe-serve variant, not inherited
 SERVED_NAME = "yardstick"
 CPU_KV_CACHE_BYTES = 512 * 1024 ** 2
-ROUTING_ENV = "VLLM_MOE_ROUTING_SIMULATION_STRATEGY"   # vLLM's routing simulation (0.26 and later)
 WEIGHTS = "weights"                            # routing mode: as the model's router routes
 # Settings a variant changes on purpose (its own switch), left out when runs are compared: the MoE
 # backend of the Triton control, and moe-serve's with its kernels (its backend policy picks Triton).
@@ -230,6 +231,7 @@ class Server:
                  trace_dir: Path | None = None) -> None:
         module, argv, env = command(variant, model_dir, flags, trace_dir)
         self.variant, self.argv = variant, [module, *argv]
+        self.environment = run_env.record(env, argv)     # what decides what it runs (run_env.py)
         self.proc = ServerProcess(log_path.parent, *argv, env=env, module=module, log_name=log_path.name)
         self.base_url = self.proc.base_url
 

@@ -15,14 +15,15 @@ measured requests at c:
 
 A cell with a failed request is left out of the pool (and counted). Pooled over processes, a
 cell is the geometric mean; its ratio to the baseline is the ratio of geometric means with a
-95 % Welch interval on logs (decode_stats.ratio_ci), oriented so that higher is better for the
+95 % Welch interval on logs (bench.stats.ratio_ci), oriented so that higher is better for the
 variant: ITL and TTFT speedup = baseline / variant, tok/s = variant / baseline, API CPU =
 baseline / variant.
 
 Processes are pooled per model across directories (machines, sessions); runs of one model whose
-workload (levels, prompt and output tokens, engine flags, expert-load mode, model config) differs
-are refused, and so are processes whose resolved engine configuration (meta's `engine_config`)
-differs from the baseline's beyond the variant's own switch (servers.VARIANT_CONFIG_KEYS).
+workload (levels, prompt and output tokens, prompt ids, engine flags, expert-load mode, model
+config) differs are refused, and so are processes whose resolved engine configuration (meta's
+`engine_config`) differs from the baseline's beyond the variant's own switch
+(servers.VARIANT_CONFIG_KEYS), and processes that recorded different vLLM MoE tables.
 Answers (answers.json) are compared with the baseline's first process: its other processes give
 the noise floor.
 """
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.model_dirs import config_sha, model_config
+from bench.model_dirs import model_config_of_run
 from bench.serve import answers, roofline
 from bench.serve.servers import VARIANT_CONFIG_KEYS, WEIGHTS, config_differences
 from bench.stats import ratio_ci
@@ -44,14 +45,14 @@ COMPLETE = "complete"
 REQUESTS = "requests.jsonl"
 API_CPU = "api_cpu.json"
 WORKLOAD_KEYS = ("model", "config_sha256", "levels", "prompt_tokens", "output_tokens", "engine",
-                 "warmup_pass")
+                 "warmup_pass", "prompt_vocab")
 
 
 @dataclass
 class Process:
     """One complete process: its meta.json and its cells by concurrency."""
 
-    dir: Any                        # a Path, or a directory inside a results archive
+    dir: Path
     meta: dict[str, Any]
     cells: dict[int, dict[str, Any]] = field(default_factory=dict)
 
@@ -61,10 +62,10 @@ class Process:
 
 
 def workload(meta: dict[str, Any]) -> dict[str, Any]:
-    return {k: meta["workload"].get(k, False) for k in WORKLOAD_KEYS}   # older runs: no warm-up pass
+    return {k: meta["workload"].get(k, False) for k in WORKLOAD_KEYS}   # older runs: no warm-up pass, vocab
 
 
-def read_records(d: Any) -> list[dict[str, Any]]:
+def read_records(d: Path) -> list[dict[str, Any]]:
     """A process's request records: requests.jsonl as the run wrote it, or the compressed copy
     kept as evidence (requests.jsonl.xz); a torn last line (killed writer) is skipped."""
     plain, packed = d / REQUESTS, d / (REQUESTS + ".xz")
@@ -100,8 +101,8 @@ def floor_bytes(meta: dict[str, Any]) -> dict[str, float]:
     if meta.get("floor_bytes"):
         return meta["floor_bytes"]
     w = meta["workload"]
-    cfg = model_config(w["model"])
-    if cfg is None or config_sha(cfg) != w["config_sha256"]:
+    cfg = model_config_of_run(w["model"], w["config_sha256"])
+    if cfg is None:
         return {}
     context = w["prompt_tokens"] + w["output_tokens"] / 2
     try:
@@ -111,7 +112,7 @@ def floor_bytes(meta: dict[str, Any]) -> dict[str, float]:
         return {}
 
 
-def load_process(d: Any) -> Process:
+def load_process(d: Path) -> Process:
     meta = json.loads((d / "meta.json").read_text())
     p = Process(d, meta)
     w = meta["workload"]
@@ -130,16 +131,15 @@ def load_process(d: Any) -> Process:
     return p
 
 
-def process_dirs(run_dir: Any) -> list[Any]:
-    """DIR/<variant>/r<round>/ of every complete process: a Path, or a directory inside a closed
-    date's archive (bench/results_archive.ArchivePath, which globs one level at a time)."""
+def process_dirs(run_dir: Path) -> list[Path]:
+    """DIR/<variant>/r<round>/ of every complete process."""
     return [r for v in sorted(run_dir.iterdir()) if v.is_dir()
             for r in sorted(v.glob("r*")) if (r / COMPLETE).is_file()]
 
 
-def load(dirs: list[Any]) -> list[Process]:
+def load(dirs: list[Path | str]) -> list[Process]:
     """Every complete process under the given run directories."""
-    return [load_process(p) for d in dirs for p in process_dirs(Path(d) if isinstance(d, str) else d)]
+    return [load_process(p) for d in dirs for p in process_dirs(Path(d))]
 
 
 def by_model(procs: list[Process], baseline: str) -> dict[str, list[Process]]:
@@ -157,6 +157,9 @@ def by_model(procs: list[Process], baseline: str) -> dict[str, list[Process]]:
         if bad:
             raise SystemExit(f"{model}: processes whose engine configuration differs from {baseline}'s, not pooled:\n"
                              + "\n".join(f"{d}: {diff}" for d, diff in bad))
+        tables = {json.dumps(p.meta["vllm_moe_table"], sort_keys=True) for p in ps if "vllm_moe_table" in p.meta}
+        if len(tables) > 1:
+            raise SystemExit(f"{model}: processes that ran different vLLM MoE tables, not pooled:\n" + "\n".join(sorted(tables)))
     return out
 
 

@@ -1,9 +1,10 @@
 """The yardstick: moe-serve against `vllm serve` on a whole model over HTTP (`moe-serve bench serve`).
 
-    moe-serve bench serve --model qwen3-30b-a3b --out DIR [--processes 4] [--routing uniform_random]
+    moe-serve bench serve --model qwen3-30b-a3b --out DIR [--processes 3] [--routing uniform_random]
+                          [--vllm-tuned-config-folder DIR]
     moe-serve bench serve ... --out DIR            # again: resumes, skips finished processes
     moe-serve bench serve report DIR [DIR...]      # the pooled markdown table
-    moe-serve bench serve verify DIR [DIR...]      # did each process run its named commit's source
+    moe-serve bench serve verify DIR [DIR...]      # is every process publishable (verify.py)
 
 **Primary metrics, fixed before any run: c = 1 ITL p50 (as the weights route) and c = 8 output
 tok/s under realistic expert load (`--routing uniform_random`).**
@@ -15,6 +16,14 @@ vllm.entrypoints.openai.api_server`, no vLLM plugin), `moe-serve-vllm-kernels` (
 weights, `--model embedded`, or `--model-dir` any local HF dir) with identical engine flags
 (servers.py). Round r runs the variants in rotated order (three variants: every second cycle of
 rotations reversed, so each variant takes each position and precedes each other one equally often).
+After `--processes` rounds, rounds are added up to `--max-processes` while a primary cell has fewer
+processes than its interval needs (schedule.py: 3 + 3, 4 + 4 where it is wider than 2 %).
+
+`vllm serve` runs the best MoE table vLLM can use on the GPU (baseline_table.py): vLLM reads
+`VLLM_TUNED_CONFIG_FOLDER` first, then the tables it ships; `--vllm-tuned-config-folder DIR` (a
+folder of vLLM-format tables, e.g. what `moe-serve tune --for-vllm` wrote) sets it for every
+server alike (it changes only vLLM's own kernel). Every process records which table that is and
+the line of its server log that shows vLLM loaded it (or ran its untuned default).
 
 Expert load (`--routing`): `weights` routes as the model's router does (dummy weights crowd a
 batch's tokens onto few experts; at c = 1 a token reads its top-k experts whatever the weights);
@@ -28,9 +37,10 @@ over every level (one-time compiles of a fresh server), then per level a warm-up
 (teacher-forced log-probabilities, to compare the servers' answers). Ratios, intervals and the
 byte floor come from stats.py, the tables from render.py.
 
-Files: DIR/<variant>/r<round>/ meta.json (host, GPU, commit, dirty flag and source digest, versions, flags,
-start/ready/end times, copy ceiling, byte-floor bytes per c, the engine configuration vLLM logged),
-requests.jsonl (one line per request, as it finishes), api_cpu.json (CPU seconds of the server's
+Files: DIR/<variant>/r<round>/ meta.json (host, GPU, driver, commit, dirty flag and source digest,
+versions, flags, the environment that decides what the server ran (run_env.py), vLLM's MoE table
+and what the log says of it, start/ready/end times, copy ceiling, byte-floor bytes per c, the
+engine configuration vLLM logged; process.py), requests.jsonl (one line per request, as it finishes), api_cpu.json (CPU seconds of the server's
 API process over each timed level), answers.json, server.log, version.json and moe_metrics.txt
 (what the server reports it ran), profile.json (with --profile) and `complete` once the process
 finished. A process with a `complete` marker is never run again; an unfinished one is redone from
@@ -44,28 +54,24 @@ engine the floor column stays empty.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import shutil
+import os
 import signal
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from bench.model_dirs import config_sha, dummy_model_dir
-from bench.serve import answers
+from bench.model_dirs import config_sha, decodable_ids, dummy_model_dir
+from bench.serve import baseline_table, roofline, run_env
 from bench.serve import host as serve_host
-from bench.serve import profile as serve_profile
-from bench.serve import provenance, roofline
 from bench.serve import stats as serve_stats
-from bench.serve.load import LoadClient
-from bench.serve.schedule import plan, requests_at, warmup_count, warmup_pass_count
-from bench.serve.servers import (ALL_VARIANTS, CPU_KV_CACHE_BYTES, FRONTEND, SERVED_NAME, VARIANTS, WEIGHTS,
-                                 EngineFlags, Server, chosen_backends, engine_config)
+from bench.serve import verify
+from bench.serve.process import run_process
+from bench.serve.schedule import MIN_PROCESSES, WIDE_PROCESSES, more_rounds, plan, requests_at, warmup_count
+from bench.serve.servers import (ALL_VARIANTS, BASELINE, CPU_KV_CACHE_BYTES, FRONTEND, VARIANTS, WEIGHTS,
+                                 EngineFlags, routing_env)
 
 T0 = time.monotonic()
 PROBE_S = 60.0                 # what the host probe (imports, copy ceiling) may take before the first process
@@ -92,9 +98,11 @@ def on_gpu() -> bool:
     return any(Path("/dev").glob("nvidia[0-9]*")) or any(Path("/proc/driver/nvidia/gpus").glob("*"))
 
 
-def workload_of(a: argparse.Namespace, name: str, cfg: dict[str, Any], flags: EngineFlags) -> dict[str, Any]:
+def workload_of(a: argparse.Namespace, name: str, cfg: dict[str, Any], flags: EngineFlags,
+                prompt_vocab: int) -> dict[str, Any]:
     return {"model": name, "config_sha256": config_sha(cfg), "levels": a.levels, "prompt_tokens": a.prompt_tokens,
-            "output_tokens": a.output_tokens, "engine": flags.as_dict(), "warmup_pass": a.warmup_pass}
+            "output_tokens": a.output_tokens, "engine": flags.as_dict(), "warmup_pass": a.warmup_pass,
+            "prompt_vocab": prompt_vocab}
 
 
 def floor_bytes(cfg: dict[str, Any], tp: int, levels: list[int], context: float) -> dict[str, float] | None:
@@ -121,121 +129,28 @@ def profiled_variants(out: Path) -> set[str]:
     return {p.variant for p in serve_stats.load([out]) if "levels" in p.meta.get("profile", {})}
 
 
-async def drive(server: Server, a: argparse.Namespace, vocab: int, pdir: Path, profile: bool) -> None:
-    """The timed levels, then (profile) the profiled bursts; every request into requests.jsonl, the
-    API process's CPU time per timed level (warm-up and measured requests) into api_cpu.json."""
-    client = LoadClient(server.base_url, SERVED_NAME, a.prompt_tokens, vocab, pdir / "requests.jsonl")
-    api_cpu: dict[str, dict[str, float]] = {}
-    try:
-        if a.warmup_pass:   # every level once before any is timed: one-time compiles and
-            for stage, c in enumerate(a.levels):   # allocations of every batch size land here
-                await client.level(stage, c, warmup_pass_count(c), 0, a.output_tokens)
-        for stage, c in enumerate(a.levels):
-            cpu_before = server.api_cpu_s()
-            recs = await client.level(stage, c, warmup_count(c), requests_at(c, a.requests_per_level), a.output_tokens)
-            api_cpu[str(c)] = {"cpu_s": server.api_cpu_s() - cpu_before, "requests": len(recs),
-                               "output_tokens": sum(r.output_tokens for r in recs if r.status == "ok")}
-            (pdir / serve_stats.API_CPU).write_text(json.dumps(api_cpu))
-            measured = [asdict(r) for r in recs if r.phase == "measured"]
-            x = serve_stats.cell(measured, a.output_tokens, None)
-            if x["errors"] == len(measured):
-                raise RuntimeError(f"c={c}: every measured request failed, e.g. {x['error']}")
-            log(f"  c={c}: " + (f"{x['errors']} of {len(measured)} requests failed: {x['error']}" if x["errors"] else
-                                f"ITL p50 {x['itl_p50_ms']:.3f} ms, TTFT p50 {x['ttft_p50_ms']:.1f} ms, "
-                                f"{x['tok_s']:.1f} tok/s ({len(measured)} requests)"))
-        if a.routing == WEIGHTS:  # a routing simulation draws experts at random: answers only as the weights route
-            try:
-                said = await answers.collect(client.http, server.base_url, SERVED_NAME, vocab)
-                (pdir / answers.ANSWERS).write_text(json.dumps(said))
-                log(f"  answers: {len(said['prompts'])} prompts, teacher-forced")
-            except (httpx.HTTPError, ValueError, KeyError) as e:
-                log(f"  answers failed: {type(e).__name__}: {str(e)[:300]}")
-        if profile:
-            out: dict[str, Any] = {"levels": {}}
-            try:
-                for c in a.profile_levels:
-                    out["levels"][str(c)] = await serve_profile.capture(
-                        client, len(a.levels), c, a.profile_tokens, pdir / "traces",
-                        pdir / "kept-traces" if a.keep_traces else None)
-                    log(f"  c={c}: profiled")
-            except Exception as e:  # noqa: BLE001 - the timed levels stand; the next process profiles again
-                log(f"  profile failed: {type(e).__name__}: {e}")
-                out = {"error": f"{type(e).__name__}: {e}"[:500]}
-            (pdir / "profile.json").write_text(json.dumps(out))
-            shutil.rmtree(pdir / "traces", ignore_errors=True)
-    finally:
-        await client.close()
-
-
-def snapshot(base_url: str, pdir: Path) -> None:
-    """What the server says it ran, after its loads: /version (JSON) into version.json and its
-    moe_serve_* Prometheus samples (kernel launches by path, fallbacks, fused-router calls, JIT
-    compiles) into moe_metrics.txt. `vllm serve` has no moe_serve_* samples: the file is empty."""
-    for route, name in (("/version", "version.json"), ("/metrics", "moe_metrics.txt")):
-        try:
-            r = httpx.get(base_url + route, timeout=10.0)
-            r.raise_for_status()
-        except httpx.HTTPError as e:
-            log(f"  {route}: {type(e).__name__}: {e}")
-            continue
-        text = r.text if route == "/version" else "".join(
-            line + "\n" for line in r.text.splitlines() if line.startswith("moe_serve_"))
-        (pdir / name).write_text(text)
-
-
-def run_process(a: argparse.Namespace, variant: str, rnd: int, model: tuple[Path, dict[str, Any]],
-                flags: EngineFlags, meta0: dict[str, Any], profile: bool) -> float:
-    """One server start, its loads, its stop; returns wall seconds. Raises on failure (files kept)."""
-    model_dir, cfg = model
-    pdir = a.out / variant / f"r{rnd}"
-    shutil.rmtree(pdir, ignore_errors=True)         # an unfinished earlier try is redone whole
-    pdir.mkdir(parents=True)
-    began = time.time()
-    meta = {**meta0, "variant": variant, "round": rnd, "profiled": profile, "start": began}
-
-    def write() -> None:
-        (pdir / "meta.json").write_text(json.dumps(meta, indent=1))
-
-    server = Server(variant, pdir / "server.log", model_dir, flags, pdir / "traces" if profile else None)
-    meta["argv"] = server.argv
-    write()
-    try:
-        meta["ready_s"] = server.wait_ready(a.ready_timeout_s, log)
-        meta["ready"] = time.time()
-        log(f"  ready in {meta['ready_s']:.0f} s")
-        log_text = (pdir / "server.log").read_text(errors="replace")
-        meta["engine_config"], meta["backends"] = engine_config(log_text), chosen_backends(log_text)
-        if meta["engine_config"] is None:
-            log("  the server log holds no engine configuration line")
-        write()
-        asyncio.run(drive(server, a, cfg["vocab_size"], pdir, profile))
-        snapshot(server.base_url, pdir)
-    except BaseException as e:
-        meta["error"] = f"{type(e).__name__}: {e}"[:2000]
-        raise
-    finally:
-        meta["exit_code"] = server.stop()
-        meta["end"] = time.time()
-        meta["wall_s"] = meta["end"] - began
-        write()
-    (pdir / serve_stats.COMPLETE).write_text(json.dumps({"end": meta["end"]}))
-    return meta["wall_s"]
-
-
 def host_meta(a: argparse.Namespace, host: str, work: dict[str, Any], cfg: dict[str, Any],
               model_dir: Path) -> dict[str, Any]:
-    """What every process of this call records: machine, versions, commit, copy ceiling, workload.
-    Also gives every variant's server the environment moe-serve gives vLLM."""
+    """What every process of this call records: machine, versions, commit, copy ceiling, workload,
+    the MoE table vLLM will load (baseline_table.expected). Also gives every variant's server the
+    environment moe-serve gives vLLM."""
     from service.engine import default_engine_env
 
     default_engine_env()
     probe = serve_host.probe()                  # in a subprocess: the GPU is free again after it
     ceiling = a.copy_ceiling_tbs * 1e12 if a.copy_ceiling_tbs else probe["copy_ceiling_bps"]
-    log(f"host {host}, {probe['gpu']}, copy ceiling " + (f"{ceiling / 1e12:.2f} TB/s" if ceiling else "n/a")
-        + f", vLLM {probe['vllm']}, torch {probe['torch']}")
+    tuned = os.environ.get(run_env.TUNED_ENV)
+    table = baseline_table.expected(cfg, a.tensor_parallel_size, probe["gpu"], Path(tuned) if tuned else None,
+                                    baseline_table.shipped_dir())
+    log(f"host {host}, {probe['gpu']} (driver {probe['driver']}), copy ceiling "
+        + (f"{ceiling / 1e12:.2f} TB/s" if ceiling else "n/a") + f", vLLM {probe['vllm']}, torch {probe['torch']}; "
+        f"`vllm serve`'s MoE table: {baseline_table.label([table])}")
+    code = serve_host.commit(a.commit)
+    if code["dirty"]:
+        log("the tree has uncommitted changes: these processes cannot be published (verify refuses them)")
     return {"host": host, **probe, "copy_ceiling_bps": ceiling,
             "copy_ceiling_source": "flag" if a.copy_ceiling_tbs else "measured",
-            **serve_host.commit(a.commit), "workload": work,
+            **code, "workload": work, "vllm_moe_table": table,
             "requests_per_level": {str(c): requests_at(c, a.requests_per_level) for c in a.levels},
             "warmup_per_level": {str(c): warmup_count(c) for c in a.levels},
             "floor_bytes": floor_bytes(cfg, a.tensor_parallel_size, a.levels, a.prompt_tokens + a.output_tokens / 2),
@@ -246,9 +161,85 @@ def _terminate(signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")     # unwinds through every finally: servers are stopped
 
 
+@dataclass
+class Call:
+    """One invocation: its arguments, model, engine flags, workload, clock, and what it learned."""
+
+    a: argparse.Namespace
+    model_dir: Path
+    cfg: dict[str, Any]
+    flags: EngineFlags
+    work: dict[str, Any]
+    started: float = field(default_factory=time.monotonic)
+    host: str = field(default_factory=serve_host.host_name)
+    meta0: dict[str, Any] | None = None
+    failed: set[str] = field(default_factory=set)
+
+
+def same_setup(c: Call) -> str | None:
+    """Why this call's servers would run otherwise than the processes already in --out (their
+    vLLM MoE table, or the environment every server of a run shares); None where they would not."""
+    assert c.meta0 is not None
+    mine = run_env.shared(run_env.record(routing_env(c.flags.routing), []))
+    for p in serve_stats.load([c.a.out]):
+        if "vllm_moe_table" in p.meta and p.meta["vllm_moe_table"] != c.meta0["vllm_moe_table"]:
+            return f"{p.dir} ran vLLM's MoE table {baseline_table.label([p.meta['vllm_moe_table']])}"
+        if "environment" in p.meta and run_env.shared(p.meta["environment"]) != mine:
+            return f"{p.dir} ran another shared environment: {run_env.shared(p.meta['environment'])}"
+    return None
+
+
+def run_rounds(c: Call, rounds: int) -> int:
+    """Every unfinished process of rounds 0..rounds-1; 0, 1 (a variant failed), 2 (another
+    setup in --out) or 3 (the budget ran out)."""
+    a = c.a
+    todo = [(r, v) for r, v in plan(a.variants, rounds, a.frontend_every)
+            if v not in c.failed and not (a.out / v / f"r{r}" / serve_stats.COMPLETE).is_file()]
+    log(f"{c.work['model']}: {len(todo)} processes to run in {a.out} (expert load: {a.routing}); primary metrics: "
+        "c = 1 ITL p50 (as the weights route) and c = 8 output tok/s (uniform routing)")
+    vocab = c.work["prompt_vocab"]
+    for i, (r, v) in enumerate(todo):
+        if v in c.failed:
+            continue
+        profile = a.profile and v not in profiled_variants(a.out)
+        walls = expected_walls(a.out, c.host)
+        need = walls.get((v, profile)) or (walls.get((v, False), a.expect_process_s)
+                                            + (a.expect_profile_s if profile else 0))
+        need += PROBE_S if c.meta0 is None else 0
+        left = a.budget_s - (time.monotonic() - c.started)
+        if left < need:
+            log(f"budget: {left:.0f} s left < {need:.0f} s for {v}; stopping with {len(todo) - i} processes to go "
+                "(run the same command to resume)")
+            return 3
+        if c.meta0 is None:
+            c.meta0 = host_meta(a, c.host, c.work, c.cfg, c.model_dir)
+            if why := same_setup(c):
+                log(f"{why}; use another --out")
+                return 2
+        log(f"process {i + 1}/{len(todo)}: round {r} {v}" + (" (profiled)" if profile else ""))
+        try:
+            wall = run_process(a, v, r, (c.model_dir, vocab), c.flags, c.meta0, profile, log)
+        except (RuntimeError, TimeoutError, OSError) as e:
+            log(f"FAILED {v} r{r}: {type(e).__name__}: {str(e)[-1500:]}\n  skipping {v}'s other processes in this call")
+            c.failed.add(v)
+            continue
+        log(f"round {r} {v} done in {wall:.0f} s")
+    return 1 if c.failed else 0
+
+
+def short_cells(out: Path, variants: list[str]) -> list[str]:
+    """The primary cells of the run in `out` short of processes for their interval (schedule.more_rounds)."""
+    procs = serve_stats.load([out])
+    return more_rounds(serve_stats.pooled_rows(procs, BASELINE, tuple(variants))) if procs else []
+
+
 def run(a: argparse.Namespace) -> int:
-    started = time.monotonic()
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.vllm_tuned_config_folder:
+        if not a.vllm_tuned_config_folder.is_dir():
+            log(f"--vllm-tuned-config-folder {a.vllm_tuned_config_folder}: no such folder")
+            return 2
+        os.environ[run_env.TUNED_ENV] = str(a.vllm_tuned_config_folder.resolve())   # every server inherits it
     model_dir, name, load_format = model_setup(a)
     cfg = json.loads((model_dir / "config.json").read_text())
     gpu = on_gpu()
@@ -256,52 +247,35 @@ def run(a: argparse.Namespace) -> int:
                         tensor_parallel_size=a.tensor_parallel_size,
                         gpu_memory_utilization=a.gpu_memory_utilization if gpu else None,
                         kv_cache_memory_bytes=None if gpu else CPU_KV_CACHE_BYTES, routing=a.routing)
-    work = workload_of(a, name, cfg, flags)
-    others = [p.dir for p in serve_stats.load([a.out]) if serve_stats.workload(p.meta) != work]
+    c = Call(a, model_dir, cfg, flags, workload_of(a, name, cfg, flags, decodable_ids(model_dir, cfg["vocab_size"])))
+    others = [p.dir for p in serve_stats.load([a.out]) if serve_stats.workload(p.meta) != c.work]
     if others:
         log(f"{len(others)} processes in {a.out} ran another workload (e.g. {others[0]}); use another --out")
         return 2
-    todo = [(r, v) for r, v in plan(a.variants, a.processes, a.frontend_every)
-            if not (a.out / v / f"r{r}" / serve_stats.COMPLETE).is_file()]
-    log(f"{name}: {len(todo)} processes to run in {a.out} (expert load: {a.routing}); primary metrics: c = 1 ITL "
-        "p50 (as the weights route) and c = 8 output tok/s (uniform routing)")
-    if not todo:
-        return 0
     signal.signal(signal.SIGTERM, _terminate)
-    host, meta0 = serve_host.host_name(), None
-    failed: set[str] = set()
-    for i, (r, v) in enumerate(todo):
-        if v in failed:
-            continue
-        profile = a.profile and v not in profiled_variants(a.out)
-        walls = expected_walls(a.out, host)
-        need = walls.get((v, profile)) or (walls.get((v, False), a.expect_process_s)
-                                            + (a.expect_profile_s if profile else 0))
-        need += PROBE_S if meta0 is None else 0
-        left = a.budget_s - (time.monotonic() - started)
-        if left < need:
-            log(f"budget: {left:.0f} s left < {need:.0f} s for {v}; stopping with {len(todo) - i} processes to go "
-                "(run the same command to resume)")
-            return 3
-        meta0 = meta0 or host_meta(a, host, work, cfg, model_dir)
-        log(f"process {i + 1}/{len(todo)}: round {r} {v}" + (" (profiled)" if profile else ""))
+    rounds = a.processes
+    while True:
+        code = run_rounds(c, rounds)
+        if code or rounds >= a.max_processes or BASELINE not in a.variants:
+            return code
         try:
-            wall = run_process(a, v, r, (model_dir, cfg), flags, meta0, profile)
-        except (RuntimeError, TimeoutError, OSError) as e:
-            log(f"FAILED {v} r{r}: {type(e).__name__}: {str(e)[-1500:]}\n  skipping {v}'s other processes in this call")
-            failed.add(v)
-            continue
-        log(f"round {r} {v} done in {wall:.0f} s")
-    return 1 if failed else 0
+            short = short_cells(a.out, a.variants)
+        except ImportError as e:         # scipy (the intervals) is not on every GPU host
+            log(f"no interval here ({e}): run with --processes {a.max_processes} to add rounds")
+            return code
+        if not short:
+            return code
+        log(f"adding round {rounds}: {'; '.join(short)}")
+        rounds += 1
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="moe-serve bench serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Time on one H200 or H100: engine start 50-170 s per process, then the loads: "
-                                       "about 30 s at c = 1 alone, about 3 min over the default levels "
-                                       "(16 waves of c each); --concurrency 1 with 4 variants x 3 processes "
-                                       "took 19 min on an H100.")
+                                       "about 30 s at c = 1 alone, about 3.5 min over the default levels "
+                                       "(16 waves of c each, 32 at c = 8); --concurrency 1 with 4 variants x 3 "
+                                       "processes took 19 min on an H100.")
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     p.add_argument("--model", default="qwen3-30b-a3b", help="bench/models/<name> (dummy weights) or 'embedded'")
     p.add_argument("--model-dir", help="a local HF model directory instead of --model")
@@ -309,7 +283,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS),
                    help=f"comma list of {', '.join(ALL_VARIANTS)} (default: {', '.join(VARIANTS)})")
-    p.add_argument("--processes", type=int, default=4, help="rounds: processes per variant")
+    p.add_argument("--processes", type=int, default=MIN_PROCESSES, help="rounds: processes per variant")
+    p.add_argument("--max-processes", type=int, default=None,
+                   help="add rounds up to this many while a primary cell's interval needs more processes (default: "
+                        f"{WIDE_PROCESSES} where --processes is at least {MIN_PROCESSES}, a headline run; else none)")
+    p.add_argument("--vllm-tuned-config-folder", type=Path, default=None,
+                   help="VLLM_TUNED_CONFIG_FOLDER for every server: vLLM-format MoE tables (e.g. from `moe-serve "
+                        "tune --for-vllm`), which vLLM's own kernel reads before the tables it ships")
     p.add_argument("--frontend-every", type=int, default=2, help=f"{FRONTEND} runs in every K-th round only")
     p.add_argument("--concurrency", dest="levels", type=ints, default=[1, 8, 32, 64, 128])
     p.add_argument("--routing", default=WEIGHTS,
@@ -320,7 +300,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-warmup-pass", dest="warmup_pass", action="store_false",
                    help="skip the untimed pass over every level before the timed one (then a fresh "
                         "server's one-time JIT compiles and allocations fall into the timed levels)")
-    p.add_argument("--requests-per-level", type=int, default=None, help="default max(16c, 32)")
+    p.add_argument("--requests-per-level", type=int, default=None,
+                   help="default max(16c, 32), at c >= 8 at least 256")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -337,6 +318,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--profile-tokens", type=lambda s: tuple(ints(s)), default=(16, 80), help="short,long")
     p.add_argument("--keep-traces", action="store_true", help="keep the raw traces in kept-traces/")
     a = p.parse_args(argv)
+    if a.max_processes is None:
+        a.max_processes = max(a.processes, WIDE_PROCESSES) if a.processes >= MIN_PROCESSES else a.processes
     unknown = set(a.variants) - set(ALL_VARIANTS)
     if unknown or len(a.profile_tokens) != 2 or a.profile_tokens[0] >= a.profile_tokens[1]:
         p.error(f"unknown variants {sorted(unknown)}" if unknown else "--profile-tokens wants short,long with short < long")
@@ -352,7 +335,7 @@ def report(argv: list[str]) -> int:
     return 0
 
 
-SUBCOMMANDS = {"report": report, "verify": provenance.main}
+SUBCOMMANDS = {"report": report, "verify": verify.main}
 
 
 def main(argv: list[str] | None = None) -> int:

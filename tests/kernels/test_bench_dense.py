@@ -26,9 +26,9 @@ def _shapes(model: str, tp: int) -> dict[str, tuple[int, int, int]]:
 
 def test_dense_shapes_per_rank() -> None:
     assert _shapes("qwen3-30b-a3b", 1) == {"qkv": (5120, 2048, 48), "o": (2048, 4096, 48),
-                                           "lm_head": (32000, 2048, 1)}
+                                           "lm_head": (151936, 2048, 1)}
     # 4 KV heads over 8 ranks: one replicated per rank
-    assert _shapes("qwen3-30b-a3b", 8) == {"qkv": (768, 2048, 48), "o": (2048, 512, 48), "lm_head": (4000, 2048, 1)}
+    assert _shapes("qwen3-30b-a3b", 8) == {"qkv": (768, 2048, 48), "o": (2048, 512, 48), "lm_head": (18992, 2048, 1)}
     assert {s.name: (s.N, s.K) for s in NAMED["mixtral-8x7b/tp1"]} == {
         "qkv": (6144, 4096), "o": (4096, 4096), "lm_head": (32000, 4096)}
     assert NAMED["qwen3-30b-a3b/tp1"][-1].N == 151936
