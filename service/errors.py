@@ -1,7 +1,8 @@
 """OpenAI-style error objects and the FastAPI exception handlers that emit them.
 
 Every error body is `{"error": {"message", "type", "param", "code"}}`; internals
-(tracebacks, paths) never reach the client.
+(tracebacks, paths) never reach the client. A message is at most MAX_MESSAGE_CHARS (vLLM's
+validators quote the offending value, which can be megabytes): longer ones are cut, saying so.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
+MAX_MESSAGE_CHARS = 2000
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
@@ -45,11 +47,18 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
+def bounded_message(message: str) -> str:
+    """`message`, or its first MAX_MESSAGE_CHARS and how long it was."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return f"{message[:MAX_MESSAGE_CHARS]}... (cut: the message had {len(message)} characters)"
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     """The OpenAI error object for `status`."""
     return {
         "error": {
-            "message": message,
+            "message": bounded_message(message),
             "type": _TYPE_BY_STATUS.get(status, "invalid_request_error" if status < 500 else "internal_error"),
             "param": param,
             "code": code if code is not None else HTTPStatus(status).phrase.lower().replace(" ", "_"),
@@ -120,7 +129,11 @@ async def _on_vllm_client_error(_: Request, exc: Exception) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    """The handlers above, and this process's log bounded against clients' values (service/rejection_log.py)."""
     from service import vllm_compat  # heavy: vLLM
+    from service.rejection_log import bound_logs
+
+    bound_logs(vllm_compat.is_client_error)
 
     for cls in vllm_compat.CLIENT_ERRORS:
         app.add_exception_handler(cls, _on_vllm_client_error)

@@ -27,12 +27,14 @@ from service import vllm_compat as compat
 from service.engine_client import CURRENT, RequestContext
 from service.errors import APIError, from_vllm_error, sse_error_event
 from service.metrics import CLIENT_CLOSED, COUNTED, status_for_http
+from service.rejection_log import RejectionLog
 from service.state import ServerState
 from service.streaming import DONE_EVENT, ClientGone, SSEResponse, StreamDeadline, until_disconnect
 from service.structured_limits import VERDICT_KEY, ConstraintVerdict
 from service.warmup import is_warmup
 
 logger = logging.getLogger(__name__)
+rejected = RejectionLog(logger)  # bounded lines, at most one a second: never the client's values
 _ERROR_EVENT = 'data: {"error"'
 
 
@@ -52,7 +54,7 @@ def api_error_from_exception(exc: BaseException) -> APIError:
     if err.status >= 500:
         logger.error("request failed", exc_info=exc)
     else:
-        logger.info("request rejected: %s: %s", type(exc).__name__, exc)
+        rejected("request rejected", err, exc)
     return err
 
 
@@ -234,7 +236,6 @@ async def _sse(events: _Events, ctx: RequestContext, outcome: _Outcome) -> Async
             raise APIError(500, "empty stream")
         while event is not None:
             if event.startswith(_ERROR_EVENT):
-                logger.info("stream failed after it started: %s", event[:500].strip())
                 raise ctx.error or _event_error(event)
             yield event
             event = await events.next()
@@ -247,6 +248,6 @@ async def _sse(events: _Events, ctx: RequestContext, outcome: _Outcome) -> Async
     finally:
         await events.close()
     outcome.status = _status(err)
-    logger.info("stream ends with error %d (%s): %s", err.status, err.code, err.message)
+    rejected("stream ends with an error", err)
     yield sse_error_event(err)
     yield DONE_EVENT

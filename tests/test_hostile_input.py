@@ -240,3 +240,35 @@ def test_a_slow_compile_stalls_no_one_and_a_client_that_disconnects_cancels_it(
     assert _until(lambda: not set(slow_child) & set(_children(checker)), 60), \
         "the compile kept running after the client left"
     assert _checker_pid(strict_server.proc.pid) == checker  # the checker itself lives on
+
+
+HUGE_BODIES = [  # vLLM's validators quote the whole value in their message; the line that names the fault
+    (CMPL, {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2,
+            "logit_bias": {str(5_000_000 + i): 1 for i in range(300_000)}}, "logit_bias", "5000017",
+     "request rejected: 400 - (VLLMValidationError), field logit_bias, message of"),
+    (CMPL, {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2,
+            "bad_words": [f"zqword{i}" for i in range(100_000)]}, "bad_words", "zqword17",
+     "request rejected: 400 - (VLLMValidationError), field bad_words, message of"),
+    (CHAT, {"model": MODEL_NAME, "messages": USER, "max_tokens": 2, "stream": True,  # vLLM's stream generator
+            "bad_words": [f"zqword{i}" for i in range(100_000)]}, "bad_words", "zqword17",  # logs it with its traceback
+     "Error in chat completion stream generator. [a client's fault: VLLMValidationError, message of"),
+]
+
+
+@pytest.mark.parametrize("path,body,field,client_string,line", HUGE_BODIES,
+                         ids=["logit_bias", "bad_words", "chat stream"])
+def test_a_huge_rejected_value_adds_one_bounded_line_to_the_log(server: ServerProcess, http: httpx.Client, path: str,
+                                                                body: dict, field: str, client_string: str,
+                                                                line: str) -> None:
+    """Under 1 KB of log per request, none of the client's strings; the answer's echo bounded."""
+    time.sleep(1.0)  # past the rejection lines' interval: this one is logged
+    before = server.log_path.stat().st_size
+    resp = http.post(path, json=body)
+    err = _error(resp)
+    assert err["param"] == field and err["message"].endswith("characters)") and len(resp.content) < 3000
+    time.sleep(0.3)  # the access log's line, written once the response went out
+    with server.log_path.open("rb") as log:
+        log.seek(before)
+        added = log.read().decode(errors="replace")
+    assert len(added.encode()) < 1024, added[:2000]
+    assert client_string not in added and line in added, added
