@@ -67,16 +67,18 @@ H200_TABLE = "not recorded (vLLM 0.26 ships `E=128,N=768,device_name=NVIDIA_H200
 H100_DEFAULT = "not recorded (vLLM default on H100: vLLM 0.26 ships no `E=128,N=768` table for it)"
 H200_MIXTRAL = "not recorded (vLLM 0.26 ships `E=8,N=14336,device_name=NVIDIA_H200.json`, which it loads by default)"
 H200_FP8_CHANNEL = "not recorded (vLLM 0.26 ships no fp8_w8a8 `E=128,N=768` table for the H200: its default)"
-TUNED_FOLDER = "vllm-tables"       # where `moe-serve tune --for-vllm` writes vLLM's tables in the commands below
 H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
 
 
 def _measure_c1(model: str) -> str:
     """The command that measures a model's c = 1 headline row against `vllm serve` with vLLM's
-    kernel tuned on this GPU (vLLM's shipped table, where it has one, is among the tuner's candidates)."""
-    return (f"moe-serve tune --for-vllm --model bench/models/{model} --out {TUNED_FOLDER} && moe-serve bench serve "
+    kernel tuned on this GPU (vLLM's shipped table, where it has one, is among the tuner's
+    candidates), the tables in a folder of the model's own (a run refuses a folder whose content
+    changed under it)."""
+    tuned = f"vllm-tables-{model}"
+    return (f"moe-serve tune --for-vllm --model bench/models/{model} --out {tuned} && moe-serve bench serve "
             f"--model {model} --concurrency 1 --variants vllm-serve,moe-serve --processes 3 "
-            f"--vllm-tuned-config-folder {TUNED_FOLDER} --out serve-{model}-c1")
+            f"--vllm-tuned-config-folder {tuned} --out serve-{model}-c1")
 
 
 def _pending(model: str, gpu: str) -> HeadlineRow:
