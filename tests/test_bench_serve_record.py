@@ -177,6 +177,8 @@ def test_verify_checks_the_run_shares_its_environment(tmp_path: Path) -> None:
     assert verify.run_problems({"vllm-serve/r0": a, "moe-serve/r0": b}) == [
         f"vllm-serve/r0 vs moe-serve/r0: {run_env.ROUTING_ENV}"]
     assert verify.run_problems({"vllm-serve/r0": a, "moe-serve/r0": c}) == ["2 different vLLM MoE table records"]
+    old = {k: v for k, v in a.items() if k not in ("environment", "vllm_moe_table")}    # a run before the record
+    assert verify.run_problems({"vllm-serve/r0": old}) == ["no process recorded its environment"]
 
 
 # --- spread, headline cells -------------------------------------------------------------------------

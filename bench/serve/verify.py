@@ -89,7 +89,7 @@ def problems(d: Path, meta: dict[str, Any], cache: dict[str, str | None]) -> lis
 def run_problems(metas: dict[str, dict[str, Any]]) -> list[str]:
     """What differs between the processes of one run where it must not."""
     envs = {name: m["environment"] for name, m in metas.items() if m.get("environment")}
-    out = run_env.shared_differences(envs)
+    out = run_env.shared_differences(envs) if envs else ["no process recorded its environment"]
     tables = {json.dumps(m.get("vllm_moe_table"), sort_keys=True) for m in metas.values()}
     if len(tables) > 1:
         out.append(f"{len(tables)} different vLLM MoE table records")
