@@ -2,6 +2,7 @@
 
     moe-serve bench serve ...     moe-serve against `vllm serve` on a whole model over HTTP (bench/serve)
     moe-serve bench kernels ...   our expert kernels against vLLM's and the streaming floor (bench/experts)
+    moe-serve bench step ...      what each decode-path switch saves, kernel and model level (bench/step)
     moe-serve bench tables ...    RESULTS.md's and README.md's generated tables, from bench/results/
 
 A subcommand that needs a package the venv lacks says in one line which extra installs it
@@ -19,6 +20,9 @@ COMMANDS = {
     "kernels": ("bench.experts.run", "our fused-MoE kernels against vLLM's fused_experts and the streaming floor, "
                                      "per shape, format and M (1-3 min per model on one H200); --dense: our dense "
                                      "decode GEMV against cuBLAS and the floor (3-6 min per model)"),
+    "step": ("bench.step.cli", "each fused piece of the decode step against the unfused chain it replaces (CUDA "
+                               "graphs, ~1 min), then one profiled server process per switch set at c = 1: step "
+                               "time, launches, the step slice by slice (under 10 min on one GPU)"),
     "tables": ("bench.tables", "regenerate (or --check) the tables of RESULTS.md and README.md from bench/results/ "
                                "(seconds, any machine; the bench extra)"),
 }

@@ -1,0 +1,103 @@
+"""`moe-serve bench step`: what each decode-path switch saves, at kernel and model level, in one command.
+
+    moe-serve bench step --model qwen3-30b-a3b --out DIR                  both levels (GPU, < 10 min)
+    moe-serve bench step --model qwen3-30b-a3b --out DIR --kernels-only   the fused pieces alone (~1 min)
+    moe-serve bench step --dry-run --out DIR                              CPU: tiny shapes, torch fallbacks
+
+Kernel level (bench.step.kernel_level): every fused piece at M = 1, 2, 4, 8, 16 against the unfused
+chain vLLM serves (and vLLM's own fused op where it has one), checked against float64 first, timed
+from CUDA graphs, with its byte floor and the us a step would save. Model level
+(bench.step.model_level): the yardstick's servers at c = 1, one profiled process per switch set,
+within --budget-s (run the same command again to resume). Files: OUT/kernels.json, OUT/model/ (the
+yardstick's run), OUT/step.md (both tables and the step budget), printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from bench.step import kernel_level, model_level, pieces
+from bench.step.shapes import StepShapes, step_shapes
+
+MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+DRY_SHAPES = StepShapes(name="dry-run", layers=2, hidden=256, q_heads=4, kv_heads=2, head_dim=64, rot_dim=64,
+                        experts=8, vocab=512, eps=1e-6, rope_theta=10000.0, qk_norm=True)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="moe-serve bench step", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-30b-a3b", help="bench/models/<name>")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="the per-rank shapes of TP N")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--pieces", type=lambda s: tuple(s.split(",")), default=pieces.PIECES,
+                   help=f"comma list of {', '.join(pieces.PIECES)}")
+    p.add_argument("--tokens", type=lambda s: tuple(int(x) for x in s.split(",")), default=(1, 2, 4, 8, 16))
+    p.add_argument("--replays", type=int, default=50, help="CUDA-graph replays per timing (median)")
+    p.add_argument("--sets", type=lambda s: tuple(s.split(",")), default=model_level.DEFAULT_SETS,
+                   help="model level: the yardstick variants, one process each")
+    p.add_argument("--budget-s", type=float, default=480.0, help="model level: start no server past this")
+    p.add_argument("--vllm-tuned-config-folder", type=Path, default=None,
+                   help="model level: vLLM's tuned MoE tables for the vllm-serve set (moe-serve tune --for-vllm)")
+    level = p.add_mutually_exclusive_group()
+    level.add_argument("--kernels-only", action="store_true")
+    level.add_argument("--model-only", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes, kernel level only, no timing worth reading")
+    return p.parse_args(argv)
+
+
+def kernels(args: argparse.Namespace) -> list[dict]:
+    import torch
+
+    from bench.experts.problem import copy_ceiling
+
+    if args.dry_run:
+        shapes, dtype, device = DRY_SHAPES, torch.float32, "cpu"
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("moe-serve bench step: the kernel level needs a CUDA GPU (or --dry-run)")
+        shapes, dtype, device = step_shapes(MODELS_DIR / args.model, args.tensor_parallel_size), torch.bfloat16, "cuda"
+    ceiling = copy_ceiling()["copy_bytes_per_s"]
+    rows = []
+    for case in pieces.cases(shapes, args.tokens, args.pieces, dtype, device):
+        t0 = time.perf_counter()
+        rows.append(kernel_level.run_case(case, ceiling, args.replays if not args.dry_run else 2))
+        print(f"[step] {case.piece} M={case.M}: {'ok' if rows[-1].get('ok') else 'FAILED'} "
+              f"({time.perf_counter() - t0:.1f} s)", flush=True)
+    (args.out / "kernels.json").write_text(json.dumps({"shapes": shapes.__dict__, "ceiling_bytes_per_s": ceiling,
+                                                        "rows": rows}, indent=1, default=str))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv or [])
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: list[str] = []
+    ok = True
+    if not args.model_only:
+        rows = kernels(args)
+        ok = all(r.get("ok") for r in rows)
+        saved = kernel_level.predicted_savings(rows, 1)
+        report += ["## Kernel level (CUDA graphs, median)", "", kernel_level.table(rows), "",
+                   "Predicted saving of a decode step at M = 1, per switch: "
+                   + (", ".join(f"{k} {v:.0f} us" for k, v in saved.items()) or "none measured"), ""]
+    if not (args.kernels_only or args.dry_run):
+        from bench.serve import render, yardstick
+
+        extra = ["--vllm-tuned-config-folder", str(args.vllm_tuned_config_folder)] \
+            if args.vllm_tuned_config_folder else []
+        code = yardstick.main(model_level.yardstick_argv(args.model, args.out / "model", args.sets,
+                                                         args.budget_s, extra))
+        rows = model_level.summary(args.out / "model")
+        report += ["## Model level (c = 1, one process per switch set)", "", model_level.table(rows), "",
+                   "## The step, slice by slice (ms; floor in parentheses)", "",
+                   *render.step_budget(args.out / "model"), ""]
+        if code == 3:
+            report.append("(the budget ended before every set ran: run the same command again to resume)")
+        ok = ok and code in (0, 3)
+    text = "\n".join(report)
+    (args.out / "step.md").write_text(text + "\n")
+    print(text)
+    return 0 if ok else 1

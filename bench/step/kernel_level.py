@@ -1,0 +1,82 @@
+"""Kernel level: each fused piece against the unfused chain it replaces, timed from CUDA graphs.
+
+Per case (bench.step.pieces): first the check (fused and chain against float64 on a fresh input
+set; a case whose fused error passes TOLERANCE, or is NaN, is reported failed and not timed), then
+the median us of one call of `fused`, `chain` and `alt` replayed from a CUDA graph over the rotated
+input sets (kernels.tuning.timing.time_graph), and the floor: the case's bytes over the measured
+copy ceiling. The prediction a model-level run must confirm: per_step x (chain - fused) us a step.
+"""
+from __future__ import annotations
+
+import math
+import traceback
+from typing import Any
+
+from bench.step.pieces import Case
+
+TOLERANCE = 2e-2          # bf16 activations: both sides round to bf16 (rel. error ~4e-3 each)
+
+
+def run_case(case: Case, ceiling_bytes_per_s: float, replays: int) -> dict[str, Any]:
+    """One row: the check's errors, then fused / chain / alt us, floor us, predicted saving."""
+    from kernels.tuning.timing import time_graph
+
+    row: dict[str, Any] = {"piece": case.piece, "switch": case.switch, "shape": case.shape, "M": case.M,
+                           "per_step": case.per_step, "floor_bytes": case.floor_bytes, "notes": list(case.notes)}
+    try:
+        row["errors"] = case.check()
+    except Exception as exc:  # noqa: BLE001 - one case's failure is a row, not the end of the run
+        row.update(ok=False, error=f"check: {exc!r}", trace=traceback.format_exc(limit=4))
+        return row
+    fused_err = row["errors"].get("fused", float("nan"))
+    row["ok"] = bool(fused_err <= TOLERANCE) and all(not math.isnan(v) for v in row["errors"].values())
+    if not row["ok"]:
+        row["error"] = f"fused output off: {row['errors']}"
+        return row
+    for side in ("fused", "chain", "alt"):
+        fn = getattr(case, side)
+        if fn is None:
+            continue
+        try:
+            row[f"{side}_us"] = time_graph(fn, case.n_sets, replays)
+        except Exception as exc:  # noqa: BLE001
+            row[f"{side}_error"] = repr(exc)[:300]
+    if math.isfinite(ceiling_bytes_per_s):
+        row["floor_us"] = case.floor_bytes / ceiling_bytes_per_s * 1e6
+    if "fused_us" in row and "chain_us" in row:
+        row["chain_over_fused"] = row["chain_us"] / row["fused_us"]
+        row["saved_us_per_step"] = case.per_step * (row["chain_us"] - row["fused_us"])
+    return row
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The kernel-level table (markdown), one line per (piece, shape, M)."""
+    def us(v: Any) -> str:
+        return f"{v:.1f}" if isinstance(v, float) else "—"
+
+    out = ["| piece | switch | shape | M | fused us | chain us | vLLM fused op us | floor us | chain / fused "
+           "| saved us / step | fused err |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if not r.get("ok"):
+            out.append(f"| {r['piece']} | {r['switch']} | {r['shape']} | {r['M']} | FAILED: {r.get('error', '?')[:80]} "
+                       "| | | | | | |")
+            continue
+        ratio = f"{r['chain_over_fused']:.2f}" if "chain_over_fused" in r else "—"
+        saved = f"{r['saved_us_per_step']:.1f}" if "saved_us_per_step" in r else "—"
+        out.append(f"| {r['piece']} | {r['switch']} | {r['shape']} | {r['M']} | {us(r.get('fused_us'))} "
+                   f"| {us(r.get('chain_us'))} | {us(r.get('alt_us'))} | {us(r.get('floor_us'))} | {ratio} "
+                   f"| {saved} | {r['errors']['fused']:.1e} |")
+    return "\n".join(out)
+
+
+def predicted_savings(rows: list[dict[str, Any]], M: int) -> dict[str, float]:
+    """us a decode step at M tokens saves per switch, summed over its pieces (the cache-writing
+    variant of a piece counted instead of the plain one where both were timed)."""
+    by_piece = {r["piece"]: r for r in rows if r.get("ok") and r["M"] == M and "saved_us_per_step" in r}
+    if "qk_norm_rope_cache" in by_piece:
+        by_piece.pop("qk_norm_rope", None)
+    out: dict[str, float] = {}
+    for r in by_piece.values():
+        out[r["switch"]] = out.get(r["switch"], 0.0) + r["saved_us_per_step"]
+    return out

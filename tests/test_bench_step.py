@@ -1,0 +1,47 @@
+"""`moe-serve bench step` on a CPU: the dry run end to end (kernel level through the ops' torch
+fallbacks), and the model level's summary of a committed, profiled yardstick run."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.step import cli, model_level
+
+RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
+PROFILED = RESULTS / "serve-qwen3-30b-a3b-bf16-h200-2026-12-04" / "2026-12-03-155b92d"
+
+
+def test_dry_run_checks_and_times_every_piece(tmp_path: Path, capsys) -> None:
+    code = cli.main(["--dry-run", "--out", str(tmp_path), "--tokens", "1,16"])
+    assert code == 0
+    rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]
+    pieces = {(r["piece"], r["M"]) for r in rows}
+    assert pieces == {(p, m) for p in cli.pieces.PIECES for m in (1, 16)}
+    for r in rows:
+        assert r["ok"], r
+        assert r["errors"]["fused"] < 1e-5 and r["errors"]["chain"] < 1e-5   # fp32 against float64
+        assert r["fused_us"] > 0 and r["chain_us"] > 0
+        assert r["saved_us_per_step"] == r["per_step"] * (r["chain_us"] - r["fused_us"])
+    cache = [r for r in rows if r["piece"] == "qk_norm_rope_cache"]
+    assert all(r["errors"]["cache"] < 1e-5 for r in cache)       # the K rows landed at their slots
+    printed = capsys.readouterr().out
+    assert "| norm_gemv/qkv | fuse_norm_gemv |" in printed and "Predicted saving" in printed
+    assert (tmp_path / "step.md").read_text().strip() == printed.split("[step]")[-1].split("\n", 1)[1].strip()
+
+
+def test_model_level_summary_of_a_profiled_run() -> None:
+    rows = {r["variant"]: r for r in model_level.summary(PROFILED)}
+    assert set(rows) == {"moe-serve", "vllm-serve"}
+    ours, base = rows["moe-serve"], rows["vllm-serve"]
+    assert ours["vs_moe_serve"] == 1.0
+    assert abs(base["vs_moe_serve"] - ours["itl_p50_ms"] / base["itl_p50_ms"]) < 1e-12
+    assert 100 < ours["launches_per_step"] < base["launches_per_step"]   # our router and decode path launch less
+    text = model_level.table(list(rows.values()))
+    assert "| moe-serve | 1 |" in text
+
+
+def test_model_level_asks_the_yardstick_for_one_profiled_process_per_set(tmp_path: Path) -> None:
+    argv = model_level.yardstick_argv("qwen3-30b-a3b", tmp_path, ("vllm-serve", "moe-serve+fuse_norm_gemv"), 480, [])
+    assert argv[argv.index("--variants") + 1] == "vllm-serve,moe-serve+fuse_norm_gemv"
+    assert argv[argv.index("--concurrency") + 1] == "1" and argv[argv.index("--processes") + 1] == "1"
+    assert "--profile" in argv and argv[argv.index("--profile-levels") + 1] == "1"
