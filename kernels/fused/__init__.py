@@ -3,5 +3,5 @@ residual add + RMSNorm in the prologue of the next GEMV (norm_gemv.py), Q/K RMSN
 (+ the paged KV-cache write) in one launch (qk_norm_rope.py), their vLLM-semantics torch
 compositions (reference.py), the torch custom ops the model classes call (ops.py), and the
 kernel-level benchmark cases (bench_cases.py). Imports kernels.dense and kernels.moe, nothing
-from kernels.models, kernels.plugin or kernels.tuning, and no vLLM.
+from kernels.models, kernels.plugin or kernels.tuning; vLLM only for bench_cases' baselines.
 """

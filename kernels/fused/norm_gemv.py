@@ -203,14 +203,24 @@ def norm_gemv_kernel(
         ne_w, no_w = _pairs(w_ptrs + lo * TILE_U, lo * TILE_U + kv < tl.where(lo < hi, K_U, 0), BF16,
                             BLOCK_N, BKV, LANES)
     rstd = _rstd(x_ptr, r_ptr, m0, M, K, eps, HAS_RESIDUAL, BLOCK_M, ROW_BLOCK)
-    r0 = _pick(rstd, 0, BLOCK_M)
-    r1 = _pick(rstd, 1 % BLOCK_M, BLOCK_M)
-    r2 = _pick(rstd, 2 % BLOCK_M, BLOCK_M)
-    r3 = _pick(rstd, 3 % BLOCK_M, BLOCK_M)
-    r4 = _pick(rstd, 4 % BLOCK_M, BLOCK_M)
-    r5 = _pick(rstd, 5 % BLOCK_M, BLOCK_M)
-    r6 = _pick(rstd, 6 % BLOCK_M, BLOCK_M)
-    r7 = _pick(rstd, 7 % BLOCK_M, BLOCK_M)
+    r0 = _pick(rstd, 0, BLOCK_M)             # each token's rstd (the block's tokens only)
+    r1 = r0
+    r2 = r0
+    r3 = r0
+    r4 = r0
+    r5 = r0
+    r6 = r0
+    r7 = r0
+    if BLOCK_M > 1:
+        r1 = _pick(rstd, 1, BLOCK_M)
+    if BLOCK_M > 2:
+        r2 = _pick(rstd, 2, BLOCK_M)
+        r3 = _pick(rstd, 3, BLOCK_M)
+    if BLOCK_M > 4:
+        r4 = _pick(rstd, 4, BLOCK_M)
+        r5 = _pick(rstd, 5, BLOCK_M)
+        r6 = _pick(rstd, 6, BLOCK_M)
+        r7 = _pick(rstd, 7, BLOCK_M)
     for kt in range(lo, hi):
         k0 = kt * TILE_U
         if PREFETCH:                   # this tile's weights came one step ago; load the next
@@ -242,13 +252,16 @@ def norm_gemv_kernel(
 
     if not EXACT_H:                    # the norm's scale, per token, on the sums of s * w * W
         a0 = a0 * r0
-        a1 = a1 * r1
-        a2 = a2 * r2
-        a3 = a3 * r3
-        a4 = a4 * r4
-        a5 = a5 * r5
-        a6 = a6 * r6
-        a7 = a7 * r7
+        if BLOCK_M > 1:
+            a1 = a1 * r1
+        if BLOCK_M > 2:
+            a2 = a2 * r2
+            a3 = a3 * r3
+        if BLOCK_M > 4:
+            a4 = a4 * r4
+            a5 = a5 * r5
+            a6 = a6 * r6
+            a7 = a7 * r7
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)

@@ -1,0 +1,133 @@
+"""Qwen3-MoE with the fused decode pieces: vLLM's Qwen3MoeForCausalLM whose decoder layers call
+kernels.fused's custom ops, each behind its PluginConfig switch (kernels.config.current() when
+the model is built):
+
+- fuse_norm_gemv: the input norm (residual add + RMSNorm) and the QKV projection as one op,
+  ``moe_serve.fused_norm_linear`` (in place of ``input_layernorm`` then ``qkv_proj``);
+- fuse_qk_norm_rope: q_norm, k_norm and the rotary embedding as one op,
+  ``moe_serve.fused_qk_norm_rope`` (in place of the per-head norms and ``rotary_emb``).
+
+Everything else (attention, o_proj, the post-attention norm, the MoE block, weight loading,
+the interfaces vLLM reads) is vLLM's: the class is vLLM's, and its layers become the subclasses
+below once built (their forward only differs), so `isinstance` checks, the checkpoint's names
+and vLLM's torch.compile of the model stay as they are. A layer keeps vLLM's code for a piece
+its modules do not fit (`plan`: a quantized or LoRA QKV projection, a norm or rotary embedding
+of another kind, different q / k epsilons). vLLM 0.26 and 0.32 build these modules alike.
+
+On the CPU engine vLLM packs linear weights for oneDNN and drops them (0.32); a QKV projection
+the fused op reads is marked to keep its weight (``_cpu_skip_gemm_dispatch``, vLLM's own flag).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import QKVParallelLinear
+from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from vllm.model_executor.models.qwen3_moe import (Qwen3MoeAttention, Qwen3MoeDecoderLayer,
+                                                  Qwen3MoeForCausalLM)
+
+from kernels.config import PluginConfig, current
+from kernels.fused.ops import fused_norm_linear, fused_qk_norm_rope
+
+UNQUANTIZED = "UnquantizedLinearMethod"
+
+
+def _plain_norm(norm: Any) -> bool:
+    """vLLM's RMSNorm with a weight over the whole row (what the fused ops compute)."""
+    return type(norm) is RMSNorm and norm.has_weight and norm.variance_size_override is None
+
+
+def plan(layer: Qwen3MoeDecoderLayer, config: PluginConfig, lora: bool) -> tuple[bool, bool]:
+    """(fuse_norm_gemv, fuse_qk_norm_rope) for this layer: each switch, where its modules fit."""
+    attn = layer.self_attn
+    qkv = attn.qkv_proj
+    norm_gemv = (config.fuse_norm_gemv and not lora and type(qkv) is QKVParallelLinear
+                 and type(qkv.quant_method).__name__ == UNQUANTIZED and not qkv.skip_bias_add
+                 and _plain_norm(layer.input_layernorm))
+    rope = attn.rotary_emb
+    qk = (config.fuse_qk_norm_rope and isinstance(rope, RotaryEmbedding)
+          and type(rope).forward_native is RotaryEmbedding.forward_native
+          and type(rope).forward_cuda is RotaryEmbedding.forward_cuda
+          and _plain_norm(attn.q_norm) and _plain_norm(attn.k_norm)
+          and attn.q_norm.variance_epsilon == attn.k_norm.variance_epsilon)
+    return bool(norm_gemv), bool(qk)
+
+
+class FusedQwen3MoeAttention(Qwen3MoeAttention):
+    """vLLM's attention block; `attend` takes the QKV projection's output, so the layer can
+    produce it fused with its input norm."""
+
+    fuse_qk_norm_rope = False
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv, _ = self.qkv_proj(hidden_states)
+        return self.attend(positions, qkv)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """The block's output [T, hidden] from qkv [T, (Hq + 2 Hkv) * D]."""
+        if self.fuse_qk_norm_rope:
+            rope = self.rotary_emb
+            q, k = fused_qk_norm_rope(qkv, positions, self.q_norm.weight, self.k_norm.weight,
+                                      self.q_norm.variance_epsilon, rope.cos_sin_cache, self.num_heads,
+                                      self.num_kv_heads, self.head_dim, rope.rotary_dim, rope.is_neox_style)
+            v = qkv[..., self.q_size + self.kv_size:]
+        else:                                         # vLLM's Qwen3MoeAttention.forward
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q_by_head = self.q_norm(q.view(*q.shape[:-1], q.shape[-1] // self.head_dim, self.head_dim))
+            q = q_by_head.view(q.shape)
+            k_by_head = self.k_norm(k.view(*k.shape[:-1], k.shape[-1] // self.head_dim, self.head_dim))
+            k = k_by_head.view(k.shape)
+            q, k = self.rotary_emb(positions, q, k)
+        attn_output = self.attn(q, k, v)
+        output, _ = self.o_proj(attn_output)
+        return output
+
+
+class FusedQwen3MoeDecoderLayer(Qwen3MoeDecoderLayer):
+    """vLLM's decoder layer; with fuse_norm_gemv its input norm and QKV projection are one op."""
+
+    fuse_norm_gemv = False
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        attn = self.self_attn
+        if self.fuse_norm_gemv:
+            norm, qkv_proj = self.input_layernorm, attn.qkv_proj
+            qkv, residual, _ = fused_norm_linear(hidden_states, residual, norm.weight, norm.variance_epsilon,
+                                                 qkv_proj.weight, qkv_proj.bias)
+            hidden_states = attn.attend(positions, qkv)
+        else:                                         # vLLM's Qwen3MoeDecoderLayer.forward
+            if residual is None:
+                residual = hidden_states
+                hidden_states = self.input_layernorm(hidden_states)
+            else:
+                hidden_states, residual = self.input_layernorm(hidden_states, residual)
+            hidden_states = attn(positions=positions, hidden_states=hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        hidden_states = self.mlp(hidden_states)
+        return hidden_states, residual
+
+
+class FusedQwen3MoeForCausalLM(Qwen3MoeForCausalLM):
+    """vLLM's Qwen3MoeForCausalLM, its decoder layers the fused subclasses (see the module doc)."""
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        config, lora = current(), getattr(vllm_config, "lora_config", None) is not None
+        for layer in self.model.layers:
+            if isinstance(layer, Qwen3MoeDecoderLayer):           # not a pipeline stage's placeholder
+                norm_gemv, qk = plan(layer, config, lora)
+                layer.__class__ = FusedQwen3MoeDecoderLayer
+                layer.self_attn.__class__ = FusedQwen3MoeAttention
+                layer.fuse_norm_gemv = norm_gemv
+                layer.self_attn.fuse_qk_norm_rope = qk
+                if norm_gemv:
+                    layer.self_attn.qkv_proj._cpu_skip_gemm_dispatch = True
+
+    def fused_layers(self) -> dict[str, int]:
+        """How many decoder layers run each fused piece."""
+        layers = [m for m in self.model.layers if isinstance(m, FusedQwen3MoeDecoderLayer)]
+        return {"fuse_norm_gemv": sum(m.fuse_norm_gemv for m in layers),
+                "fuse_qk_norm_rope": sum(m.self_attn.fuse_qk_norm_rope for m in layers)}

@@ -1,0 +1,155 @@
+"""The fused Qwen3-MoE model class (kernels/models/qwen3_moe.py) in vLLM's real CPU engine: a tiny
+fp32 Qwen3-MoE with dummy weights, served in this process by vllm.LLM with our class registered
+(kernels/models/registry.py) and both switches on, the fused ops running our Triton kernels under
+the interpreter (kernels.fused.ops.CPU_INTERPRETER). The same prompts' sampled tokens, their
+log-probabilities and the prompt's log-probabilities (top 5 at each position) come out the same
+with both pieces fused (our kernels), with the norm + QKV piece alone (the op's CPU path: vLLM's
+semantics in torch), and with vLLM's own layer classes swapped back in.
+
+What this proves: the plumbing. vLLM's registry builds our class, the switches reach every
+layer, the ops get the right weights, epsilon, heads, rotary cache and style, the first layer's
+missing residual and each layer's residual chain, and a layer's output is vLLM's layer's. The
+kernels' own numerics are the interpreter tests' job (test_fused_norm_gemv.py,
+test_fused_qk_norm_rope.py); here they run at the engine's M (5 at prefill, 2 at decode).
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+TINY_QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 32,
+    "intermediate_size": 64, "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 2,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "hidden_act": "silu",
+    "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "vocab_size": 256,
+    "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False, "torch_dtype": "float32",
+    "attention_bias": False, "sliding_window": None, "use_sliding_window": False,
+}
+PROMPTS = [[1, 17, 201], [1, 90]]         # token ids: 5 prefill tokens in all, then decode at M = 2
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    import triton
+    from vllm import LLM
+
+    from kernels import config as plugin_config
+    from kernels.dense import configs as dense_configs
+    from kernels.fused import ops
+    from kernels.models.registry import register_model_classes
+
+    tmp = tmp_path_factory.mktemp("fused-model")
+    model = tmp / "tiny-qwen3-moe"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_QWEN3_MOE))
+    tables = tmp / "tables"               # the QKV GEMV's table: 32 rows a program (few interpreted programs)
+    tables.mkdir()
+    cfg = {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1, "num_warps": 1, "ACC_PAIRS": False, "PREFETCH": True}
+    qkv_n = (TINY_QWEN3_MOE["num_attention_heads"] + 2 * TINY_QWEN3_MOE["num_key_value_heads"]) * 32
+    (tables / dense_configs.table_file_name(qkv_n, TINY_QWEN3_MOE["hidden_size"], "fp32", "cpu")).write_text(
+        dense_configs.table_json({b: cfg for b in dense_configs.BUCKETS}, triton.__version__))
+    dense_configs.load_table.cache_clear()
+    dense_configs.config_for.cache_clear()
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")         # the engine core in this process
+    mp.setattr(ops, "CPU_INTERPRETER", True)
+    config = plugin_config.PluginConfig(fuse_norm_gemv=True, fuse_qk_norm_rope=True, kernel_config_dir=str(tables))
+    plugin_config.configure(config)
+    assert register_model_classes(config) == ["Qwen3MoeForCausalLM"]
+    engine = LLM(model=str(model), dtype="float32", load_format="dummy", enforce_eager=True,
+                 skip_tokenizer_init=True, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64,
+                 kv_cache_memory_bytes=64 << 20, seed=0)
+    try:
+        yield engine
+    finally:
+        plugin_config.configure(None)
+        dense_configs.load_table.cache_clear()
+        dense_configs.config_for.cache_clear()
+        from vllm import ModelRegistry
+        from vllm.model_executor.models.registry import _VLLM_MODELS
+
+        ModelRegistry.register_model("Qwen3MoeForCausalLM", ":".join(
+            ("vllm.model_executor.models." + _VLLM_MODELS["Qwen3MoeForCausalLM"][0],
+             _VLLM_MODELS["Qwen3MoeForCausalLM"][1])))
+        del engine
+        mp.undo()
+
+
+def _run(llm: Any) -> list[tuple[list[int], list[float], list[dict[int, float]]]]:
+    """Per prompt: (the 3 greedy tokens, their log-probabilities, the prompt's top-5 maps)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=3, temperature=0.0, logprobs=5, prompt_logprobs=5, detokenize=False,
+                            ignore_eos=True)
+    out = []
+    for r in llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False):
+        c = r.outputs[0]
+        out.append((list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+                    [{t: v.logprob for t, v in lp.items()} for lp in r.prompt_logprobs[1:]]))
+    return out
+
+
+def _same(a: list, b: list) -> None:
+    for (toks_a, lps_a, prompt_a), (toks_b, lps_b, prompt_b) in zip(a, b, strict=True):
+        assert toks_a == toks_b
+        assert all(math.isclose(x, y, abs_tol=2e-4) for x, y in zip(lps_a, lps_b, strict=True)), (lps_a, lps_b)
+        for pa, pb in zip(prompt_a, prompt_b, strict=True):
+            shared = pa.keys() & pb.keys()
+            assert len(shared) >= 4 and all(math.isclose(pa[t], pb[t], abs_tol=2e-4) for t in shared), (pa, pb)
+
+
+def _set(model: Any, norm_gemv: bool | None, qk: bool | None, vllm_classes: bool = False) -> dict[str, int]:
+    from vllm.model_executor.models.qwen3_moe import Qwen3MoeAttention, Qwen3MoeDecoderLayer
+
+    from kernels.models.qwen3_moe import FusedQwen3MoeDecoderLayer
+
+    counts = model.fused_layers()
+    for layer in model.model.layers:
+        if vllm_classes:
+            layer.__class__, layer.self_attn.__class__ = Qwen3MoeDecoderLayer, Qwen3MoeAttention
+        elif isinstance(layer, FusedQwen3MoeDecoderLayer):
+            layer.fuse_norm_gemv = layer.fuse_norm_gemv if norm_gemv is None else norm_gemv
+            layer.self_attn.fuse_qk_norm_rope = layer.self_attn.fuse_qk_norm_rope if qk is None else qk
+    return counts
+
+
+def test_logprobs_with_the_switches_on_and_off_match_vllms_layers(llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both pieces fused, our kernels under the interpreter; the norm + QKV piece alone on the ops'
+    CPU path (vLLM's semantics in torch); vLLM's own classes: one answer."""
+    from kernels.fused import norm_gemv, ops, qk_norm_rope, reference
+
+    calls: dict[str, int] = {}
+
+    def counted(module: Any, name: str) -> None:
+        fn = getattr(module, name)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        monkeypatch.setattr(module, name, run)
+
+    for module, name in ((norm_gemv, "norm_gemv"), (qk_norm_rope, "qk_norm_rope"), (reference, "norm_linear"),
+                         (reference, "qk_norm_rope")):
+        counted(module, name)
+    steps = 2 * 3            # 2 layers x (one prefill step of both prompts, 2 decode steps at M = 2)
+    assert llm.apply_model(lambda m: _set(m, None, None)) == [{"fuse_norm_gemv": 2, "fuse_qk_norm_rope": 2}]
+    fused = _run(llm)
+    assert calls == {"norm_gemv": steps, "qk_norm_rope": steps}, calls
+    monkeypatch.setattr(ops, "CPU_INTERPRETER", False)
+    llm.apply_model(lambda m: _set(m, None, False))
+    norm_only = _run(llm)
+    assert calls == {"norm_gemv": steps, "qk_norm_rope": steps, "norm_linear": steps}, calls
+    llm.apply_model(lambda m: _set(m, None, None, vllm_classes=True))
+    plain = _run(llm)
+    assert calls == {"norm_gemv": steps, "qk_norm_rope": steps, "norm_linear": steps}, calls
+    _same(fused, plain)
+    _same(norm_only, plain)
