@@ -44,6 +44,12 @@ _lib.define(f"fused_qk_norm_rope_cache({_QK_ARGS}, Tensor(a!) key_cache, Tensor(
             "Tensor slot_mapping) -> Tensor")
 
 
+NormKey = tuple[int, int, torch.dtype, bool, bool, bool, str]   # N, K, dtype, bias, residual, write_h, device
+QkKey = tuple[int, torch.dtype, torch.dtype, int, int, int, int, bool, str]   # row, dtype, positions' dtype, Hq, Hkv, D, rot, neox, device
+_seen_norm: dict[NormKey, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+_seen_qk: dict[QkKey, tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]] = {}
+
+
 def runs_here(x: torch.Tensor) -> bool:
     """Whether our kernels may run on x's device: CUDA, or the CPU under the interpreter when a
     test asked for it."""
@@ -58,6 +64,9 @@ def _norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     empty = x.new_empty(0)
     if runs_here(x):
+        key = (weight.shape[0], weight.shape[1], weight.dtype, bias is not None, residual is not None, write_h,
+               str(weight.device))
+        _seen_norm.setdefault(key, (weight, norm_weight, bias))
         if ng.unsupported(x, residual, norm_weight, weight, bias) is None:
             y, res_out, h = ng.norm_gemv(x, residual, norm_weight, eps, weight, bias, write_h,
                                          exact_h=ng.SERVED_EXACT_H)
@@ -94,6 +103,10 @@ def _qk(qkv: torch.Tensor, positions: torch.Tensor, q_norm_weight: torch.Tensor,
         neox: bool, kv_cache: qk.KVCache | None) -> torch.Tensor:
     args = (qkv, positions, q_norm_weight, k_norm_weight, cos_sin_cache, num_q_heads, num_kv_heads, head_dim,
             rot_dim)
+    if runs_here(qkv) and kv_cache is None:
+        key = (qkv.shape[1], qkv.dtype, positions.dtype, num_q_heads, num_kv_heads, head_dim, rot_dim, neox,
+               str(qkv.device))
+        _seen_qk.setdefault(key, (q_norm_weight, k_norm_weight, cos_sin_cache, eps))
     if runs_here(qkv) and qk.unsupported(*args, kv_cache) is None:
         out = qkv.new_empty((qkv.shape[0], (num_q_heads + num_kv_heads) * head_dim))
         return qk.qk_norm_rope(qkv, positions, q_norm_weight, k_norm_weight, eps, cos_sin_cache, num_q_heads,
@@ -160,3 +173,15 @@ _lib.impl("fused_qk_norm_rope_cache", _qk_cache_op, "CompositeExplicitAutograd")
 torch.library.register_fake(f"{NAMESPACE}::fused_norm_linear", _norm_linear_fake, lib=_lib)
 torch.library.register_fake(f"{NAMESPACE}::fused_qk_norm_rope", _qk_fake, lib=_lib)
 torch.library.register_fake(f"{NAMESPACE}::fused_qk_norm_rope_cache", _qk_cache_fake, lib=_lib)
+
+
+def seen_norm_linear() -> dict[NormKey, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """(weight, norm weight, bias) of every fused_norm_linear call kind our kernels ran or could
+    run, by its key, in the order first seen (for the warm-up, kernels.fused.warmup)."""
+    return dict(_seen_norm)
+
+
+def seen_qk_norm_rope() -> dict[QkKey, tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]:
+    """(q norm weight, k norm weight, cos_sin_cache, eps) of every fused_qk_norm_rope call kind
+    (without a cache) our kernel ran or could run, by its key."""
+    return dict(_seen_qk)

@@ -106,3 +106,27 @@ def test_ops_trace_as_one_node_each_under_torch_compile() -> None:
     assert sum("fused_norm_linear" in s for s in seen) == 1 and sum("fused_qk_norm_rope_cache" in s for s in seen) == 1
     fake = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=True)(x[:3], r[:3], pos[:3])
     assert [tuple(t.shape) for t in fake] == [(3, Hq * D), (3, Hkv * D), (3, 64)]
+
+
+def test_warm_up_runs_each_variant_of_each_call_kind_seen_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The op records each call kind (at any M: vLLM's profile run is a prefill); warm_pending
+    then runs each distinct norm GEMV variant of M = 1..16 (one per BLOCK_M bucket here) and the
+    Q/K kernel once, and nothing again on a second call."""
+    from kernels.fused import warmup
+
+    monkeypatch.setattr(ops, "CPU_INTERPRETER", True)
+    monkeypatch.setattr(ops, "_seen_norm", {})
+    monkeypatch.setattr(ops, "_seen_qk", {})
+    monkeypatch.setattr(warmup, "_warmed", set())
+    x, r, nw, w = _norm_inputs(20, 64, 8, torch.float32)
+    ops.fused_norm_linear(x, r, nw, EPS, w)                              # 20 tokens: the row-norm path
+    qkv, pos, qw, kw = _qk_inputs(2, torch.float32)
+    ops.fused_qk_norm_rope(qkv, pos, qw, kw, EPS, torch.randn(MAX_POS, D), Hq, Hkv, D, D, True)
+    assert list(ops.seen_norm_linear()) == [(8, 64, torch.float32, False, True, False, "cpu")]
+    runs = []
+    real = warmup.ng.norm_gemv
+    monkeypatch.setattr(warmup.ng, "norm_gemv", lambda x, *a, **k: runs.append(x.shape[0]) or real(x, *a, **k))
+    assert warmup.warm_pending() == 2
+    twice = sorted(m for m in set(runs) if runs.count(m) == 2)           # recorded at every M, run at the
+    assert twice == [1, 2, 3, 5] and sorted(set(runs)) == list(range(1, 17))   # first M of each bucket
+    assert warmup.warm_pending() == 0

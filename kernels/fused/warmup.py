@@ -1,0 +1,59 @@
+"""Compile every kernel variant the fused ops launch for the call kinds they have seen (vLLM's
+profile run passes each layer once), before vLLM captures its CUDA graphs: vLLM captures each
+batch size without a warm-up run, so a first launch there would compile inside the capture.
+
+warm_pending() runs each distinct variant once on zero inputs (fused_norm_linear at M = 1..MAX_M;
+fused_qk_norm_rope at one token: its variants do not depend on M) and remembers what it warmed.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kernels.fused import norm_gemv as ng
+from kernels.fused import ops
+from kernels.fused import qk_norm_rope as qk
+from kernels.moe.launch import record_launches
+
+_warmed: set[Any] = set()
+
+
+def warm_norm_gemv(weight: torch.Tensor, norm_weight: torch.Tensor, bias: torch.Tensor | None, residual: bool,
+                   write_h: bool, max_m: int = ng.MAX_M) -> int:
+    """Run each distinct norm_gemv variant of this call kind at M = 1..max_m once on zeros; the
+    number of distinct variants."""
+    keys: set[tuple] = set()
+    K = weight.shape[1]
+    for M in range(1, max_m + 1):
+        x = torch.zeros((M, K), dtype=weight.dtype, device=weight.device)
+        r = torch.zeros_like(x) if residual else None
+        with record_launches() as launches:
+            ng.norm_gemv(x, r, norm_weight, 1e-6, weight, bias, write_h, exact_h=ng.SERVED_EXACT_H)
+        key = tuple(sorted(launches[0][3].items()))         # the variant: its constexprs
+        if key not in keys:
+            keys.add(key)
+            ng.norm_gemv(x, r, norm_weight, 1e-6, weight, bias, write_h, exact_h=ng.SERVED_EXACT_H)
+    return len(keys)
+
+
+def warm_pending() -> int:
+    """Warm every call kind the ops have seen on a device our kernels run on and not yet warmed;
+    returns how many call kinds were warmed."""
+    done = 0
+    for key, (weight, norm_weight, bias) in ops.seen_norm_linear().items():
+        if key in _warmed or not ops.runs_here(weight):
+            continue
+        warm_norm_gemv(weight, norm_weight, bias, residual=key[4], write_h=key[5])
+        _warmed.add(key)
+        done += 1
+    for key, (qw, kw, cos_sin, eps) in ops.seen_qk_norm_rope().items():
+        if key in _warmed or not ops.runs_here(qw):
+            continue
+        row, dtype, pos_dtype, hq, hkv, d, rot, neox, _ = key
+        qkv = torch.zeros((1, row), dtype=dtype, device=qw.device)
+        qk.qk_norm_rope(qkv, torch.zeros(1, dtype=pos_dtype, device=qw.device), qw, kw, eps, cos_sin, hq, hkv, d,
+                        rot, neox, out=torch.empty((1, (hq + hkv) * d), dtype=dtype, device=qw.device))
+        _warmed.add(key)
+        done += 1
+    return done
