@@ -29,11 +29,13 @@ dense_gemv_fp8_kernel   grid (cdiv(N, BLOCK_N), SPLIT_K)
     kernels.dense.gemv does. Token rows past M read row M - 1 and are never written.
 
 What the GPU decides (bench/experts/dense.py times every bucket against vLLM's FP8 linear and
-writes a table only where ours won): whether W8A16 on CUDA cores keeps up with HBM at M = 8 and
-16 -- each fp8 byte costs M FMAs plus ~1.5 conversion instructions, so at M = 16 the H100's fp32
-rate (~30 TFMA/s against ~3e12 fp8 bytes/s) bounds it near half the streaming rate; there the
-alternative is to quantize x inside the kernel and run fp8 MMAs (kernels.moe.moe_decode's
-Swap-AB form), which this module does not build. A static activation scale of the checkpoint is
+writes a table only where ours won): up to which M W8A16 on CUDA cores keeps up with HBM. Each fp8
+byte costs M FMAs, M / BLOCK_N widenings of x and ~1.5 conversions: the sm_90 SASS of the default
+configs' K loop holds ~6 instructions per weight byte at M = 1 and ~41 at M = 16, against an
+H100's ~10 per byte at its streaming rate (~30e12 thread instructions/s for ~3e12 bytes/s), so
+from M ~ 4 on the kernel is bound by instruction issue, not HBM; there the alternative is to
+quantize x inside the kernel and run fp8 MMAs (kernels.moe.moe_decode's Swap-AB form), which this
+module does not build. A static activation scale of the checkpoint is
 not applied (x is never quantized: the result is the dequantized weights' exact product, vLLM's
 within its activation rounding).
 """

@@ -17,9 +17,10 @@ the layer's own vLLM apply registered under `fallback` (register_fallback; kerne
 fp8_dense_hook.py registers each layer at load), and with no fallback (direct calls, the CPU) it
 is F.linear of x on the weights dequantized in fp32 (dequantize). As for
 torch.ops.moe_serve.dense_linear, the op is one opaque node of vLLM's compiled graph that
-decides per call, so one graph serves decode (ours) and prefill (vLLM's FP8 GEMM, run from inside
-the op: vLLM's compile-time fusions into that GEMM's activation quantization do not apply to
-these layers while the op is installed).
+decides per call, so one graph serves decode (ours) and everything else (vLLM's FP8 GEMM, run
+eagerly from inside the op: for prefill and for decode batches above 16 tokens, vLLM's activation
+quantization then runs as its own launches, without the compiled graph's fusions -- what that
+costs at c > 16 is for the GPU to measure, fp8_dense_gemv on against off).
 
 Every weight that reaches the op at 1..MAX_M tokens with a layout the kernel takes is remembered
 (`seen`) so that a worker can compile its variants before serving (warm_variants); one whose call
