@@ -106,7 +106,7 @@ def test_the_record_holds_the_environment_and_vllms_moe_table_as_verify_checks(r
         assert seen["loaded"] == seen["default"] == [] and meta["backends"]["moe"] == "CPU"
         said = verify.problems(d, meta, cache)
         assert [p for p in said if not p.startswith(("source: ", "dirty: "))] == [], said
-        assert ("dirty: ran from a tree with uncommitted changes" in said) == meta["dirty"]
+        assert ("dirty: ran from a tree with uncommitted changes" in said) == (meta["dirty"] is True)
     assert verify.run_problems({v: json.loads((run_dir / v / "r0" / "meta.json").read_text()) for v in VARIANTS}) == []
 
 

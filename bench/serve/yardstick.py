@@ -40,10 +40,10 @@ byte floor come from stats.py, the tables from render.py.
 Files: DIR/<variant>/r<round>/ meta.json (host, GPU, driver, commit, dirty flag and source digest,
 versions, flags, the environment that decides what the server ran (run_env.py), vLLM's MoE table
 and what the log says of it, start/ready/end times, copy ceiling, byte-floor bytes per c, the
-engine configuration vLLM logged; process.py), requests.jsonl (one line per request, as it finishes), api_cpu.json (CPU seconds of the server's
-API process over each timed level), answers.json, server.log, version.json and moe_metrics.txt
-(what the server reports it ran), profile.json (with --profile) and `complete` once the process
-finished. A process with a `complete` marker is never run again; an unfinished one is redone from
+engine configuration vLLM logged; process.py), requests.jsonl (one line per request, as it
+finishes), api_cpu.json (CPU seconds of the server's API process over each timed level),
+answers.json, server.log, version.json and moe_metrics.txt (what the server reports it ran),
+profile.json (with --profile) and `complete` once the process finished. A process with a `complete` marker is never run again; an unfinished one is redone from
 scratch. `--budget-s` stops before a process the budget cannot hold (the longest of the variant's
 last two processes on this host, or `--expect-process-s`): run the same command again to go on.
 `--profile` profiles the next process of every variant that has no profile in DIR yet (after its
