@@ -62,7 +62,7 @@ def runs_here(x: torch.Tensor) -> bool:
 def _norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                  weight: torch.Tensor, bias: torch.Tensor | None, write_h: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    empty = x.new_empty(0)
+    y, res_out, h = None, None, None
     if runs_here(x):
         key = (weight.shape[0], weight.shape[1], weight.dtype, bias is not None, residual is not None, write_h,
                str(weight.device))
@@ -70,12 +70,14 @@ def _norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
         if ng.unsupported(x, residual, norm_weight, weight, bias) is None:
             y, res_out, h = ng.norm_gemv(x, residual, norm_weight, eps, weight, bias, write_h,
                                          exact_h=ng.SERVED_EXACT_H)
-            return y, res_out if res_out is not None else empty, h if h is not None else empty
-        if rms_norm.unsupported(x, residual, norm_weight) is None:
+        elif rms_norm.unsupported(x, residual, norm_weight) is None:
             h, res_out = rms_norm.add_rms_norm(x, residual, norm_weight, eps)
-            return F.linear(h, weight, bias), res_out if res_out is not None else empty, h if write_h else empty
-    y, res_out, h = reference.norm_linear(x, residual, norm_weight, eps, weight, bias)
-    return y, res_out if residual is not None else empty, h if write_h else empty
+            y = F.linear(h, weight, bias)
+    if y is None:
+        y, res_out, h = reference.norm_linear(x, residual, norm_weight, eps, weight, bias)
+    # outputs never alias an input or each other (a custom op's rule): absent ones are fresh empties
+    return (y, res_out if residual is not None else x.new_empty(0),
+            h if write_h else x.new_empty(0))
 
 
 def _norm_linear_fake(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

@@ -130,3 +130,17 @@ def test_warm_up_runs_each_variant_of_each_call_kind_seen_once(monkeypatch: pyte
     twice = sorted(m for m in set(runs) if runs.count(m) == 2)           # recorded at every M, run at the
     assert twice == [1, 2, 3, 5] and sorted(set(runs)) == list(range(1, 17))   # first M of each bucket
     assert warmup.warm_pending() == 0
+
+
+@pytest.mark.parametrize("residual,write_h", [(False, False), (True, True)])
+def test_opcheck_schemas_fakes_and_aliasing(residual: bool, write_h: bool) -> None:
+    """torch.library.opcheck: each op's schema (mutations declared, no output aliasing an input
+    or another output), its fake implementation against the real one, and its tracing."""
+    x, r, nw, w = _norm_inputs(3, 64, 16, torch.float32)
+    torch.library.opcheck(torch.ops.moe_serve.fused_norm_linear, (x, r if residual else None, nw, EPS, w, None, write_h))
+    qkv, pos, qw, kw = _qk_inputs(3, torch.float32)
+    cs = torch.randn(MAX_POS, D)
+    args = (qkv, pos, qw, kw, EPS, cs, Hq, Hkv, D, D, True)
+    torch.library.opcheck(torch.ops.moe_serve.fused_qk_norm_rope, args)
+    cache = (torch.zeros(2, 4, Hkv, D), torch.zeros(2, 4, Hkv, D), torch.tensor([3, -1, 6]))
+    torch.library.opcheck(torch.ops.moe_serve.fused_qk_norm_rope_cache, (*args, *cache))
