@@ -75,10 +75,10 @@ def _measure_c1(model: str) -> str:
     kernel tuned on this GPU (vLLM's shipped table, where it has one, is among the tuner's
     candidates), the tables in a folder of the model's own (a run refuses a folder whose content
     changed under it)."""
-    tuned = f"vllm-tables-{model}"
+    tuned = f"runs/vllm-tables-{model}"
     return (f"moe-serve tune --for-vllm --model bench/models/{model} --out {tuned} && moe-serve bench serve "
             f"--model {model} --concurrency 1 --variants vllm-serve,moe-serve --processes 3 "
-            f"--vllm-tuned-config-folder {tuned} --out serve-{model}-c1")
+            f"--vllm-tuned-config-folder {tuned} --out runs/serve-{model}-c1")
 
 
 def _pending(model: str, gpu: str) -> HeadlineRow:
