@@ -17,7 +17,6 @@ from service import kernel_tables
 from service.engine import EngineHandle
 from service.errors import install_error_handlers
 from service.expert_load_api import router as expert_load_router
-from service.grammar_checker import tokenizer_info_json
 from service.memory_trim import trim_periodically
 from service.middleware import (AUTHENTICATED, AccessLogMiddleware, AuthMiddleware, BodyLimitMiddleware,
                                 RefusedRequestCounter)
@@ -59,17 +58,10 @@ async def _check_kernel_tables(state: ServerState, model_path: str) -> None:
 
 
 async def _configure_grammar_checker(state: ServerState) -> None:
-    """Give the structured-output checker the served vocabulary (the engine's tokenizer) and the
-    engine's xgrammar settings: whitespace in JSON, cache size (vLLM's VLLM_XGRAMMAR_CACHE_MB)."""
-    engine = state.engine
+    """Give the structured-output checker the engine's xgrammar setting: whitespace in JSON."""
     try:
-        import vllm.envs
-
-        info = await asyncio.to_thread(tokenizer_info_json, engine.tokenizer,
-                                       engine.engine.model_config.get_vocab_size())
-        outputs = engine.engine.vllm_config.structured_outputs_config
-        await state.grammar_checker.configure(info, any_whitespace=not outputs.disable_any_whitespace,
-                                              cache_limit_bytes=vllm.envs.VLLM_XGRAMMAR_CACHE_MB << 20)
+        outputs = state.engine.engine.vllm_config.structured_outputs_config
+        await state.grammar_checker.configure(any_whitespace=not outputs.disable_any_whitespace)
     except Exception:  # noqa: BLE001 - serve anyway: structured-output requests get 503 until it runs
         logger.exception("the structured-output checker did not start")
 

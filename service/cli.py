@@ -134,10 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most enum values (summed over a schema) or choices in one constraint (400 beyond)")
     p.add_argument("--structured-output-compile-budget", type=float,
                    default=float(e("structured_output_compile_budget", 3.0)),
-                   help="seconds a constraint may take to compile for the model's vocabulary, measured "
-                   "before the engine sees it (400 beyond)")
+                   help="CPU seconds a constraint may take to convert into a grammar (as vLLM's xgrammar "
+                   "backend does), measured before the engine sees it (400 beyond)")
     p.add_argument("--structured-output-checkers", type=int, default=int(e("structured_output_checkers", 2)),
-                   help="constraints compiled for that check at once")
+                   help="constraints checked at once")
     p.add_argument("--max-header-bytes", type=int, default=int(e("max_header_bytes", 65536)),
                    help="request line and headers, in bytes (431 beyond)")
     p.add_argument("--header-timeout", type=float, default=float(e("header_timeout", 30.0)),

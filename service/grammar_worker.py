@@ -1,24 +1,20 @@
 """The structured-output checker process (`python -m service.grammar_worker`), run by
 service.grammar_checker.
 
-It imports xgrammar once, reads the served model's vocabulary (xgrammar's TokenizerInfo, as JSON
-in a file the API process wrote), then answers checks: for each check it forks a child that
-converts each grammar spec the way vLLM's xgrammar backend does (its whitespace settings
-included) and rejects rules that can never finish (service.grammar_productive): the screen, which
-the request waits for. The child then says so, lowers its priority (nice 19) and compiles the
-grammars against the vocabulary with the compiler settings of vLLM's backend (its cache on) but
-one thread, while the engine compiles its own copy: the API process takes whichever verdict
-comes first (the engine's first token, or this one). The budget is the child's CPU time (not
-wall time: a child the engine starves is not over budget); a child past it is killed: the compile
-stops, its memory goes with it, and the process stays free for the next check. A child may
-allocate at most MAX_CHECK_MEMORY (more: the check fails, a 400).
+It imports xgrammar once, then answers checks: for each check it forks a child that converts each
+grammar spec the way vLLM's xgrammar backend does (its whitespace settings included; `vllm serve`
+converts JSON schemas and regexes the same way in its API process before the engine sees them)
+and rejects rules that can never finish (service.grammar_productive). Compiling for the
+vocabulary is the engine's alone: the request waits for it within its own timeout, as under
+`vllm serve`. The budget is the child's CPU time, not wall time, so the verdict does not depend
+on how busy the machine is; a child past it is killed: the conversion stops, its memory goes
+with it, and the process stays free for the next check. A child may allocate at most
+MAX_CHECK_MEMORY (more: the check fails, a 400).
 
-Protocol, one JSON object per line. In: first `{"tokenizer_info": PATH | null, "max_parallel": N,
-"any_whitespace": bool, "cache_limit_bytes": N}`, then `{"id": I, "specs": [[KIND, TEXT], ...],
-"budget_s": S}` or `{"cancel": I}`. Out: `{"ready": true}` once, then per check
-`{"id": I, "screened": true}` once its specs converted and can finish, and
-`{"id": I, "ok": bool, "index": K, "error": TEXT, "seconds": S}` at the end (`index`: the spec that
-failed; `error` null with ok false: the budget ran out; a failed screen ends a check with this line alone).
+Protocol, one JSON object per line. In: first `{"max_parallel": N, "any_whitespace": bool}`, then
+`{"id": I, "specs": [[KIND, TEXT], ...], "budget_s": S}` or `{"cancel": I}`. Out: `{"ready": true}`
+once, then per check `{"id": I, "ok": bool, "index": K, "error": TEXT, "seconds": S}` (`index`: the
+spec that failed; `error` null with ok false: the budget ran out).
 """
 
 from __future__ import annotations
@@ -43,7 +39,6 @@ MAX_ERROR_CHARS = 300
 PR_SET_PDEATHSIG = 1  # prctl(2)
 MAX_CHECK_MEMORY = 2 << 30  # bytes one check may allocate
 POLL_S = 0.05  # how often a running child's CPU time is read
-CHILD_NICE = 19  # the compile yields the CPU to the engine and everyone else
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -95,34 +90,22 @@ def _message(exc: BaseException) -> str:
     return _XGRAMMAR_LOG_PREFIX.sub("", text.splitlines()[0] if text else text)[:MAX_ERROR_CHARS]
 
 
-def screen_specs(xgr: Any, specs: list[list[str]], any_whitespace: bool = True) -> tuple[list[Any], dict[str, Any] | None]:
-    """Convert each spec and check it for dead rules: (grammars, None), or (.., the first failure)."""
-    grammars = []
+def screen_specs(xgr: Any, specs: list[list[str]], any_whitespace: bool = True) -> dict[str, Any] | None:
+    """Convert each spec and check it for dead rules: None when all pass, else the first failure."""
     for index, (kind, text) in enumerate(specs):
         try:
             grammar = _grammar(xgr, kind, text, any_whitespace)
         except Exception as exc:  # noqa: BLE001 - xgrammar's own wording is the client's answer
-            return grammars, {"ok": False, "index": index, "error": f"it is not a valid {kind}: {_message(exc)}"}
+            return {"ok": False, "index": index, "error": f"it is not a valid {kind}: {_message(exc)}"}
         try:
             dead = dead_rules(str(grammar))
         except (UnknownSyntax, RecursionError):
-            dead = []  # a form the reader does not know: compiling still bounds the cost
+            dead = []  # a form the reader does not know: the engine's compile is bounded by the request's timeout
         if dead:
-            return grammars, {"ok": False, "index": index, "error": "no finite output satisfies it: it refers to "
-                              f"itself with no way out (a $ref cycle or a rule that only repeats itself; grammar "
-                              f"rules {', '.join(dead[:3])})"}
-        grammars.append(grammar)
-    return grammars, None
-
-
-def compile_grammars(compiler: Any, grammars: list[Any]) -> dict[str, Any]:
-    """Compile each grammar for the vocabulary; the first failure is the answer."""
-    for index, grammar in enumerate(grammars):
-        try:
-            compiler.compile_grammar(grammar)
-        except Exception as exc:  # noqa: BLE001 - the engine would fail the same way mid-request
-            return {"ok": False, "index": index, "error": f"it does not compile: {_message(exc)}"}
-    return {"ok": True}
+            return {"ok": False, "index": index, "error": "no finite output satisfies it: it refers to "
+                    f"itself with no way out (a $ref cycle or a rule that only repeats itself; grammar "
+                    f"rules {', '.join(dead[:3])})"}
+    return None
 
 
 def cpu_seconds(pid: int) -> float:
@@ -183,8 +166,8 @@ class _Lines:
 class _Zygote:
     """Forks one child per check (at most `max_parallel` at a time), kills children past budget."""
 
-    def __init__(self, xgr: Any, compiler: Any, max_parallel: int, commands: _Lines, any_whitespace: bool) -> None:
-        self.xgr, self.compiler, self.max_parallel, self.commands = xgr, compiler, max_parallel, commands
+    def __init__(self, xgr: Any, max_parallel: int, commands: _Lines, any_whitespace: bool) -> None:
+        self.xgr, self.max_parallel, self.commands = xgr, max_parallel, commands
         self.any_whitespace = any_whitespace
         self.sel = selectors.DefaultSelector()
         self.waiting: deque[dict[str, Any]] = deque()
@@ -202,11 +185,7 @@ class _Zygote:
             _bound_memory(MAX_CHECK_MEMORY)
             os.close(read_fd)
             try:
-                grammars, result = screen_specs(self.xgr, check["specs"], self.any_whitespace)
-                if result is None:
-                    os.write(write_fd, b'{"screened": true}\n')
-                    os.nice(CHILD_NICE)
-                    result = compile_grammars(self.compiler, grammars)
+                result = screen_specs(self.xgr, check["specs"], self.any_whitespace) or {"ok": True}
             except BaseException as exc:  # noqa: BLE001 - reported, never raised in a fork
                 result = {"ok": False, "index": 0, "error": f"the check failed: {_message(exc)}"}
             os.write(write_fd, json.dumps(result).encode() + b"\n")
@@ -232,14 +211,11 @@ class _Zygote:
         chunk = os.read(check["fd"], 65536)
         if chunk:
             check["data"] += chunk
-            if check["data"].startswith(b'{"screened": true}\n'):
-                check["data"] = check["data"][len(b'{"screened": true}\n'):]
-                self.reply({"id": check["id"], "screened": True})
             return
         try:
             result = json.loads(check["data"])
         except ValueError:
-            result = {"ok": False, "index": 0, "error": "the grammar compiler crashed on it"}
+            result = {"ok": False, "index": 0, "error": "the grammar converter crashed on it"}
         self.finish(pid, result)
 
     def on_command(self, line: str) -> None:
@@ -285,19 +261,7 @@ def main() -> None:
 
     commands = _Lines(sys.stdin.fileno())
     config = json.loads(commands.first())
-    path = config.get("tokenizer_info")
-    if path:
-        with open(path, encoding="utf-8") as f:
-            info = xgr.TokenizerInfo.deserialize_json(f.read())
-    else:  # a vocabulary xgrammar cannot read: single bytes (conversion and dead-rule checks still hold)
-        info = xgr.TokenizerInfo(encoded_vocab=[bytes([i]) for i in range(256)])
-    # As vLLM's xgrammar backend builds it (cache on, its size limit), but one thread: the budget
-    # counts the child's CPU time, which more threads would spend faster than the clock.
-    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True,
-                                   cache_limit_bytes=int(config.get("cache_limit_bytes", 512 << 20)))
-    compiler.compile_builtin_json_grammar()  # one-time vocabulary setup, done before any fork
-    zygote = _Zygote(xgr, compiler, int(config.get("max_parallel", 1)), commands,
-                     bool(config.get("any_whitespace", True)))
+    zygote = _Zygote(xgr, int(config.get("max_parallel", 1)), commands, bool(config.get("any_whitespace", True)))
     zygote.reply({"ready": True})
     zygote.run()
 

@@ -30,7 +30,6 @@ from service.metrics import CLIENT_CLOSED, COUNTED, status_for_http
 from service.rejection_log import RejectionLog
 from service.state import ServerState
 from service.streaming import DONE_EVENT, ClientGone, SSEResponse, StreamDeadline, until_disconnect
-from service.structured_limits import VERDICT_KEY, ConstraintVerdict
 from service.warmup import is_warmup
 
 logger = logging.getLogger(__name__)
@@ -66,25 +65,12 @@ def _event_error(event: str) -> APIError:
     return from_vllm_error(error)
 
 
-async def _raced(work: asyncio.Future, verdict: ConstraintVerdict | None) -> Any:
-    """`work`'s result, raced against the constraints' compile check: a refusal that comes first
-    cancels `work` (aborting its engine requests) and raises its 400; an answer that comes first was
-    compiled by the engine, and ends the check; a failure that comes first waits for the verdict (a
-    stream's own race is in _stream_response)."""
-    if verdict is None:
-        return await work
-    checking = asyncio.ensure_future(verdict.wait())
+async def _finished(work: asyncio.Future) -> Any:
+    """`work`'s result; when this wait is cancelled (disconnect, deadline), `work` is too (its engine
+    requests aborted) and has ended before this returns."""
     try:
-        await asyncio.wait({work, checking}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done() or work.exception() is not None or isinstance(work.result(), compat.ErrorResponse):
-            await checking  # passed, or its 400 (which explains an engine failure better than the engine does)
-            return await work
-        result = work.result()
-        if not isinstance(result, AsyncIterator):
-            verdict.cancel()
-        return result
+        return await work
     finally:
-        checking.cancel()
         if not work.done():
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
@@ -123,13 +109,12 @@ async def serve(request: Request, state: ServerState, slots: int, call: Callable
         work = asyncio.ensure_future(call())  # the task copies this context: its engine requests find ctx
     finally:
         CURRENT.reset(token)
-    verdict: ConstraintVerdict | None = request.scope.get(VERDICT_KEY)
     try:
-        result = await until_disconnect(request, _raced(work, verdict), deadline)
+        result = await until_disconnect(request, _finished(work), deadline)
         if isinstance(result, compat.ErrorResponse):
             raise ctx.error or from_vllm_error(result.error.model_dump())
         if isinstance(result, AsyncIterator):
-            return await _stream_response(request, _Events(result, ctx, deadline), ctx, close, verdict)
+            return await _stream_response(request, _Events(result, ctx, deadline), ctx, close)
         body = result.model_dump()
     except ClientGone:
         close("aborted")
@@ -183,33 +168,13 @@ async def _accepted_before_first_event(events: _Events, ctx: RequestContext) -> 
     return not events.first.done()
 
 
-async def _verdict_or_first_event(events: _Events, verdict: ConstraintVerdict) -> None:
-    """Returns once the constraints' compile check passed or the first event is there (the engine
-    compiled them); raises the check's 400 when it fails first, or when the first event is a failure."""
-    checking = asyncio.ensure_future(verdict.wait())
-    try:
-        await asyncio.wait({events.first, checking}, return_when=asyncio.FIRST_COMPLETED)
-        first = events.first
-        failed = first.done() and (first.exception() is not None or not first.result()
-                                   or first.result().startswith(_ERROR_EVENT))
-        if checking.done() or failed:
-            await checking  # passed, or its 400 (which explains an engine failure better than the engine does)
-        else:
-            verdict.cancel()
-    finally:
-        checking.cancel()
-
-
 async def _stream_response(request: Request, events: _Events, ctx: RequestContext,
-                           close: Callable[[str], None], verdict: ConstraintVerdict | None) -> Response:
-    """The SSE response, once the engine has accepted the request or the first event is there (and
-    a constraint check, if any, passed or was overtaken by that event); a failure before then
-    raises (its HTTP status; the first event's wait carries the deadline: 408), after it ends the
-    stream with an error event."""
+                           close: Callable[[str], None]) -> Response:
+    """The SSE response, once the engine has accepted the request or the first event is there; a
+    failure before then raises (its HTTP status; the first event's wait carries the deadline:
+    408), after it ends the stream with an error event."""
     try:
         accepted = await until_disconnect(request, _accepted_before_first_event(events, ctx))
-        if verdict is not None:
-            await until_disconnect(request, _verdict_or_first_event(events, verdict))
         if not accepted:
             first = events.first.result()
             if first is None or first.startswith(_ERROR_EVENT):

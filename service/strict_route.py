@@ -22,7 +22,7 @@ from service.json_body import parse_json_body
 from service.metrics import CLIENT_CLOSED
 from service.streaming import ClientGone, until_disconnect
 from service.strict_types import check_strict_types
-from service.structured_limits import VERDICT_KEY, check_constraints, constraint_specs
+from service.structured_limits import check_constraints, constraint_specs
 
 
 
@@ -50,7 +50,6 @@ class StrictJSONRoute(APIRoute):
                 body = await checked.body()
             except ClientDisconnect:  # gone, or cut off by the body limits (which answer for it)
                 return Response(status_code=CLIENT_CLOSED)
-            verdict = None
             if body:
                 checked.parsed = parse_json_body(body)
                 check_strict_types(body_type, checked.parsed)
@@ -58,15 +57,10 @@ class StrictJSONRoute(APIRoute):
                 if specs:
                     state = request.app.state.server
                     try:
-                        verdict = await until_disconnect(checked, check_constraints(specs, state.settings,
-                                                                                    state.grammar_checker))
+                        await until_disconnect(checked, check_constraints(specs, state.settings,
+                                                                          state.grammar_checker))
                     except ClientGone:
                         return Response(status_code=CLIENT_CLOSED)
-                    checked.scope[VERDICT_KEY] = verdict
-            try:
-                return await handler(checked)
-            finally:
-                if verdict is not None:
-                    verdict.cancel()
+            return await handler(checked)
 
         return checked_handler

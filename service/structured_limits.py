@@ -2,21 +2,18 @@
 
 A constraint (a JSON schema, regex, EBNF/Lark grammar, choice list or structural tag; the tools'
 parameter schemas when `tool_choice` is `required` or names a tool) becomes a grammar the engine
-compiles against the whole vocabulary before the request's first token. That compile runs on
-the engine core's structured-output thread(s): a slow one delays every other structured request,
-a large one keeps its memory in xgrammar's cache, and neither stops when the client leaves.
-Size alone does not bound it (a 30-byte `"pattern": "^[a-z]{1,10000}$"` took 30 s to convert;
-1,000 optional properties, 32 KB, 4.4 s to compile). So, per request, read from the raw JSON
-body before vLLM's own validators (some of which already run xgrammar):
+compiles against the whole vocabulary before the request's first token. Per request, read from
+the raw JSON body before vLLM's own validators (some of which already run xgrammar):
 
 1. size: each constraint's bytes <= --max-structured-output-bytes, its enum values (summed over
    the schema) or choices <= --max-structured-output-choices (cheap, here);
-2. soundness: the checker process (service.grammar_checker) converts it and rejects grammars
-   with rules that can never finish (`{"$ref": "#"}`, `$ref` cycles), before the engine sees it;
-3. cost: the checker compiles it for the served vocabulary within --structured-output-compile-budget
-   (CPU seconds) while the engine compiles its own copy; the request is refused if the budget runs
-   out before the engine's compile is done (service.request_flow races the two).
-Each refusal is a 400 naming the field and the limit.
+2. conversion: the checker process (service.grammar_checker) converts it as vLLM's xgrammar backend
+   does, within --structured-output-compile-budget seconds of CPU time (a 30-byte
+   `"pattern": "^[a-z]{1,10000}$"` takes 30 s), and rejects grammars with rules that can never
+   finish (`{"$ref": "#"}`, `$ref` cycles).
+Each refusal is a 400 naming the field and the limit. The compile for the vocabulary is the
+engine's (1,000 optional properties, 32 KB, took 4.4 s): what `vllm serve` serves is served, the
+request waiting for it within its own timeout.
 """
 
 from __future__ import annotations
@@ -25,11 +22,10 @@ import json
 from typing import Any
 
 from service.errors import APIError
-from service.grammar_checker import CheckFailed, GrammarChecker, Verdict
+from service.grammar_checker import CheckFailed, GrammarChecker
 from service.settings import Settings
 
 Spec = tuple[str, str, str]  # (param, kind, text); kind: json | regex | grammar | choice | structural_tag
-VERDICT_KEY = "moe_serve.constraint_verdict"  # ASGI scope: the body's ConstraintVerdict, for request_flow
 _STRUCTURED_OUTPUT_KINDS = ("json", "regex", "grammar", "choice", "structural_tag")
 
 
@@ -139,35 +135,16 @@ def _refusal(failed: CheckFailed, specs: list[Spec], settings: Settings) -> APIE
     else:
         param = specs[0][0] if len(specs) == 1 else specs[0][0].split(".")[0]
     if failed.reason is None:
-        return APIError(400, f"'{param}' takes longer than {settings.structured_output_compile_budget_s:g} s to "
-                        "compile for this model (--structured-output-compile-budget); simplify it",
+        return APIError(400, f"'{param}' takes longer than {settings.structured_output_compile_budget_s:g} s of "
+                        "CPU time to convert into a grammar (--structured-output-compile-budget); simplify it",
                         param=param, code="structured_output_too_complex")
     return APIError(400, f"'{param}': {failed.reason}", param=param, code="invalid_value")
 
 
-class ConstraintVerdict:
-    """The compile half of a request's check: `wait()` returns once it passed, raises the 400 when
-    refused; `cancel()` ends it (the engine compiled first)."""
-
-    def __init__(self, verdict: Verdict, specs: list[Spec], settings: Settings) -> None:
-        self._verdict, self._specs, self._settings = verdict, specs, settings
-
-    async def wait(self) -> None:
-        try:
-            await self._verdict.wait()
-        except CheckFailed as failed:
-            raise _refusal(failed, self._specs, self._settings) from None
-
-    def cancel(self) -> None:
-        self._verdict.cancel()
-
-
-async def check_constraints(specs: list[Spec], settings: Settings, checker: GrammarChecker) -> ConstraintVerdict:
-    """Sizes here, then conversion and soundness in the checker (400 on the first failure); the
-    compile's verdict comes back to be raced against the engine's."""
+async def check_constraints(specs: list[Spec], settings: Settings, checker: GrammarChecker) -> None:
+    """Sizes here, then conversion and soundness in the checker: a 400 on the first failure."""
     check_sizes(specs, settings)
     try:
-        verdict = await checker.check([(kind, text) for _, kind, text in specs])
+        await checker.check([(kind, text) for _, kind, text in specs])
     except CheckFailed as failed:
         raise _refusal(failed, specs, settings) from None
-    return ConstraintVerdict(verdict, specs, settings)

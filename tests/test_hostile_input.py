@@ -4,6 +4,7 @@ field, registers nothing with the engine, and the server keeps serving."""
 from __future__ import annotations
 
 import json
+import random
 import socket
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ import httpx
 import pytest
 
 from loadtest.server_proc import MODEL_NAME, ServerProcess
+from tests.test_grammar_checker import pattern_schema
 
 pytestmark = pytest.mark.engine
 M = json.dumps(MODEL_NAME)
@@ -137,18 +139,29 @@ def test_oversized_constraints_are_refused_naming_the_limit(http: httpx.Client, 
     assert "--max-structured-output-" in err["message"]
 
 
-SLOW_TO_COMPILE = {"type": "string", "pattern": "^[a-z]{1,30000}$"}  # minutes for xgrammar to convert
+SLOW_TO_CONVERT = {"type": "string", "pattern": "^[a-z]{1,30000}$"}  # minutes for xgrammar to convert
 
 
-def test_a_constraint_over_the_compile_budget_is_refused(http: httpx.Client) -> None:
-    """The checker kills the compile at the budget (3 s); the same schema again is refused at once
-    (the verdict is cached) and the engine never saw it."""
+def test_a_constraint_over_the_conversion_budget_is_refused(http: httpx.Client) -> None:
+    """The checker kills the conversion at the budget (3 s of CPU); the same schema again is refused
+    at once (the verdict is cached) and the engine never saw it."""
     idle = _unfinished(http)
     for _ in range(2):
-        err = _error(http.post(CHAT, json=_schema_chat(SLOW_TO_COMPILE)))
+        err = _error(http.post(CHAT, json=_schema_chat(SLOW_TO_CONVERT)))
         assert err["code"] == "structured_output_too_complex" and err["param"] == "response_format.json_schema.schema"
         assert "--structured-output-compile-budget" in err["message"]
     assert _unfinished(http) == idle
+
+
+def test_a_schema_whose_compile_takes_seconds_is_served(http: httpx.Client) -> None:
+    """900 pattern properties (64 KB): seconds of xgrammar compile for the embedded model's vocabulary
+    (no free whitespace), over the conversion budget as a compile, yet converted in milliseconds: the
+    check passes it and the engine's compile serves it, as under `vllm serve` (tests/test_grammar_checker.py
+    shows the verdict is the same on a loaded core)."""
+    schema = pattern_schema(900, tag=random.randrange(1, 1 << 20))    # new to the engine's grammar cache
+    resp = http.post(CHAT, json=_schema_chat(schema), timeout=300)
+    assert resp.status_code == 200, resp.text[:500]
+    assert resp.json()["choices"][0]["message"]["content"].startswith('{"p0":"')
 
 
 @pytest.mark.parametrize("text,param,says", [
@@ -218,9 +231,9 @@ def _until(condition, timeout_s: float) -> bool:
     return True
 
 
-def test_a_slow_compile_stalls_no_one_and_a_client_that_disconnects_cancels_it(
+def test_a_slow_check_stalls_no_one_and_a_client_that_disconnects_cancels_it(
         strict_server: ServerProcess, embedded_model_dir: str) -> None:
-    """On the strict server (300 s compile budget) a schema that takes minutes to convert is being
+    """On the strict server (300 s budget) a schema that takes minutes to convert is being
     checked in a forked child: another structured request is checked and served meanwhile; then
     the slow one's client hangs up and the child is killed long before any budget."""
     checker = _checker_pid(strict_server.proc.pid)
@@ -236,9 +249,9 @@ def test_a_slow_compile_stalls_no_one_and_a_client_that_disconnects_cancels_it(
         other = httpx.post(strict_server.base_url + CHAT, headers=strict_server.headers, timeout=120, json={
             **_schema_chat({"type": "object", "properties": {"n": {"type": "integer"}}}), "model": model})
         assert other.status_code == 200, other.text
-        assert set(slow_child) <= set(_children(checker)), "the slow compile ended before the other request"
+        assert set(slow_child) <= set(_children(checker)), "the slow check ended before the other request"
     assert _until(lambda: not set(slow_child) & set(_children(checker)), 60), \
-        "the compile kept running after the client left"
+        "the check kept running after the client left"
     assert _checker_pid(strict_server.proc.pid) == checker  # the checker itself lives on
 
 
