@@ -19,6 +19,7 @@ from bench.experts.reference import rel_err
 from kernels.dense import configs
 from kernels.dense.gemv import dense_gemv, unsupported
 from kernels.moe import moe_decode_launch
+from tests.kernels.test_dense_gemv_fp8 import _check as check_fp8
 
 TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -137,14 +138,17 @@ SHIPPED = sorted(configs.SHIPPED_DIR.glob("dense,*.json"))
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_every_shipped_table_config_on_its_k_and_bucket(path: Path) -> None:
     """Each tuned bucket's config as shipped, on the table's K and dtype at the bucket's M (and
-    M - 1 tokens where that is in the bucket), over a few row blocks (a partial one included)."""
+    M - 1 tokens where that is in the bucket), over a few row blocks (a partial one included);
+    an FP8 table's on weights of its format with fp16 activations."""
     fields = dict(part.split("=", 1) for part in path.stem.split(",")[1:])
     K, dt = int(fields["K"]), fields["dtype"]
-    dtype = {v: k for k, v in NAMES.items()}[dt]
     raw = json.loads(path.read_text())          # read whole: load_table refuses another Triton's
     assert raw["triton_version"] and path.name == configs.table_file_name(int(fields["N"]), K, dt, fields["device"])
     table = {int(k): configs.validate(v, dt) for k, v in raw.items() if k.isdigit()}
     assert table and set(table) <= set(configs.BUCKETS), path
     for bm, cfg in table.items():
         for M in sorted({bm, max(1, bm // 2 + 1)}):
-            _check(M, 2 * cfg["BLOCK_N"] + 1, K, dtype, M % 2 == 1, cfg)
+            if configs.is_fp8(dt):
+                check_fp8(M, 2 * cfg["BLOCK_N"] + 1, K, dt, torch.float16, M % 2 == 1, cfg)
+            else:
+                _check(M, 2 * cfg["BLOCK_N"] + 1, K, {v: k for k, v in NAMES.items()}[dt], M % 2 == 1, cfg)
