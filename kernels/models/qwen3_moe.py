@@ -3,7 +3,7 @@ kernels.fused's custom ops, each behind its PluginConfig switch (kernels.config.
 the model is built):
 
 - fuse_norm_gemv: the input norm (residual add + RMSNorm) and the QKV projection as one op,
-  ``moe_serve.fused_norm_linear`` (in place of ``input_layernorm`` then ``qkv_proj``);
+  ``moe_serve.fused_norm_linear`` (kernels.models.common);
 - fuse_qk_norm_rope: q_norm, k_norm and the rotary embedding as one op,
   ``moe_serve.fused_qk_norm_rope`` (in place of the per-head norms and ``rotary_emb``).
 
@@ -11,48 +11,34 @@ Everything else (attention, o_proj, the post-attention norm, the MoE block, weig
 the interfaces vLLM reads) is vLLM's: the class is vLLM's, and its layers become the subclasses
 below once built (their forward only differs), so `isinstance` checks, the checkpoint's names
 and vLLM's torch.compile of the model stay as they are. A layer keeps vLLM's code for a piece
-its modules do not fit (`plan`: a quantized or LoRA QKV projection, a norm or rotary embedding
-of another kind, different q / k epsilons). vLLM 0.26 and 0.32 build these modules alike.
-
-On the CPU engine vLLM packs linear weights for oneDNN and drops them (0.32); a QKV projection
-the fused op reads is marked to keep its weight (``_cpu_skip_gemm_dispatch``, vLLM's own flag).
+its modules do not fit (common.norm_gemv_fits; `qk_fits`: a rotary embedding of another kind,
+q / k norms other than vLLM's plain RMSNorm or with different epsilons). vLLM 0.26 and 0.32
+build these modules alike.
 """
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import QKVParallelLinear
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from vllm.model_executor.models.qwen3_moe import (Qwen3MoeAttention, Qwen3MoeDecoderLayer,
                                                   Qwen3MoeForCausalLM)
 
 from kernels.config import PluginConfig, current
-from kernels.fused.ops import fused_norm_linear, fused_qk_norm_rope
-
-UNQUANTIZED = "UnquantizedLinearMethod"
-
-
-def _plain_norm(norm: Any) -> bool:
-    """vLLM's RMSNorm with a weight over the whole row (what the fused ops compute)."""
-    return type(norm) is RMSNorm and norm.has_weight and norm.variance_size_override is None
+from kernels.fused.ops import fused_qk_norm_rope
+from kernels.models.common import attention_block, fuse_layers, fused_layer_counts, plain_norm
 
 
-def plan(layer: Qwen3MoeDecoderLayer, config: PluginConfig, lora: bool) -> tuple[bool, bool]:
-    """(fuse_norm_gemv, fuse_qk_norm_rope) for this layer: each switch, where its modules fit."""
+def qk_fits(layer: Qwen3MoeDecoderLayer, config: PluginConfig) -> dict[str, bool]:
+    """{"fuse_qk_norm_rope": whether this layer runs the Q/K norm + RoPE piece}."""
     attn = layer.self_attn
-    qkv = attn.qkv_proj
-    norm_gemv = (config.fuse_norm_gemv and not lora and type(qkv) is QKVParallelLinear
-                 and type(qkv.quant_method).__name__ == UNQUANTIZED and not qkv.skip_bias_add
-                 and _plain_norm(layer.input_layernorm))
     rope = attn.rotary_emb
-    qk = (config.fuse_qk_norm_rope and isinstance(rope, RotaryEmbedding)
-          and type(rope).forward_native is RotaryEmbedding.forward_native
-          and type(rope).forward_cuda is RotaryEmbedding.forward_cuda
-          and _plain_norm(attn.q_norm) and _plain_norm(attn.k_norm)
-          and attn.q_norm.variance_epsilon == attn.k_norm.variance_epsilon)
-    return bool(norm_gemv), bool(qk)
+    fits = (config.fuse_qk_norm_rope and isinstance(rope, RotaryEmbedding)
+            and type(rope).forward_native is RotaryEmbedding.forward_native
+            and type(rope).forward_cuda is RotaryEmbedding.forward_cuda
+            and plain_norm(attn.q_norm) and plain_norm(attn.k_norm)
+            and attn.q_norm.variance_epsilon == attn.k_norm.variance_epsilon)
+    return {"fuse_qk_norm_rope": bool(fits)}
 
 
 class FusedQwen3MoeAttention(Qwen3MoeAttention):
@@ -92,19 +78,7 @@ class FusedQwen3MoeDecoderLayer(Qwen3MoeDecoderLayer):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        attn = self.self_attn
-        if self.fuse_norm_gemv:
-            norm, qkv_proj = self.input_layernorm, attn.qkv_proj
-            qkv, residual, _ = fused_norm_linear(hidden_states, residual, norm.weight, norm.variance_epsilon,
-                                                 qkv_proj.weight, qkv_proj.bias)
-            hidden_states = attn.attend(positions, qkv)
-        else:                                         # vLLM's Qwen3MoeDecoderLayer.forward
-            if residual is None:
-                residual = hidden_states
-                hidden_states = self.input_layernorm(hidden_states)
-            else:
-                hidden_states, residual = self.input_layernorm(hidden_states, residual)
-            hidden_states = attn(positions=positions, hidden_states=hidden_states)
+        hidden_states, residual = attention_block(self, positions, hidden_states, residual)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
         return hidden_states, residual
@@ -115,19 +89,9 @@ class FusedQwen3MoeForCausalLM(Qwen3MoeForCausalLM):
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        config, lora = current(), getattr(vllm_config, "lora_config", None) is not None
-        for layer in self.model.layers:
-            if isinstance(layer, Qwen3MoeDecoderLayer):           # not a pipeline stage's placeholder
-                norm_gemv, qk = plan(layer, config, lora)
-                layer.__class__ = FusedQwen3MoeDecoderLayer
-                layer.self_attn.__class__ = FusedQwen3MoeAttention
-                layer.fuse_norm_gemv = norm_gemv
-                layer.self_attn.fuse_qk_norm_rope = qk
-                if norm_gemv:
-                    layer.self_attn.qkv_proj._cpu_skip_gemm_dispatch = True
+        fuse_layers(self.model.layers, Qwen3MoeDecoderLayer, FusedQwen3MoeDecoderLayer, FusedQwen3MoeAttention,
+                    current(), getattr(vllm_config, "lora_config", None) is not None, qk_fits)
 
     def fused_layers(self) -> dict[str, int]:
         """How many decoder layers run each fused piece."""
-        layers = [m for m in self.model.layers if isinstance(m, FusedQwen3MoeDecoderLayer)]
-        return {"fuse_norm_gemv": sum(m.fuse_norm_gemv for m in layers),
-                "fuse_qk_norm_rope": sum(m.self_attn.fuse_qk_norm_rope for m in layers)}
+        return fused_layer_counts(self.model.layers, FusedQwen3MoeDecoderLayer, ("fuse_qk_norm_rope",))

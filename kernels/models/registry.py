@@ -12,6 +12,7 @@ from kernels.config import PluginConfig
 
 MODEL_CLASSES = {  # architecture -> "module:class" of ours
     "Qwen3MoeForCausalLM": "kernels.models.qwen3_moe:FusedQwen3MoeForCausalLM",
+    "MixtralForCausalLM": "kernels.models.mixtral:FusedMixtralForCausalLM",
 }
 
 

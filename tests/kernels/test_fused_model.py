@@ -1,12 +1,12 @@
-"""The fused Qwen3-MoE model class (kernels/models/qwen3_moe.py) in vLLM's real CPU engine: a tiny
-fp32 Qwen3-MoE with dummy weights, served in this process by vllm.LLM with our class registered
-(kernels/models/registry.py) and both switches on, the fused ops running our Triton kernels under
-the interpreter (kernels.fused.ops.CPU_INTERPRETER). The same prompts' sampled tokens, their
-log-probabilities and the prompt's log-probabilities (top 5 at each position) come out the same
-with both pieces fused (our kernels), with the norm + QKV piece alone (the op's CPU path: vLLM's
-semantics in torch), and with vLLM's own layer classes swapped back in.
+"""The fused model classes (kernels/models/) in vLLM's real CPU engine: a tiny fp32 Qwen3-MoE and a
+tiny Mixtral with dummy weights, each served in this process by vllm.LLM with our classes
+registered (kernels/models/registry.py) and the switches on, the fused ops running our Triton
+kernels under the interpreter (kernels.fused.ops.CPU_INTERPRETER). The same prompts' greedy
+tokens, their log-probabilities and the prompt's log-probabilities (top 5 at each position) come
+out the same with the pieces fused (our kernels), with Qwen3's norm + QKV piece alone (the op's
+CPU path: vLLM's semantics in torch), and with vLLM's own layer classes swapped back in.
 
-What this proves: the plumbing. vLLM's registry builds our class, the switches reach every
+What this proves: the plumbing. vLLM's registry builds our classes, the switches reach every
 layer, the ops get the right weights, epsilon, heads, rotary cache and style, the first layer's
 missing residual and each layer's residual chain, and a layer's output is vLLM's layer's. The
 kernels' own numerics are the interpreter tests' job (test_fused_norm_gemv.py,
@@ -17,44 +17,59 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 pytestmark = pytest.mark.engine
 
-TINY_QWEN3_MOE = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 32,
-    "intermediate_size": 64, "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2,
-    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 2,
-    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "hidden_act": "silu",
-    "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "vocab_size": 256,
-    "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False, "torch_dtype": "float32",
-    "attention_bias": False, "sliding_window": None, "use_sliding_window": False,
+COMMON = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+          "num_key_value_heads": 1, "head_dim": 32, "hidden_act": "silu", "max_position_embeddings": 256,
+          "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "vocab_size": 256, "bos_token_id": 1, "eos_token_id": 2,
+          "tie_word_embeddings": False, "torch_dtype": "float32", "sliding_window": None, "num_experts_per_tok": 2}
+MODELS = {  # name: (config.json, the fused pieces its layers run)
+    "qwen3-moe": ({**COMMON, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                   "moe_intermediate_size": 16, "num_experts": 4, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                   "mlp_only_layers": [], "attention_bias": False, "use_sliding_window": False},
+                  {"fuse_norm_gemv": 2, "fuse_qk_norm_rope": 2}),
+    "mixtral": ({**COMMON, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4},
+                {"fuse_norm_gemv": 2}),
 }
-PROMPTS = [[1, 17, 201], [1, 90]]         # token ids: 5 prefill tokens in all, then decode at M = 2
+QKV_ROWS = (2 + 2 * 1) * 32                  # both models' QKV GEMV: [128, 32]
+PROMPTS = [[1, 17, 201], [1, 90]]            # token ids: 5 prefill tokens in all, then decode at M = 2
+STEPS = 2 * 3                                # 2 layers x (one prefill step, 2 decode steps)
 
 
-@pytest.fixture(scope="module")
-def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def _restore_vllm_classes() -> None:
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    from kernels.models.registry import MODEL_CLASSES
+
+    for arch in MODEL_CLASSES:
+        module, cls = _VLLM_MODELS[arch]
+        ModelRegistry.register_model(arch, f"vllm.model_executor.models.{module}:{cls}")
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def llm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any]]:
     import triton
     from vllm import LLM
 
     from kernels import config as plugin_config
     from kernels.dense import configs as dense_configs
     from kernels.fused import ops
-    from kernels.models.registry import register_model_classes
+    from kernels.models.registry import MODEL_CLASSES, register_model_classes
 
-    tmp = tmp_path_factory.mktemp("fused-model")
-    model = tmp / "tiny-qwen3-moe"
+    name = request.param
+    tmp = tmp_path_factory.mktemp(f"fused-{name}")
+    model = tmp / name
     model.mkdir()
-    (model / "config.json").write_text(json.dumps(TINY_QWEN3_MOE))
+    (model / "config.json").write_text(json.dumps(MODELS[name][0]))
     tables = tmp / "tables"               # the QKV GEMV's table: 32 rows a program (few interpreted programs)
     tables.mkdir()
     cfg = {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1, "num_warps": 1, "ACC_PAIRS": False, "PREFETCH": True}
-    qkv_n = (TINY_QWEN3_MOE["num_attention_heads"] + 2 * TINY_QWEN3_MOE["num_key_value_heads"]) * 32
-    (tables / dense_configs.table_file_name(qkv_n, TINY_QWEN3_MOE["hidden_size"], "fp32", "cpu")).write_text(
+    (tables / dense_configs.table_file_name(QKV_ROWS, COMMON["hidden_size"], "fp32", "cpu")).write_text(
         dense_configs.table_json({b: cfg for b in dense_configs.BUCKETS}, triton.__version__))
     dense_configs.load_table.cache_clear()
     dense_configs.config_for.cache_clear()
@@ -63,22 +78,17 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     mp.setattr(ops, "CPU_INTERPRETER", True)
     config = plugin_config.PluginConfig(fuse_norm_gemv=True, fuse_qk_norm_rope=True, kernel_config_dir=str(tables))
     plugin_config.configure(config)
-    assert register_model_classes(config) == ["Qwen3MoeForCausalLM"]
+    assert register_model_classes(config) == list(MODEL_CLASSES)
     engine = LLM(model=str(model), dtype="float32", load_format="dummy", enforce_eager=True,
                  skip_tokenizer_init=True, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64,
                  kv_cache_memory_bytes=64 << 20, seed=0)
     try:
-        yield engine
+        yield name, engine
     finally:
         plugin_config.configure(None)
         dense_configs.load_table.cache_clear()
         dense_configs.config_for.cache_clear()
-        from vllm import ModelRegistry
-        from vllm.model_executor.models.registry import _VLLM_MODELS
-
-        ModelRegistry.register_model("Qwen3MoeForCausalLM", ":".join(
-            ("vllm.model_executor.models." + _VLLM_MODELS["Qwen3MoeForCausalLM"][0],
-             _VLLM_MODELS["Qwen3MoeForCausalLM"][1])))
+        _restore_vllm_classes()
         del engine
         mp.undo()
 
@@ -107,49 +117,46 @@ def _same(a: list, b: list) -> None:
             assert len(shared) >= 4 and all(math.isclose(pa[t], pb[t], abs_tol=2e-4) for t in shared), (pa, pb)
 
 
-def _set(model: Any, norm_gemv: bool | None, qk: bool | None, vllm_classes: bool = False) -> dict[str, int]:
-    from vllm.model_executor.models.qwen3_moe import Qwen3MoeAttention, Qwen3MoeDecoderLayer
-
-    from kernels.models.qwen3_moe import FusedQwen3MoeDecoderLayer
-
+def _set(model: Any, qk: bool | None = None, vllm_classes: bool = False) -> dict[str, int]:
+    """The model's fused-piece counts; then its layers' Q/K flag set to qk, or vLLM's classes back."""
     counts = model.fused_layers()
     for layer in model.model.layers:
-        if vllm_classes:
-            layer.__class__, layer.self_attn.__class__ = Qwen3MoeDecoderLayer, Qwen3MoeAttention
-        elif isinstance(layer, FusedQwen3MoeDecoderLayer):
-            layer.fuse_norm_gemv = layer.fuse_norm_gemv if norm_gemv is None else norm_gemv
-            layer.self_attn.fuse_qk_norm_rope = layer.self_attn.fuse_qk_norm_rope if qk is None else qk
+        if vllm_classes:            # the fused classes' direct bases: vLLM's decoder layer and attention
+            layer.__class__, layer.self_attn.__class__ = type(layer).__bases__[0], type(layer.self_attn).__bases__[0]
+        elif qk is not None:
+            layer.self_attn.fuse_qk_norm_rope = qk
     return counts
 
 
-def test_logprobs_with_the_switches_on_and_off_match_vllms_layers(llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both pieces fused, our kernels under the interpreter; the norm + QKV piece alone on the ops'
-    CPU path (vLLM's semantics in torch); vLLM's own classes: one answer."""
+def test_logprobs_with_the_switches_on_and_off_match_vllms_layers(llm: tuple[str, Any],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     from kernels.fused import norm_gemv, ops, qk_norm_rope, reference
 
+    name, engine = llm
     calls: dict[str, int] = {}
 
-    def counted(module: Any, name: str) -> None:
-        fn = getattr(module, name)
+    def counted(module: Any, attr: str) -> None:
+        fn = getattr(module, attr)
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            calls[name] = calls.get(name, 0) + 1
+            calls[attr] = calls.get(attr, 0) + 1
             return fn(*args, **kwargs)
-        monkeypatch.setattr(module, name, run)
+        monkeypatch.setattr(module, attr, run)
 
-    for module, name in ((norm_gemv, "norm_gemv"), (qk_norm_rope, "qk_norm_rope"), (reference, "norm_linear"),
+    for module, attr in ((norm_gemv, "norm_gemv"), (qk_norm_rope, "qk_norm_rope"), (reference, "norm_linear"),
                          (reference, "qk_norm_rope")):
-        counted(module, name)
-    steps = 2 * 3            # 2 layers x (one prefill step of both prompts, 2 decode steps at M = 2)
-    assert llm.apply_model(lambda m: _set(m, None, None)) == [{"fuse_norm_gemv": 2, "fuse_qk_norm_rope": 2}]
-    fused = _run(llm)
-    assert calls == {"norm_gemv": steps, "qk_norm_rope": steps}, calls
-    monkeypatch.setattr(ops, "CPU_INTERPRETER", False)
-    llm.apply_model(lambda m: _set(m, None, False))
-    norm_only = _run(llm)
-    assert calls == {"norm_gemv": steps, "qk_norm_rope": steps, "norm_linear": steps}, calls
-    llm.apply_model(lambda m: _set(m, None, None, vllm_classes=True))
-    plain = _run(llm)
-    assert calls == {"norm_gemv": steps, "qk_norm_rope": steps, "norm_linear": steps}, calls
-    _same(fused, plain)
-    _same(norm_only, plain)
+        counted(module, attr)
+    pieces = MODELS[name][1]
+    assert engine.apply_model(_set) == [pieces]
+    fused = _run(engine)
+    want = {"norm_gemv": STEPS, **({"qk_norm_rope": STEPS} if "fuse_qk_norm_rope" in pieces else {})}
+    assert calls == want, calls
+    if "fuse_qk_norm_rope" in pieces:            # the norm + QKV piece alone, on the ops' CPU path
+        monkeypatch.setattr(ops, "CPU_INTERPRETER", False)
+        engine.apply_model(lambda m: _set(m, qk=False))
+        _same(_run(engine), fused)
+        want["norm_linear"] = STEPS
+        assert calls == want, calls
+    engine.apply_model(lambda m: _set(m, vllm_classes=True))
+    _same(fused, _run(engine))
+    assert calls == want, calls

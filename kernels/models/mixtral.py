@@ -1,0 +1,57 @@
+"""Mixtral with the fused input norm + QKV piece (fuse_norm_gemv): vLLM's MixtralForCausalLM whose
+decoder layers compute the residual add + RMSNorm + QKV projection as one op
+(kernels.models.common), the rest vLLM's (as kernels.models.qwen3_moe describes for Qwen3-MoE).
+Mixtral has no Q/K norm, so fuse_qk_norm_rope does not apply. vLLM 0.26 and 0.32 build these
+modules alike.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.model_executor.models.mixtral import MixtralAttention, MixtralDecoderLayer, MixtralForCausalLM
+
+from kernels.config import current
+from kernels.models.common import attention_block, fuse_layers, fused_layer_counts
+
+
+class FusedMixtralAttention(MixtralAttention):
+    """vLLM's attention block; `attend` takes the QKV projection's output."""
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv, _ = self.qkv_proj(hidden_states)
+        return self.attend(positions, qkv)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """The block's output [T, hidden] from qkv [T, (Hq + 2 Hkv) * D] (vLLM's MixtralAttention.forward)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        attn_output = self.attn(q, k, v)
+        output, _ = self.o_proj(attn_output)
+        return output
+
+
+class FusedMixtralDecoderLayer(MixtralDecoderLayer):
+    """vLLM's decoder layer; with fuse_norm_gemv its input norm and QKV projection are one op."""
+
+    fuse_norm_gemv = False
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden_states, residual = attention_block(self, positions, hidden_states, residual)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        hidden_states = self.block_sparse_moe(hidden_states)
+        return hidden_states, residual
+
+
+class FusedMixtralForCausalLM(MixtralForCausalLM):
+    """vLLM's MixtralForCausalLM, its decoder layers the fused subclasses."""
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        fuse_layers(self.model.layers, MixtralDecoderLayer, FusedMixtralDecoderLayer, FusedMixtralAttention,
+                    current(), getattr(vllm_config, "lora_config", None) is not None)
+
+    def fused_layers(self) -> dict[str, int]:
+        """How many decoder layers run each fused piece."""
+        return fused_layer_counts(self.model.layers, FusedMixtralDecoderLayer)
