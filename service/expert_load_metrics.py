@@ -3,7 +3,8 @@ scrape time from the workers' merged snapshots (service/expert_load.py).
 
 | family | type | what |
 |---|---|---|
-| ``moe_serve_expert_load_routed_total{layer}`` | counter | tokens x top-k routed in the layer since serving began |
+| ``moe_serve_expert_load_routed_total{layer}`` | counter | tokens x top-k routed to the layer's (logical) experts since serving began |
+| ``moe_serve_expert_load_out_of_range_total{layer}`` | counter | routing ids of the layer that named none of its experts (EPLB: a slot with no logical expert), since serving began |
 | ``moe_serve_expert_load_imbalance{layer}`` | gauge | busiest expert's load / mean load, over the window (absent without tokens) |
 | ``moe_serve_expert_load_idle_experts{layer}`` | gauge | experts that got no token in the window |
 | ``moe_serve_expert_load_experts{layer, le}`` | gauge histogram | experts by load / mean load, over the window: the spread (Grafana heatmap) |
@@ -21,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeHistogramMetricFami
 from prometheus_client.metrics_core import Metric
 
 from kernels.plugin.expert_snapshot import load_summary
-from service.expert_load import ExpertLoadSource
+from service.expert_load import ExpertLoadSource, columns
 
 SHARE_BUCKETS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0, 8.0)   # an expert's load / the layer's mean
 
@@ -55,6 +56,10 @@ class ExpertLoadCollector:
         imbalance = GaugeMetricFamily("moe_serve_expert_load_imbalance", "The busiest expert's load over the "
                                       "mean expert load of each MoE layer, over the sliding window (1 = uniform)",
                                       labels=["layer"])
+        stray = CounterMetricFamily("moe_serve_expert_load_out_of_range", "Routing choices in each MoE layer "
+                                    "since serving began whose expert id named none of the layer's experts (under "
+                                    "EPLB: a physical slot with no logical expert); counted apart, not dropped",
+                                    labels=["layer"])
         idle = GaugeMetricFamily("moe_serve_expert_load_idle_experts", "Experts of each MoE layer that got no "
                                  "token in the sliding window", labels=["layer"])
         spread = GaugeHistogramMetricFamily("moe_serve_expert_load_experts", "Experts of each MoE layer by "
@@ -62,14 +67,15 @@ class ExpertLoadCollector:
                                             labels=["layer"])
         for i, info in enumerate(load.layers):
             layer = str(info.layer)
-            total, window = load.total[i, :info.experts], load.window[i, :info.experts]
+            (total, out_of_range), (window, _) = columns(load.total[i], info), columns(load.window[i], info)
             summary = load_summary(window, info.top_k)
             routed.add_metric([layer], float(total.sum()))
+            stray.add_metric([layer], float(out_of_range))
             idle.add_metric([layer], summary["idle_experts"])
             if summary["imbalance"] is not None:
                 imbalance.add_metric([layer], summary["imbalance"])
                 spread.add_metric([layer], share_buckets(window), float(info.experts))
-        yield from (routed, imbalance, idle, spread)
+        yield from (routed, stray, imbalance, idle, spread)
         yield GaugeMetricFamily("moe_serve_expert_load_window_seconds", "Seconds of serving the expert load "
                                 "window covers now: its length (up to a snapshot interval more) once serving "
                                 "is older than it",

@@ -105,6 +105,31 @@ def test_reset_starts_since_reset_and_prometheus_agrees(server: ServerProcess) -
     assert span == body["window_span_s"] and 0 < span <= body["window_s"] + 2 * INTERVAL_S and body["window_s"] == 60
 
 
+def _routed(body: dict, view: str) -> list[int]:
+    return [sum(layer[view]) for layer in body["layers"]]
+
+
+def test_a_request_finished_just_before_a_reset_is_not_in_since_reset(server: ServerProcess) -> None:
+    """The reset asks the workers for their counts at that moment: its answer already holds the
+    request that finished just before it in `total`, and none of it in `since_reset`; repeated."""
+    _idle(server)
+    previous = httpx.post(server.base_url + PATH + "/reset", headers=server.headers, timeout=60).json()
+    for _ in range(5):
+        prompt = [random.randrange(1000, 31000) for _ in range(5)]
+        r = httpx.post(server.base_url + "/v1/completions", headers=server.headers, timeout=120,
+                       json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        tokens = r.json()["usage"]["prompt_tokens"] + r.json()["usage"]["completion_tokens"] - 1
+        reset = httpx.post(server.base_url + PATH + "/reset", headers=server.headers, timeout=60)
+        assert reset.status_code == 200, reset.text
+        body = reset.json()
+        added = [a - b for a, b in zip(_routed(body, "total"), _routed(previous, "total"))]
+        assert added == [tokens * TOP_K] * len(LAYERS), (added, tokens)
+        assert _routed(body, "since_reset") == [0, 0] and body["reset_at"] > previous["reset_at"]
+        assert all(layer["out_of_range"] == {"total": 0, "window": 0, "since_reset": 0} for layer in body["layers"])
+        previous = body
+
+
 def test_the_endpoint_needs_the_api_key(server: ServerProcess) -> None:
     assert httpx.get(server.base_url + PATH, timeout=30).status_code == 401
     assert httpx.post(server.base_url + PATH + "/reset", timeout=30).status_code == 401

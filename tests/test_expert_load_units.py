@@ -1,10 +1,14 @@
 """The expert load's parts without an engine: the count at vLLM's real CPU router (eager and as
-torch.compile traces it on the CPU engine) against the routing that router returns, the worker's
-snapshots and their window, the API process's merge and its Prometheus families."""
+torch.compile traces it on the CPU engine) against the routing that router returns, a router under
+EPLB (physical slots counted per logical expert, ids out of range apart), the worker's snapshots
+and their window, the reset's snapshot over the RPC, the API process's merge and its Prometheus
+families."""
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,7 +17,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kernels.plugin import expert_snapshot as es
 from kernels.plugin import vllm_compat as vc
-from kernels.plugin.expert_load import SLOT_ATTR, ExpertLoad, LayerSlot, layer_number
+from kernels.plugin.expert_load import SLOT_ATTR, ExpertLoad, LayerSlot, layer_number, logical_experts
+from service.errors import APIError
 from service.expert_load import ExpertLoadSource, merge
 from service.expert_load_metrics import ExpertLoadCollector, share_buckets
 from tests.monitoring_helpers import parse_metrics, value
@@ -40,7 +45,7 @@ def test_counts_agree_with_vllms_router(counting: ExpertLoad, compiled: bool) ->
     its layer's row only; traced by torch.compile (fullgraph, dynamic M) the graph does the same."""
     E, topk, K = 16, 4, 32
     routers = [vc.load(CPU_ROUTER)(top_k=topk, global_num_experts=E) for _ in range(2)]
-    load = torch.zeros(3, E, dtype=torch.int64)
+    load = torch.zeros(3, E + 1, dtype=torch.int64)                # [L, E + 1]: + the out-of-range column
     num_tokens = torch.zeros(1, dtype=torch.int32)
     for row, router in enumerate(routers):
         setattr(router, SLOT_ATTR, LayerSlot(load, row * 2, E, num_tokens))
@@ -56,14 +61,15 @@ def test_counts_agree_with_vllms_router(counting: ExpertLoad, compiled: bool) ->
         for i in range(2):
             assert ids[i].shape == (M, topk)
             want[i] = [w + c for w, c in zip(want[i], _bincount(ids[i], E, real))]
-    assert load[0].tolist() == want[0] and load[2].tolist() == want[1] and not load[1].any()
+    assert load[0, :E].tolist() == want[0] and load[2, :E].tolist() == want[1] and not load[1].any()
+    assert not load[:, E].any()                                    # vLLM's router names only its experts
     assert sum(want[0]) == (7 + 9 + 3) * topk
 
 
 def test_a_call_our_router_kernel_counted_is_not_counted_again(counting: ExpertLoad) -> None:
     E = 8
     router = vc.load(CPU_ROUTER)(top_k=2, global_num_experts=E)
-    load = torch.zeros(1, E, dtype=torch.int64)
+    load = torch.zeros(1, E + 1, dtype=torch.int64)
     setattr(router, SLOT_ATTR, LayerSlot(load, 0, E, torch.tensor([4], dtype=torch.int32)))
     real_compute = type(router)._compute_routing
 
@@ -79,6 +85,51 @@ def test_a_call_our_router_kernel_counted_is_not_counted_again(counting: ExpertL
     assert not load.any()
     router.select_experts(torch.randn(4, 16), torch.randn(4, E))  # the next call is counted again
     assert load.sum() == 4 * 2
+
+
+class EplbRouter(vc.load(vc.ROUTER_BASE)):
+    """A router under vLLM's EPLB: it returns the physical slots it is told to, and carries the EPLB
+    state vLLM gives a layer (logical_to_physical_map [E, R], updated in place when it rearranges)."""
+
+    def __init__(self, placement: torch.Tensor, slots: int, top_k: int) -> None:
+        super().__init__(eplb_state=SimpleNamespace(logical_to_physical_map=placement))
+        self.global_num_experts, self.top_k, self.next_ids = slots, top_k, None
+
+    def set_capture_fn(self, capture_fn) -> None:
+        raise NotImplementedError
+
+    @property
+    def routing_method_type(self):
+        raise NotImplementedError
+
+    def _select_experts(self, hidden_states, router_logits, topk_indices_dtype=None, *, input_ids=None):
+        return torch.ones(self.next_ids.shape), self.next_ids
+
+
+def _worker(routers: dict[str, object]) -> SimpleNamespace:
+    """What ExpertLoad.attach reads of a vLLM worker: its device and the MoE runners vLLM registers."""
+    cc = SimpleNamespace(static_all_moe_layers=list(routers),
+                         static_forward_context={n: SimpleNamespace(router=r) for n, r in routers.items()})
+    return SimpleNamespace(device=torch.device("cpu"), vllm_config=SimpleNamespace(compilation_config=cc))
+
+
+def test_under_eplb_a_layer_is_counted_per_logical_expert(counting: ExpertLoad) -> None:
+    """4 logical experts on 6 physical slots (experts 0 and 2 replicated); after a rearrangement
+    (vLLM copies the new placement in place) the same slots count for their new experts; ids of no
+    logical expert go to the layer's out-of-range column."""
+    placement = torch.tensor([[0, 4], [1, -1], [2, 5], [3, -1]])          # logical -> its physical slots
+    router = EplbRouter(placement, slots=6, top_k=2)
+    counting.plugin = SimpleNamespace(logger=SimpleNamespace(info=lambda *a: None))
+    counting.attach(_worker({"model.layers.0.mlp.experts": router}))
+    assert logical_experts(router) == 4 and [(i.layer, i.experts) for i in counting.layers] == [(0, 4)]
+    counting.num_tokens.fill_(3)
+    router.next_ids = torch.tensor([[4, 1], [5, 6], [0, -1], [3, 3]])     # the last row is padding
+    router.select_experts(torch.randn(4, 8), torch.randn(4, 6))
+    assert counting.read()[0, :5].tolist() == [2, 1, 1, 0, 2]             # 4 -> 0, 5 -> 2; 6 and -1 apart
+    placement.copy_(torch.tensor([[5, -1], [1, 4], [2, -1], [3, 0]]))    # rearranged: 0 -> 3, 4 -> 1, 5 -> 0
+    router.next_ids = torch.tensor([[4, 5], [0, 2], [1, 1], [2, 2]])
+    router.select_experts(torch.randn(4, 8), torch.randn(4, 6))
+    assert counting.read()[0, :5].tolist() == [3, 4, 2, 1, 2]
 
 
 def test_layer_numbers_come_from_vllms_names() -> None:
@@ -132,42 +183,74 @@ def _snap(layers: list[es.LayerInfo], total: list[list[int]], window: list[list[
 
 def test_merge_takes_one_tp_rank_and_every_pipeline_stages_layers() -> None:
     """TP ranks hold the same counts (max = either, never their sum); a stage's layers are its own;
-    layers with fewer experts are padded with zeros."""
+    a row is a layer's experts, then its out-of-range count, then zeros for layers with fewer experts."""
     a, b = es.LayerInfo("m.layers.0.e", 0, 4, 2), es.LayerInfo("m.layers.1.e", 1, 2, 1)
-    rank0 = _snap([a], [[1, 2, 3, 4]], [[1, 0, 0, 1]], 10.0)
-    rank1 = _snap([a], [[1, 2, 3, 4]], [[1, 0, 0, 1]], 11.0)
-    stage1 = _snap([b], [[5, 6]], [[5, 0]], 12.0)
+    rank0 = _snap([a], [[1, 2, 3, 4, 7]], [[1, 0, 0, 1, 0]], 10.0)
+    rank1 = _snap([a], [[1, 2, 3, 4, 7]], [[1, 0, 0, 1, 0]], 11.0)
+    stage1 = _snap([b], [[5, 6, 9, 0, 0]], [[5, 0, 1, 0, 0]], 12.0)
     m = merge([stage1, rank0, rank1])
     assert m is not None and [x.layer for x in m.layers] == [0, 1] and m.workers == 3
-    assert m.total.tolist() == [[1, 2, 3, 4], [5, 6, 0, 0]] and m.window.tolist() == [[1, 0, 0, 1], [5, 0, 0, 0]]
+    assert m.total.tolist() == [[1, 2, 3, 4, 7], [5, 6, 9, 0, 0]]
+    assert m.window.tolist() == [[1, 0, 0, 1, 0], [5, 0, 1, 0, 0]]
     assert m.as_of == 10.0
     assert merge([]) is None
 
 
-def test_since_reset_and_the_prometheus_families(tmp_path: Path) -> None:
-    counts = [np.array([[0, 3, 1, 0], [2, 2, 2, 2]], dtype=np.int64)]
+class Engine:
+    """vLLM's AsyncLLM as the reset uses it: collective_rpc calls each worker's method now."""
+
+    def __init__(self, *workers: object) -> None:
+        self.workers = workers
+
+    async def collective_rpc(self, method: str, timeout: float | None = None) -> list:
+        return [getattr(w, method)() for w in self.workers]
+
+
+def test_since_reset_starts_from_the_counts_at_the_reset_and_the_prometheus_families(tmp_path: Path) -> None:
+    """The reset's baseline is what the workers count at the reset (their last file is older), so
+    since_reset is zero right after it; column 4 of each row is the layer's out-of-range count."""
+    counts = [np.array([[0, 3, 1, 0, 2], [2, 2, 2, 2, 0]], dtype=np.int64)]
     writer = _snapshot(tmp_path, lambda: counts[0].copy(), LAYERS)
     with writer.lock:
         writer.restart()
+    counts[0] = counts[0] + np.array([[5, 0, 0, 0, 1], [0, 0, 0, 0, 0]])    # counted, not yet in a file
     source = ExpertLoadSource(tmp_path)
-    source.reset()
-    counts[0] = counts[0] + np.array([[1, 1, 0, 0], [0, 0, 0, 4]])
+    worker = SimpleNamespace(**{es.SNAPSHOT_RPC: writer.snapshot_now})
+    asyncio.run(source.reset(Engine(worker)))
+    assert all(not any(layer["since_reset"]) and not layer["out_of_range"]["since_reset"]
+               for layer in source.body()["layers"])
+    counts[0] = counts[0] + np.array([[1, 1, 0, 0, 3], [0, 0, 0, 4, 0]])
     with writer.lock:
         writer._write_locked()
     body = source.body()
     assert [layer["since_reset"] for layer in body["layers"]] == [[1, 1, 0, 0], [0, 0, 0, 4]]
-    assert [layer["total"] for layer in body["layers"]] == [[1, 4, 1, 0], [2, 2, 2, 6]]
+    assert [layer["total"] for layer in body["layers"]] == [[6, 4, 1, 0], [2, 2, 2, 6]]
+    assert [layer["out_of_range"] for layer in body["layers"]] == [
+        {"total": 6, "window": 6, "since_reset": 3}, {"total": 0, "window": 0, "since_reset": 0}]
     assert body["layers"][1]["summary"]["window"] == {"routed": 12, "tokens": 6, "imbalance": 2.0, "idle_experts": 0}
     registry = CollectorRegistry()
     registry.register(ExpertLoadCollector(source))
     m = parse_metrics(generate_latest(registry).decode())
-    assert value(m, "moe_serve_expert_load_routed_total", layer="0") == 6
-    assert value(m, "moe_serve_expert_load_imbalance", layer="0") == pytest.approx(4 * 4 / 6, abs=1e-4)
+    assert value(m, "moe_serve_expert_load_routed_total", layer="0") == 11
+    assert value(m, "moe_serve_expert_load_out_of_range_total", layer="0") == 6
+    assert value(m, "moe_serve_expert_load_imbalance", layer="0") == pytest.approx(6 * 4 / 11, abs=1e-4)
     assert value(m, "moe_serve_expert_load_idle_experts", layer="0") == 1
     assert value(m, "moe_serve_expert_load_experts_bucket", layer="0", le="0") == 1        # the idle one
     assert value(m, "moe_serve_expert_load_experts_bucket", layer="1", le="1") == 3
     assert value(m, "moe_serve_expert_load_experts_bucket", layer="1", le="+Inf") == 4
     assert share_buckets(np.zeros(4, dtype=np.int64)) == []
+
+
+def test_a_reset_the_workers_cannot_answer_is_a_503(tmp_path: Path) -> None:
+    class Dead:
+        async def collective_rpc(self, method: str, timeout: float | None = None) -> list:
+            raise TimeoutError
+
+    source = ExpertLoadSource(tmp_path)
+    for engine in (None, Dead()):
+        with pytest.raises(APIError) as refused:
+            asyncio.run(source.reset(engine))
+        assert refused.value.status == 503 and source.reset_at is None
 
 
 def test_snapshots_cross_nodes_as_plain_data(tmp_path: Path) -> None:

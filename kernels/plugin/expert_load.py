@@ -17,6 +17,17 @@ every start of serving (MoePlugin.serve: after vLLM's warm-up, and again after t
 request warm-up) zeroes the counts too. So the counts are the served traffic: tokens x top-k per
 layer, every forward counted once.
 
+Logical experts: with vLLM's expert-parallel load balancer (EPLB) a router returns physical expert
+slots (a logical expert may have replicas); the count maps each slot to its logical expert through
+the router's own EPLB state (``eplb_state.logical_to_physical_map``, which vLLM updates in place
+when it rearranges), on the device at every call (kernels.moe.expert_count.physical_to_logical).
+Ids that name no logical expert are counted in the row's column E (its out-of-range count), not
+dropped. Our router kernel picks logical experts itself.
+
+``POST /v1/moe/expert-load/reset`` asks every worker for its counts at that moment
+(kes.SNAPSHOT_RPC over vLLM's collective_rpc: the device synchronized, a snapshot written and
+returned), so nothing the workers counted before the reset is in what follows it.
+
 Layers: vLLM's MoE runners (``compilation_config.static_all_moe_layers``), found when the worker
 has loaded the model, before its first forward is traced or captured: each runner's router gets a
 LayerSlot attribute. Not counted: expert methods that route inside their own kernel (vLLM's
@@ -36,8 +47,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from kernels.moe.expert_count import count_experts
+from kernels.moe.expert_count import count_experts, physical_to_logical
 from kernels.plugin import vllm_compat as vc
+from kernels.plugin import expert_snapshot as kes
 from kernels.plugin.expert_snapshot import LayerInfo, SnapshotWriter, window_from_env
 from kernels.plugin.plugin_host import PluginHost
 
@@ -54,15 +66,32 @@ def enabled_from_env() -> bool:
 @dataclass(frozen=True, eq=False)
 class LayerSlot:
     """What a router's calls count into: row `row` of the worker's load, its first `experts`
-    columns, for the first num_tokens tokens of a call."""
+    columns (logical experts) and column `experts` (ids out of range), for the first num_tokens
+    tokens of a call. Under EPLB, `placement` is the router's EPLB state and `slots` its physical
+    expert slots."""
 
-    load: torch.Tensor          # [L, E_max] int64
+    load: torch.Tensor          # [L, W] int64, W > every layer's experts
     row: int
     experts: int
     num_tokens: torch.Tensor    # [1] int32: the forward's real tokens
+    placement: Any = None       # vLLM's EplbLayerState (logical_to_physical_map [E, R]), or None
+    slots: int = 0              # physical expert slots (the router's global_num_experts) under EPLB
 
     def counts(self) -> torch.Tensor:
         return self.load[self.row, :self.experts]                     # [E]
+
+    def count(self, topk_ids: torch.Tensor) -> None:
+        """Add a call's routing (physical slots under EPLB) per logical expert."""
+        placement = getattr(self.placement, "logical_to_physical_map", None)
+        expert_map = None if placement is None else physical_to_logical(placement, self.slots)   # [slots]
+        count_experts(topk_ids, self.counts(), self.num_tokens,
+                      out_of_range=self.load[self.row, self.experts:self.experts + 1], expert_map=expert_map)
+
+
+def logical_experts(router: Any) -> int:
+    """A router's logical experts: the rows of its EPLB placement, else its global_num_experts."""
+    placement = getattr(getattr(router, "eplb_state", None), "logical_to_physical_map", None)
+    return int(placement.shape[0]) if placement is not None else int(getattr(router, "global_num_experts", 0))
 
 
 def layer_number(name: str, position: int) -> int:
@@ -87,7 +116,9 @@ class ExpertLoad:
 
     # -- install (worker init) ----------------------------------------------------------------
     def install(self, worker: Any) -> list[str]:
-        """Wrap vLLM's select_experts and this worker class's load_model and execute_model."""
+        """Wrap vLLM's select_experts and this worker class's load_model and execute_model; give the
+        worker the snapshot method the reset calls (kes.SNAPSHOT_RPC)."""
+        setattr(worker, kes.SNAPSHOT_RPC, self.snapshot_now)
         done = []
         for cls, name, make in ((vc.load(vc.ROUTER_BASE), "select_experts", self._select_experts),
                                 (type(worker), "load_model", self._load_model),
@@ -106,12 +137,12 @@ class ExpertLoad:
                 return orig(router, hidden_states, router_logits, *args, **kwargs)
             if torch.compiler.is_compiling():      # traced (vLLM-CPU): our router never runs here
                 weights, ids = orig(router, hidden_states, router_logits, *args, **kwargs)
-                count_experts(ids, slot.counts(), slot.num_tokens)
+                slot.count(ids)
                 return weights, ids
             local.counted = None
             weights, ids = orig(router, hidden_states, router_logits, *args, **kwargs)
             if local.counted is not router:
-                count_experts(ids, slot.counts(), slot.num_tokens)
+                slot.count(ids)
             local.counted = None
             return weights, ids
         return select_experts
@@ -138,18 +169,21 @@ class ExpertLoad:
         """Give every MoE runner's router of the loaded model its LayerSlot."""
         found = []
         for name, router in vc.moe_routers(worker.vllm_config):
-            experts, top_k = getattr(router, "global_num_experts", 0), getattr(router, "top_k", 0)
+            experts, top_k = logical_experts(router), getattr(router, "top_k", 0)
             if experts > 0 and top_k > 0:
                 found.append((LayerInfo(name, layer_number(name, len(found)), experts, top_k), router))
         if not found:
             return
         device = worker.device
         self.layers = [info for info, _ in found]
-        width = -(-max(i.experts for i in self.layers) // ROW_ALIGN) * ROW_ALIGN
+        width = -(-(max(i.experts for i in self.layers) + 1) // ROW_ALIGN) * ROW_ALIGN   # + out of range
         self.load = torch.zeros(len(found), width, dtype=torch.int64, device=device)
         self.num_tokens = torch.zeros(1, dtype=torch.int32, device=device)
         for row, (info, router) in enumerate(found):
-            setattr(router, SLOT_ATTR, LayerSlot(self.load, row, info.experts, self.num_tokens))
+            placement = getattr(router, "eplb_state", None)
+            eplb = getattr(placement, "logical_to_physical_map", None) is not None
+            setattr(router, SLOT_ATTR, LayerSlot(self.load, row, info.experts, self.num_tokens, placement if eplb
+                                                 else None, int(getattr(router, "global_num_experts", 0))))
         self.plugin.logger.info("moe-serve expert load: counting %d MoE layers (%d experts, top-%d) on %s",
                                 len(found), self.layers[0].experts, self.layers[0].top_k, device)
 
@@ -175,6 +209,15 @@ class ExpertLoad:
                 self.writer = SnapshotWriter(runtime_dir, self.read, self.layers, rank, window_from_env(), self.lock)
             if self.writer is not None:
                 self.writer.restart()
+
+    def snapshot_now(self) -> dict[str, Any] | None:
+        """kes.SNAPSHOT_RPC: the counts as they are now (the device's work so far included), written
+        as this worker's snapshot and returned as kes.as_report's data; None before serving."""
+        if self.load is None or self.writer is None:
+            return None
+        if self.load.is_cuda:
+            torch.cuda.synchronize(self.load.device)   # every forward already launched, counted
+        return self.writer.snapshot_now()
 
     def read(self) -> np.ndarray:
         """The counts now, int64 [L, E_max] on the host (a copy). On CUDA: copied on a side stream

@@ -5,13 +5,17 @@ it begins serving. Every INTERVAL_S it reads its counts (a host copy off the dec
 reader is given) and writes them into the runtime dir as ``expert-load-<pid>.npz`` (replaced
 atomically):
 
-- ``total`` int64 [L, E]: tokens routed to each expert of each MoE layer since serving began (E at
-  least the layers' most experts; a layer's columns past its experts stay 0),
-- ``window`` int64 [L, E]: the same over the last ``window_s`` seconds (the newest snapshot minus
+- ``total`` int64 [L, W]: tokens routed to each (logical) expert of each MoE layer since serving
+  began, in a layer's first E columns, and in column E the routing ids that named none of its
+  experts (W > every layer's E; the columns past that stay 0),
+- ``window`` int64 [L, W]: the same over the last ``window_s`` seconds (the newest snapshot minus
   the one at or just before the window's start, so up to INTERVAL_S more; since serving began
   while that is younger than the window),
 - ``meta``: JSON (rank, pid, node, time of the snapshot, serving start, window span, and per layer
   its name, number in the model, experts and top-k).
+
+``POST /v1/moe/expert-load/reset`` asks each worker for a snapshot now (SNAPSHOT_RPC, a worker
+method called over vLLM's collective_rpc: SnapshotWriter.snapshot_now).
 
 The API process reads these files (read_snapshots; workers on other nodes send the same content
 through the metrics report, as_report) and merges them (service/expert_load.py). Plain numpy:
@@ -38,6 +42,7 @@ DEFAULT_WINDOW_S = 60.0     # the sliding window's length
 WINDOW_ENV = "MOE_SERVE_EXPERT_STATS_WINDOW"
 LOGGER = "vllm.moe_serve_plugin"   # the plugin's logger (kernels.plugin.vllm_plugin.MoePlugin)
 PREFIX = "expert-load-"
+SNAPSHOT_RPC = "moe_serve_expert_load_now"   # a worker method: collective_rpc(SNAPSHOT_RPC) -> as_report's data
 SUFFIX = ".npz"
 
 
@@ -117,7 +122,13 @@ class SnapshotWriter:
                                                       "%.0f s: %r", INTERVAL_S, exc)
                 failing = True
 
-    def _write_locked(self) -> None:
+    def snapshot_now(self) -> dict[str, Any]:
+        """Write a snapshot now and return it as as_report's data (the counts read now)."""
+        with self.lock:
+            return self._write_locked()
+
+    def _write_locked(self) -> dict[str, Any]:
+        """Write the snapshot of the counts now; returned as as_report's data."""
         now, total = time.time(), self.read()
         self._history.append((now, total))
         while len(self._history) > 1 and self._history[1][0] <= now - self.window_s:
@@ -133,6 +144,7 @@ class SnapshotWriter:
         with open(tmp, "wb") as f:
             f.write(buf.getbuffer())
         os.replace(tmp, self.path)
+        return {"meta": meta, "total": total.tolist(), "window": (total - base).tolist()}
 
 
 def read_snapshot(path: str) -> dict[str, Any] | None:

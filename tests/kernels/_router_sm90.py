@@ -26,7 +26,7 @@ VARIANTS = {  # name: (M, E, K, topk, scoring, bias, count, top-k method)
     "prefill-one-program": (512, 128, 2048, 8, "softmax", False, False, "rounds"),
     "kimi-one-program": (256, 384, 7168, 8, "sigmoid", True, False, "rounds"),
 }
-COUNTS = {"count-int32-ids": torch.int32, "count-int64-ids": torch.int64}  # name: topk_ids dtype
+COUNTS = {"count-int32-ids": torch.int32, "count-int64-ids-eplb": torch.int64}  # name: topk_ids dtype
 
 if __name__ == "__main__":
     cache: dict = {}
@@ -44,7 +44,8 @@ if __name__ == "__main__":
     for name, dtype in COUNTS.items():
         with record_launches() as launches:
             count_experts_triton(torch.zeros(64, 8, dtype=dtype), torch.zeros(128, dtype=torch.int64),
-                                 torch.zeros(1, dtype=torch.int32))
+                                 torch.zeros(1, dtype=torch.int32), out_of_range=torch.zeros(1, dtype=torch.int64),
+                                 expert_map=torch.zeros(144, dtype=torch.int64) if "eplb" in name else None)
         for (kname, ck), (_, grid, _, _) in zip(aot.compile_launches(launches, cache=cache), launches):
             print(json.dumps({"variant": name, "kernel": kname, "grid": list(grid),
                               "atomics": len(re.findall(r"\b(?:atom|red)\.global", ck.asm["ptx"]))}), flush=True)
