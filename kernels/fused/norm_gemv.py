@@ -28,7 +28,8 @@ norm_gemv_kernel   grid (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))
       else      s * w_norm in fp32, and rstd applied to each token's sums after the loop: h
                 without its two roundings (vLLM's Inductor-compiled norm does not round between
                 the two multiplies either), y within about one more rounding of EXACT_H's, and
-                some 40 % fewer instructions per element (sm_90 SASS).
+                fewer instructions (sm_90 SASS, Qwen3's QKV at M = 8: 731 in the K loop
+                against 1051).
     The programs of n-block 0 (one per split: between them every column once) also store
     residual_out and, with WRITE_H, h rounded as vLLM's norm rounds it: written once, out of
     place (x and residual are still being read by other programs), no extra pass.
@@ -40,7 +41,12 @@ o_proj epilogue adding the sum of squares: the MoE chain's job). The re-read is 
 streams: x and residual are the same few KB for every program, so after the first program on
 an SM they come from L1 (else L2), never HBM; what it can cost is latency at a program's start,
 which the first tile's prefetch covers. Configs with few rows and a deep split (BLOCK_N 1,
-SPLIT_K 8) re-read the most per weight byte; which configs win is for the GPU (`bench_cases`).
+SPLIT_K 8) re-read the most per weight byte. The larger cost is arithmetic: every n-block
+redoes the norm on its columns of every token, amortised over its BLOCK_N weight rows. The
+plain GEMV's configs (what serving_config takes) hold 2 rows at M = 8, where that K loop runs
+~1050 instructions per thread for 2 weight vectors: issue-bound below HBM's rate by a rough
+count, so the fused kernel likely wants more rows per program as M grows. Which configs win
+is for the GPU (`bench_cases`: `cfg`).
 """
 from __future__ import annotations
 
@@ -56,6 +62,7 @@ from kernels.moe.moe_tiles import _arrive_last, _split_range
 
 MAX_M = 16                          # tokens one launch serves
 SERVED_EXACT_H = True               # the ops' operand: h as vLLM rounds it (bench_cases times both)
+SERVED_MAX_M = MAX_M                # the ops' largest M on this kernel (above: row norm + F.linear)
 TOKEN_BLOCK = 8                     # the GEMV's most accumulators per program
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 

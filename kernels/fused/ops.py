@@ -4,9 +4,9 @@ and CUDA graphs capture its launch; the implementation decides per call (at capt
 captured batch size):
 
 ``fused_norm_linear(x, residual?, norm_weight, eps, weight, bias?, write_h) -> (y, residual_out, h)``
-    residual add + RMSNorm + F.linear (kernels.fused.norm_gemv at 1..16 tokens on CUDA; the
-    row-norm kernel kernels.fused.rms_norm + F.linear above that or where the GEMV's layout
-    rules refuse). residual_out is empty without a residual (the caller keeps x, as vLLM's layer
+    residual add + RMSNorm + F.linear (kernels.fused.norm_gemv at 1..SERVED_MAX_M (16) tokens on
+    CUDA; the row-norm kernel kernels.fused.rms_norm + F.linear above that or where the GEMV's
+    layout rules refuse). residual_out is empty without a residual (the caller keeps x, as vLLM's layer
     does), h empty unless write_h.
 ``fused_qk_norm_rope(qkv, positions, q_norm_weight, k_norm_weight, eps, cos_sin_cache,
 num_q_heads, num_kv_heads, head_dim, rot_dim, neox) -> qk``
@@ -67,7 +67,7 @@ def _norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
         key = (weight.shape[0], weight.shape[1], weight.dtype, bias is not None, residual is not None, write_h,
                str(weight.device))
         _seen_norm.setdefault(key, (weight, norm_weight, bias))
-        if ng.unsupported(x, residual, norm_weight, weight, bias) is None:
+        if x.shape[0] <= ng.SERVED_MAX_M and ng.unsupported(x, residual, norm_weight, weight, bias) is None:
             y, res_out, h = ng.norm_gemv(x, residual, norm_weight, eps, weight, bias, write_h,
                                          exact_h=ng.SERVED_EXACT_H)
         elif rms_norm.unsupported(x, residual, norm_weight) is None:

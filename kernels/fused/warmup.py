@@ -2,7 +2,7 @@
 profile run passes each layer once), before vLLM captures its CUDA graphs: vLLM captures each
 batch size without a warm-up run, so a first launch there would compile inside the capture.
 
-warm_pending() runs each distinct variant once on zero inputs (fused_norm_linear at M = 1..MAX_M;
+warm_pending() runs each distinct variant once on zero inputs (fused_norm_linear at M = 1..SERVED_MAX_M;
 fused_qk_norm_rope at one token: its variants do not depend on M) and remembers what it warmed.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ _warmed: set[Any] = set()
 
 
 def warm_norm_gemv(weight: torch.Tensor, norm_weight: torch.Tensor, bias: torch.Tensor | None, residual: bool,
-                   write_h: bool, max_m: int = ng.MAX_M) -> int:
+                   write_h: bool, max_m: int = ng.SERVED_MAX_M) -> int:
     """Run each distinct norm_gemv variant of this call kind at M = 1..max_m once on zeros; the
     number of distinct variants."""
     keys: set[tuple] = set()
