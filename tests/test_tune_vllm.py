@@ -239,6 +239,14 @@ def test_a_faster_config_that_fails_the_check_never_wins() -> None:
         assert res[M]["check_error"] <= bench.gate_tol
 
 
+def test_only_resource_and_compile_errors_keep_a_config_from_being_timed() -> None:
+    from kernels.tuning.vllm_precompile import cannot_run
+
+    assert cannot_run("OutOfResources: out of resource: shared memory, Required: 262144")
+    assert cannot_run("CompilationError: at 12:4: ...")
+    assert not cannot_run("RuntimeError: CUDA error: out of memory")   # the timing process decides
+
+
 def _counts(bench: FakeBench) -> dict[int, int]:
     out: dict[int, int] = {}
     for M, _ in bench.timed:

@@ -6,8 +6,9 @@ process launches (same arguments, same integer specializations) into Triton's di
 the timing process then finds them. kernels.tuning.precompile compiles for sm_90 on the host CPU
 from launches our launcher records; vLLM's launcher picks its Swap-AB tile from the live device
 and sizes its grid from its alignment op's output, so its exact launches exist only on the GPU.
-A config whose compile or launch fails (e.g. out of shared memory) is reported failed and never
-timed. Best effort: without a pool the timing process compiles each config itself.
+A config whose compile fails for lack of resources (shared memory, registers) or with a compile
+error is never timed; any other worker error leaves the config to the timing process, which
+compiles it itself, as it does every config when the pool breaks.
 """
 from __future__ import annotations
 
@@ -60,38 +61,55 @@ def worker_count(weight_bytes: int) -> int:
     return max(1, min(14, (os.cpu_count() or 2) - 2, by_mem))
 
 
+def cannot_run(error: str) -> bool:
+    """Whether a worker's error says the config itself cannot run (shared memory, registers,
+    a compile error): such a config is never timed. Other errors leave it to the timing process."""
+    low = error.lower()
+    return any(w in low for w in ("outofresources", "out of resource", "compilationerror"))
+
+
 class Compiler:
-    """A pool of GPU worker processes for one shape; compile() as vllm_search.Bench wants it."""
+    """A pool of GPU worker processes for one shape; compile() as vllm_search.Bench wants it.
+    A broken pool hands every config to the timing process, which compiles it itself."""
 
     def __init__(self, shape: tuple[int, int, int, int, str], workers: int,
                  log: Callable[[str], None] = print) -> None:
         self.log = log
-        self.pool = cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
-                                           initializer=_init, initargs=(shape,))
+        self.pool: cf.ProcessPoolExecutor | None = cf.ProcessPoolExecutor(
+            workers, mp_context=mp.get_context("spawn"), initializer=_init, initargs=(shape,))
         self.errors: dict[tuple, str] = {}
 
     def compile(self, jobs: dict[tuple, tuple[Config, list[int]]],
                 deadline: float) -> tuple[set, set]:
+        """(keys compiled or left to the timing process, keys that cannot run); keys still
+        compiling at the deadline are in neither."""
+        if self.pool is None:
+            return set(jobs), set()
         t0 = time.perf_counter()
-        futs = [self.pool.submit(_job, k, cfg, ms) for k, (cfg, ms) in jobs.items()]
-        done, pending = cf.wait(futs, timeout=max(0.0, deadline - t0))
+        try:
+            futs = [self.pool.submit(_job, k, cfg, ms) for k, (cfg, ms) in jobs.items()]
+            done, pending = cf.wait(futs, timeout=max(0.0, deadline - t0))
+            results = [f.result() for f in done]
+        except cf.process.BrokenProcessPool as e:
+            self.log(f"  [compile] the worker pool broke ({e}); compiling in the timing process")
+            self.close()
+            return set(jobs), set()
         for f in pending:
             f.cancel()
         ok, bad = set(), set()
-        for f in done:
-            try:
-                k, err = f.result()
-            except Exception as e:  # noqa: BLE001 - a worker died: its configs compile lazily
-                self.log(f"  [compile] worker failed: {type(e).__name__}: {e}")
-                continue
-            if err is None:
-                ok.add(k)
-            else:
+        for k, err in results:
+            if err is not None and cannot_run(err):
                 bad.add(k)
                 self.errors[k] = err
-        self.log(f"  [compile] {len(ok)} configs compiled, {len(bad)} failed, {len(pending)} "
+            else:
+                ok.add(k)
+                if err is not None:
+                    self.log(f"  [compile] {jobs[k][0]}: {err} (left to the timing process)")
+        self.log(f"  [compile] {len(ok)} configs compiled, {len(bad)} cannot run, {len(pending)} "
                  f"left at the deadline, in {time.perf_counter() - t0:.0f}s")
         return ok, bad
 
     def close(self) -> None:
-        self.pool.shutdown(cancel_futures=True)
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+            self.pool = None
