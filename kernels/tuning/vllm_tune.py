@@ -42,7 +42,7 @@ FORMATS = ("bf16", "fp16", quant_format.FP8)   # and every block FP8 key
 def parse_args(argv: list[str] | None):
     ap = model_parser("moe-serve tune --for-vllm", __doc__)
     ap.add_argument("--out", required=True, help="folder for vLLM's tables (VLLM_TUNED_CONFIG_FOLDER)")
-    ap.add_argument("--budget-minutes", type=float, default=2.5, help="per shape (default 2.5)")
+    ap.add_argument("--budget-minutes", type=float, default=2.0, help="per shape (default 2)")
     ap.add_argument("--ms", default=",".join(map(str, space.TUNER_MS)),
                     help="M keys to write (default: vLLM's tuner's, 1..4096)")
     ap.add_argument("--force", action="store_true", help="re-tune tables already in --out")
