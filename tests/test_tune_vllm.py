@@ -208,7 +208,7 @@ def test_a_budget_of_minutes_walks_to_the_optimum_and_ends_on_time() -> None:
     budget = 60.0 * vllm_tune.parse_args(["--model", "m", "--out", "o"]).budget_minutes
     search = _search(bench, clock, budget, fmt="bf16")
     res = search.run()
-    assert 0.9 * budget < clock.now < budget + 0.5        # the last step may overrun a little
+    assert 0.9 * budget < clock.now < budget + 3          # past it: at most one key's final re-time
     for M in space.TUNER_MS:
         assert res[M]["config"] == bench.target(M), M       # separable: the walk gets there
         assert res[M]["space_timed"] < len(search.space) / 4    # without the whole space
