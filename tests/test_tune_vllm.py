@@ -212,10 +212,9 @@ def test_a_budget_of_minutes_walks_to_the_optimum_and_ends_on_time() -> None:
     for M in space.TUNER_MS:
         assert res[M]["config"] == bench.target(M), M       # separable: the walk gets there
         assert res[M]["space_timed"] < len(search.space) / 4    # without the whole space
-    n = _counts(bench)
-    decode = sum(n[M] for M in space.TUNER_MS if M <= space.DECODE_MAX_M) / 12
-    large = sum(n[M] for M in space.TUNER_MS if M > space.DECODE_MAX_M) / 6
-    assert decode > 2 * large                                 # decode keys get the thorough search
+    decode = sum(res[M]["timed"] for M in space.TUNER_MS if M <= space.DECODE_MAX_M) / 12
+    large = sum(res[M]["timed"] for M in space.TUNER_MS if M > space.DECODE_MAX_M) / 6
+    assert decode > 1.5 * large                       # decode keys: more configs timed each
 
 
 def test_no_budget_still_times_and_writes_every_baseline() -> None:
@@ -245,13 +244,6 @@ def test_only_resource_and_compile_errors_keep_a_config_from_being_timed() -> No
     assert cannot_run("OutOfResources: out of resource: shared memory, Required: 262144")
     assert cannot_run("CompilationError: at 12:4: ...")
     assert not cannot_run("RuntimeError: CUDA error: out of memory")   # the timing process decides
-
-
-def _counts(bench: FakeBench) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for M, _ in bench.timed:
-        out[M] = out.get(M, 0) + 1
-    return out
 
 
 # ---- vLLM's Triton kernel under the interpreter ----------------------------------------------
