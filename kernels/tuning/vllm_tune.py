@@ -20,6 +20,7 @@ with float64. With TRITON_INTERPRET=1 on CPU the pipeline runs for tests (wall-c
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -31,7 +32,7 @@ from typing import Any, Callable
 import torch
 
 from kernels.moe import quant_format, vllm_kernels
-from kernels.tuning import vllm_search, vllm_space as space
+from kernels.tuning import vllm_precompile, vllm_search, vllm_space as space
 from kernels.tuning.model_shapes import ModelConfigError, MoEShape, model_parser, moe_shapes, read_config
 from kernels.tuning.vllm_bench import BaselineMismatch, VllmBench
 from kernels.tuning.vllm_space import Config
@@ -39,7 +40,7 @@ from kernels.tuning.vllm_space import Config
 FORMATS = ("bf16", "fp16", quant_format.FP8)   # and every block FP8 key
 
 
-def parse_args(argv: list[str] | None):
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = model_parser("moe-serve tune --for-vllm", __doc__)
     ap.add_argument("--out", required=True, help="folder for vLLM's tables (VLLM_TUNED_CONFIG_FOLDER)")
     ap.add_argument("--budget-minutes", type=float, default=2.0, help="per shape (default 2)")
@@ -120,8 +121,6 @@ def tune_shape(shape: MoEShape, out: Path, ms: tuple[int, ...], budget_s: float,
     seed_map, shipped = seeds(E, N, K, topk, shape.dtype, ms)
     compiler = None
     if device == "cuda" and workers != 0:
-        from kernels.tuning import vllm_precompile
-
         wbytes = 3 * E * N * K * (1 if quant_format.is_fp8(shape.dtype) else 2)
         compiler = vllm_precompile.Compiler((E, N, K, topk, shape.dtype),
                                             workers or vllm_precompile.worker_count(wbytes), log)
