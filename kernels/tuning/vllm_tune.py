@@ -16,7 +16,8 @@ baseline before it can win, and writes each table under vLLM's own file name and
 time against the baseline's (what vLLM runs without the table: its shipped table for this GPU,
 else its default). A table already in --out is kept unless --force.
 Exit codes: 0 done, 2 no GPU / no vLLM / bad model / no --out, 3 vLLM's baseline disagrees
-with float64. With TRITON_INTERPRET=1 on CPU the pipeline runs for tests (wall-clock timing).
+with float64. The CPU tests run the pipeline through tune_shape with a stand-in for vLLM's CUDA
+ops around its kernel (TRITON_INTERPRET=1, wall-clock timing).
 """
 from __future__ import annotations
 
@@ -154,10 +155,9 @@ def log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def main(argv: list[str] | None = None, experts: Callable | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
-    if not torch.cuda.is_available() and not interp:
+    if not torch.cuda.is_available():
         log("moe-serve tune --for-vllm: no CUDA GPU visible; tune on the GPU `vllm serve` runs on")
         return 2
     if vllm_kernels.fused_experts() is None:
@@ -180,7 +180,6 @@ def main(argv: list[str] | None = None, experts: Callable | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ms = tuple(int(m) for m in args.ms.split(","))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     for shape in shapes:
         name = space.file_name(shape.E, shape.N, shape.dtype)
         if (out / name).is_file() and not args.force:
@@ -189,8 +188,7 @@ def main(argv: list[str] | None = None, experts: Callable | None = None) -> int:
         log(f"[tune --for-vllm] {shape.name} E={shape.E} N={shape.N} K={shape.K} "
             f"topk={shape.topk} {shape.dtype}: {len(ms)} M keys, {args.budget_minutes} min")
         try:
-            path = tune_shape(shape, out, ms, args.budget_minutes * 60, device, args.workers,
-                              log, experts)
+            path = tune_shape(shape, out, ms, args.budget_minutes * 60, "cuda", args.workers, log)
         except BaselineMismatch as e:
             log(f"moe-serve tune --for-vllm: {e}")
             return 3
