@@ -22,8 +22,8 @@ from bench.step import kernel_level, model_level, pieces
 from bench.step.shapes import StepShapes, step_shapes
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
-DRY_SHAPES = StepShapes(name="dry-run", layers=2, hidden=256, q_heads=4, kv_heads=2, head_dim=64, rot_dim=64,
-                        experts=8, vocab=512, eps=1e-6, rope_theta=10000.0, qk_norm=True)
+DRY_SHAPES = StepShapes(name="dry-run", layers=2, hidden=128, q_heads=2, kv_heads=1, head_dim=32, rot_dim=32,
+                        experts=8, vocab=128, eps=1e-6, rope_theta=10000.0, qk_norm=True)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -51,17 +51,20 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def kernels(args: argparse.Namespace) -> list[dict]:
     import torch
 
+    from bench.experts.dense_shapes import linear_format
     from bench.experts.problem import copy_ceiling
 
+    fmt = None
     if args.dry_run:
         shapes, dtype, device = DRY_SHAPES, torch.float32, "cpu"
     else:
         if not torch.cuda.is_available():
             raise SystemExit("moe-serve bench step: the kernel level needs a CUDA GPU (or --dry-run)")
         shapes, dtype, device = step_shapes(MODELS_DIR / args.model, args.tensor_parallel_size), torch.bfloat16, "cuda"
+        fmt = linear_format(json.loads((MODELS_DIR / args.model / "config.json").read_text()))
     ceiling = copy_ceiling()["copy_bytes_per_s"]
     rows = []
-    for case in pieces.cases(shapes, args.tokens, args.pieces, dtype, device):
+    for case in pieces.cases(shapes, args.tokens, args.pieces, dtype, device, None if fmt == "bf16" else fmt):
         t0 = time.perf_counter()
         rows.append(kernel_level.run_case(case, ceiling, args.replays if not args.dry_run else 2))
         print(f"[step] {case.piece} M={case.M}: {'ok' if rows[-1].get('ok') else 'FAILED'} "
