@@ -15,6 +15,6 @@ def test_a_server_with_the_dense_gemv_hook_serves(strict_server: ServerProcess) 
         model = http.get("/v1/models").json()["data"][0]["id"]
         resp = http.post("/v1/completions", json={"model": model, "prompt": "Hello there", "max_tokens": 4})
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4
-    loaded = [line for line in strict_server.log().splitlines() if "moe-serve plugin loaded" in line
+    loaded = [line for line in strict_server.log().splitlines() if "moe-serve plugin: worker hooks" in line
               and "'UnquantizedLinearMethod.apply', 'UnquantizedEmbeddingMethod.apply'" in line]
     assert loaded, "no worker installed the dense GEMV hook"

@@ -99,7 +99,10 @@ class LayerPlan:
     reason_key: str | None                             # the same for the fallback metric's label
     router: RouterPlan
     block_pdl: bool                                    # our router and decode up kernel chained by PDL too
-    _index: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
+    _index: dict[int, int] = field(init=False, compare=False, repr=False)   # bucket -> its position
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_index", {b: i for i, b in enumerate(self.buckets)})
 
     # -- the hot path -------------------------------------------------------------------------
     def route(self, M: int) -> str:
@@ -258,10 +261,8 @@ def build(facts: LayerFacts, ctx: PlanContext) -> LayerPlan:
         reason, key = BATCH_INVARIANT, "batch_invariant"
     elif f.experts_unsupported:
         reason, key = f"unsupported by ours: {f.experts_unsupported}", f.experts_unsupported
-    plan = LayerPlan(f, ctx, ranges, rule, buckets, choices, reason, key, router_plan(f.router, ctx),
+    return LayerPlan(f, ctx, ranges, rule, buckets, choices, reason, key, router_plan(f.router, ctx),
                      ctx.config.block_pdl)
-    plan._index.update({b: i for i, b in enumerate(buckets)})
-    return plan
 
 
 def config_router(cfg: dict[str, Any], E: int, K: int, topk: int) -> RouterSpec | str:

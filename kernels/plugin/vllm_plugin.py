@@ -132,8 +132,6 @@ class MoePlugin:
         if not self.kernel_hooks_installed:
             self.kernel_hooks_installed = True
             self._run_steps(self.kernel_hook_steps())
-            self.logger.info("moe-serve plugin: worker hooks (pid %d, mode %s): %s", os.getpid(), self.mode,
-                             self.hooks)
 
     def _run_steps(self, steps: list[tuple[str, Callable[[], None]]]) -> None:
         for name, step in steps:
@@ -229,6 +227,8 @@ class MoePlugin:
                 self.hooks.extend(self.expert_load.install(worker))
             except Exception as exc:  # noqa: BLE001 - serve without the expert load
                 self.logger.error("moe-serve plugin: expert load not counted: %r", exc)
+        self.logger.info("moe-serve plugin: worker hooks (pid %d, rank %s, mode %s): %s", os.getpid(), self.rank,
+                         self.mode, self.hooks)
 
     def configure(self, config: PluginConfig) -> None:
         """Make `config` this process's (kernels.config.current) and set the mode from it."""
