@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.serve import answers, roofline
+from bench.serve import answers, roofline, servers
 from bench.serve import render as serve_render
 from bench.serve import schedule
 from bench.serve import stats as serve_stats
@@ -444,3 +444,23 @@ def test_run_refuses_an_out_dir_of_another_workload(tmp_path: Path, capsys) -> N
     _write_process(tmp_path, BASELINE, 0, WORK, 4000)
     assert serve_ab.main(["--model", "embedded", "--out", str(tmp_path), "--concurrency", "1"]) == 2
     assert "ran another workload" in capsys.readouterr().out
+
+
+def test_switch_and_attention_variants_start_what_they_name() -> None:
+    """`moe-serve+<setting>` turns the plugin settings on through their MOE_SERVE_* overrides (names
+    the plugin's config knows); `<server>+<tweak>` adds one vLLM attention flag in that server's spelling."""
+    from kernels.config import PluginConfig, env_name
+
+    f = servers.EngineFlags("dummy", 4096, 256, 1, 0.9, None)
+    _, argv, env = servers.command("moe-serve+fused", Path("/m"), f)
+    assert {k: v for k, v in env.items() if k.startswith("MOE_SERVE_FUSE")} == {
+        env_name("fuse_norm_gemv"): "1", env_name("fuse_qk_norm_rope"): "1"}
+    for settings in servers.SWITCHES.values():
+        assert set(settings) <= set(PluginConfig.model_fields)
+    module, argv, env = servers.command("vllm-serve+fa3-one-split", Path("/m"), f)
+    assert module.startswith("vllm.") and env["VLLM_PLUGINS"] == ""
+    assert argv[-2:] == ["--attention-config", '{"flash_attn_max_num_splits_for_cuda_graph": 1}']
+    _, argv, env = servers.command("moe-serve+triton-attn", Path("/m"), f)
+    assert argv[-2:] == ["--engine-arg", 'attention_backend="TRITON_ATTN"'] and "MOE_SERVE_FUSE_NORM_GEMV" not in env
+    with pytest.raises(ValueError, match="unknown variant"):
+        servers.command("moe-serve+nothing", Path("/m"), f)

@@ -12,6 +12,8 @@
 | `moe-serve-no-expert-stats` | `python -m service --no-expert-stats`: without the expert load counting, what it costs (on request) |
 | `moe-serve-qk-norm-rope-fusion` | `python -m service` with vLLM's fused q/k RMSNorm + RoPE compile pass turned on (on request) |
 | `moe-serve-dense-gemv` | `python -m service --dense-gemv`: and the dense GEMMs at 1..8 tokens on our GEMV (on request) |
+| `moe-serve+<setting>` | `MOE_SERVE_<SETTING>=1 python -m service`: a decode-path setting of the plugin's config on (`SWITCHES`: `fuse_norm_gemv`, `fuse_qk_norm_rope`, both as `fused`, `fp8_dense_gemv`, `fp8_moe_gemv`; on request) |
+| `vllm-serve+<tweak>`, `moe-serve+<tweak>` | either server with one vLLM attention setting (`ATTENTION`: `fa3-one-split`, FA3 without split-KV at decode; `triton-attn`, vLLM's Triton attention backend; on request) |
 
 `EngineFlags` are the engine settings every variant gets, each in its own CLI's spelling; the
 expert-load mode (`routing`) is vLLM's routing simulation, set in every variant's environment.
@@ -48,13 +50,27 @@ NO_EXPERT_STATS = "moe-serve-no-expert-stats"  # --no-expert-stats: what countin
 QK_NORM_ROPE = "moe-serve-qk-norm-rope-fusion"  # vLLM's fused q/k RMSNorm + RoPE compile pass on (off in vLLM 0.26)
 DENSE_GEMV = "moe-serve-dense-gemv"            # --dense-gemv spelled out (OURS runs it by default)
 NO_DENSE_GEMV = "moe-serve-no-dense-gemv"      # --no-dense-gemv: what the dense decode GEMV adds
+# moe-serve with decode-path settings of the plugin's config turned on (kernels/config.py), each
+# through its documented MOE_SERVE_<SETTING> override: `moe-serve+<setting>`, `moe-serve+fused` both
+# fused-step pieces. Until the yardstick shows a setting's gain it stays off by default.
+SWITCHES = {"fuse_norm_gemv": ("fuse_norm_gemv",), "fuse_qk_norm_rope": ("fuse_qk_norm_rope",),
+            "fused": ("fuse_norm_gemv", "fuse_qk_norm_rope"), "fp8_dense_gemv": ("fp8_dense_gemv",),
+            "fp8_moe_gemv": ("fp8_moe_gemv",)}
+SWITCH_ENV = {f"{OURS}+{name}": {f"MOE_SERVE_{s.upper()}": "1" for s in settings} for name, settings in SWITCHES.items()}
+# One vLLM attention setting, in either server (`<server>+<tweak>`): FA3 without split-KV at decode
+# (no combine kernel), or vLLM's Triton attention backend.
+ATTENTION = {"fa3-one-split": ("attention_config", {"flash_attn_max_num_splits_for_cuda_graph": 1}),
+             "triton-attn": ("attention_backend", "TRITON_ATTN")}
+TWEAKS = {f"{server}+{name}": (key, value) for server in (BASELINE, OURS) for name, (key, value) in ATTENTION.items()}
 VARIANTS = (BASELINE, FRONTEND, OURS)          # the yardstick's default run
 ALL_VARIANTS = (*VARIANTS, VLLM_TRITON, FUSED_ROUTER, NO_ROUTER, BLOCK_PDL, NO_EXPERT_STATS,
-                QK_NORM_ROPE, DENSE_GEMV, NO_DENSE_GEMV)   # what --variants may name, and the table shows
+                QK_NORM_ROPE, DENSE_GEMV, NO_DENSE_GEMV, *SWITCH_ENV, *TWEAKS)   # what --variants may name
 VARIANT_FLAGS = {FUSED_ROUTER: ["--fused-router"], NO_ROUTER: ["--no-fused-router"],
                  NO_EXPERT_STATS: ["--no-expert-stats"], DENSE_GEMV: ["--dense-gemv"],
                  NO_DENSE_GEMV: ["--no-dense-gemv"],
-                 QK_NORM_ROPE: ["--engine-arg", 'compilation_config={"pass_config": {"enable_qk_norm_rope_fusion": true}}']}
+                 QK_NORM_ROPE: ["--engine-arg", 'compilation_config={"pass_config": {"enable_qk_norm_rope_fusion": true}}'],
+                 **{v: ["--engine-arg", f"{key}={json.dumps(value)}"] for v, (key, value) in TWEAKS.items()
+                    if v.startswith(OURS)}}
 BLOCK_PDL_ENV = "MOE_SERVE_BLOCK_PDL"           # set for every moe-serve variant, not inherited
 SERVED_NAME = "yardstick"
 CPU_KV_CACHE_BYTES = 512 * 1024 ** 2
@@ -62,9 +78,12 @@ WEIGHTS = "weights"                            # routing mode: as the model's ro
 # Settings a variant changes on purpose (its own switch), left out when runs are compared: the MoE
 # backend of the Triton control, and moe-serve's with its kernels (its backend policy picks Triton).
 _MOE_BACKEND = ("kernel_config.moe_backend",)
+_ATTENTION_KEYS = ("attention_config", "attention_backend")
 VARIANT_CONFIG_KEYS = {VLLM_TRITON: _MOE_BACKEND, OURS: _MOE_BACKEND, FUSED_ROUTER: _MOE_BACKEND,
                        NO_ROUTER: _MOE_BACKEND, BLOCK_PDL: _MOE_BACKEND, NO_EXPERT_STATS: _MOE_BACKEND,
-                       DENSE_GEMV: _MOE_BACKEND, NO_DENSE_GEMV: _MOE_BACKEND, QK_NORM_ROPE: (*_MOE_BACKEND, "compilation_config")}
+                       DENSE_GEMV: _MOE_BACKEND, NO_DENSE_GEMV: _MOE_BACKEND, QK_NORM_ROPE: (*_MOE_BACKEND, "compilation_config"),
+                       **dict.fromkeys(SWITCH_ENV, _MOE_BACKEND),
+                       **{v: (*_MOE_BACKEND, *_ATTENTION_KEYS) if v.startswith(OURS) else _ATTENTION_KEYS for v in TWEAKS}}
 CONFIG_LINE = re.compile(r"with config: (.*)$", re.M)
 DATACLASS_VALUE = re.compile(r"^\w+\((.*)\)$", re.S)
 
@@ -130,13 +149,17 @@ def routing_env(routing: str) -> dict[str, str]:
 def command(variant: str, model_dir: Path, flags: EngineFlags,
             trace_dir: Path | None = None) -> tuple[str, list[str], dict[str, str]]:
     """(python module, its arguments, extra environment) that start `variant`."""
-    if variant in (BASELINE, VLLM_TRITON):   # stock vLLM: no plugin, not even moe-serve's installed one
-        argv = vllm_serve_argv(model_dir, flags, trace_dir) + (["--moe-backend", "triton"] if variant == VLLM_TRITON else [])
-        return "vllm.entrypoints.openai.api_server", argv, {"VLLM_PLUGINS": "", **routing_env(flags.routing)}
     if variant not in ALL_VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; known: {', '.join(ALL_VARIANTS)}")
+    if variant in (BASELINE, VLLM_TRITON) or variant.startswith(BASELINE + "+"):   # stock vLLM: no plugin at all
+        argv = vllm_serve_argv(model_dir, flags, trace_dir) + (["--moe-backend", "triton"] if variant == VLLM_TRITON else [])
+        if variant in TWEAKS:
+            key, value = TWEAKS[variant]
+            argv += [f"--{key.replace('_', '-')}", value if isinstance(value, str) else json.dumps(value)]
+        return "vllm.entrypoints.openai.api_server", argv, {"VLLM_PLUGINS": "", **routing_env(flags.routing)}
     argv = moe_serve_argv(model_dir, flags, trace_dir, "vllm" if variant == FRONTEND else "optimized")
     return "service", argv + VARIANT_FLAGS.get(variant, []), {BLOCK_PDL_ENV: "1" if variant == BLOCK_PDL else "0",
+                                                               **SWITCH_ENV.get(variant, {}),
                                                                **routing_env(flags.routing)}
 
 

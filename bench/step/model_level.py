@@ -1,7 +1,7 @@
 """Model level: the decode step per switch set, one warm server process each, through the yardstick.
 
 Each switch set is a yardstick variant (bench.serve.servers: `moe-serve+<setting>` turns a decode
-path setting of the plugin's config on, `moe-serve+<engine tweak>` changes one vLLM setting), run
+path setting of the plugin's config on, `<server>+<tweak>` changes one vLLM attention setting), run
 at c = 1 as the weights route, one process per variant, profiled (vLLM's torch profiler: the step
 per kernel class and GPU idle). From its records: ITL p50 per variant, the ratio to `moe-serve` as
 shipped, launches per decode step (kernels and copies in the profile, long burst minus short over
@@ -14,8 +14,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-DEFAULT_SETS = ("vllm-serve", "moe-serve", "moe-serve+fuse_norm_gemv", "moe-serve+fuse_qk_norm_rope",
-                "moe-serve+fuse_norm_gemv+fuse_qk_norm_rope")
+DEFAULT_SETS = ("vllm-serve", "moe-serve", "moe-serve+fused", "moe-serve+fa3-one-split")
 
 
 def yardstick_argv(model: str, out: Path, sets: tuple[str, ...], budget_s: float, extra: list[str]) -> list[str]:
