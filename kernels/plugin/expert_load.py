@@ -33,12 +33,11 @@ has loaded the model, before its first forward is traced or captured: each runne
 LayerSlot attribute. Not counted: expert methods that route inside their own kernel (vLLM's
 monolithic ones never call select_experts). Reading: a SnapshotWriter thread copies the counts to
 the host every second (a side CUDA stream and its own event; the decode path never waits) and
-writes kernels/plugin/expert_snapshot.py's file. Off: MOE_SERVE_EXPERT_STATS=0 (moe-serve
---no-expert-stats): nothing is wrapped or allocated.
+writes kernels/plugin/expert_snapshot.py's file. Off: the expert_stats setting (kernels/config.py;
+moe-serve --no-expert-stats): nothing is wrapped or allocated.
 """
 from __future__ import annotations
 
-import os
 import re
 import threading
 from dataclasses import dataclass
@@ -53,14 +52,8 @@ from kernels.plugin import expert_snapshot as kes
 from kernels.plugin.expert_snapshot import LayerInfo, SnapshotWriter, window_from_env
 from kernels.plugin.plugin_host import PluginHost
 
-ENV = "MOE_SERVE_EXPERT_STATS"
 SLOT_ATTR = "_moe_serve_expert_load"   # on vLLM's router objects
 ROW_ALIGN = 16   # load rows padded to 16 int64 (128 B): every row's pointer has the same Triton specialization
-
-
-def enabled_from_env() -> bool:
-    """On unless MOE_SERVE_EXPERT_STATS is 0/false/no/off."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True, eq=False)

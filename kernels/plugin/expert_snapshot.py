@@ -37,9 +37,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+from kernels.config import current
+
 INTERVAL_S = 1.0            # seconds between a worker's snapshots
 DEFAULT_WINDOW_S = 60.0     # the sliding window's length
-WINDOW_ENV = "MOE_SERVE_EXPERT_STATS_WINDOW"
 LOGGER = "vllm.moe_serve_plugin"   # the plugin's logger (kernels.plugin.vllm_plugin.MoePlugin)
 PREFIX = "expert-load-"
 SNAPSHOT_RPC = "moe_serve_expert_load_now"   # a worker method: collective_rpc(SNAPSHOT_RPC) -> as_report's data
@@ -51,12 +52,9 @@ def snapshot_path(runtime_dir: str, pid: int) -> str:
 
 
 def window_from_env() -> float:
-    """The window's length in seconds ($MOE_SERVE_EXPERT_STATS_WINDOW, else DEFAULT_WINDOW_S)."""
-    try:
-        value = float(os.environ.get(WINDOW_ENV, DEFAULT_WINDOW_S))
-    except ValueError:
-        return DEFAULT_WINDOW_S
-    return value if value > 0 else DEFAULT_WINDOW_S
+    """The window's length in seconds: the expert_stats_window_s setting (kernels/config.py; env
+    $MOE_SERVE_EXPERT_STATS_WINDOW, validated > 0 where the config is built)."""
+    return current().expert_stats_window_s
 
 
 @dataclass(frozen=True)
