@@ -210,15 +210,21 @@ class HookPlan:
     moe: str | None
     router: str | None          # with it, runner_gate (the gate moved into the runner)
     dense: str | None
+    fused_model: str | None     # our model classes (kernels/models): the fused decode-step pieces
+    fp8_dense: str | None       # the FP8 linear methods at decode on our FP8 GEMV
 
     @classmethod
     def of(cls, ctx: PlanContext) -> "HookPlan":
         cfg = ctx.config
         if cfg.mode != "optimized":
-            return cls("mode vllm", "mode vllm", "mode vllm")
+            return cls(*(["mode vllm"] * 5))
+
+        def setting(on: bool, name: str) -> str | None:
+            return BATCH_INVARIANT if ctx.batch_invariant else None if on else f"the {name} setting is off"
         return cls(None, None if cfg.fused_router else "the fused_router setting is off",
-                   BATCH_INVARIANT if ctx.batch_invariant else None if cfg.dense_gemv
-                   else "the dense_gemv setting is off")
+                   setting(cfg.dense_gemv, "dense_gemv"),
+                   setting(cfg.fuse_norm_gemv or cfg.fuse_qk_norm_rope, "fuse_norm_gemv / fuse_qk_norm_rope"),
+                   setting(cfg.fp8_dense_gemv, "fp8_dense_gemv"))
 
 
 def router_plan(router: RouterSpec | str | None, ctx: PlanContext) -> RouterPlan:

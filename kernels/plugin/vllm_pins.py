@@ -238,13 +238,25 @@ def pin_fp8_layout() -> str:
     return "FusedMoEExperts.block_shape / per_act_token_quant, fp8 quant config block and per-token"
 
 
+def pin_fp8_dense() -> str:
+    """kernels/plugin/fp8_dense_pins.py's pins (vLLM's FP8 linear methods and their stored layouts),
+    imported here only when the pins run."""
+    from kernels.plugin import fp8_dense_pins
+
+    return "; ".join(pin() for pin in fp8_dense_pins.PINS)
+
+
 PINS: tuple[Callable[[], str], ...] = (pin_version, pin_apply, pin_finish_points, pin_worker, pin_config_fields,
                                        pin_config_chooser, pin_workspace_views,
                                        pin_kernel_baselines, pin_fp8_layout, pin_router, pin_router_terms,
-                                       pin_runner_gate, pin_expert_load, pin_dense_linear)
+                                       pin_runner_gate, pin_expert_load, pin_dense_linear, pin_fp8_dense)
+_FP8_LINEAR = "vllm.model_executor.layers.quantization.fp8:Fp8LinearMethod"
+_CT_FP8 = ("vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w8a8_fp8:"
+           "CompressedTensorsW8A8Fp8")
 
 # hook name (as MoePlugin.hooks lists it) -> (the vLLM symbol replaced or added, its pin, why a patch)
 NO_OOT = "not a custom op: no register_oot point"
+_NO_OOT_FP8 = NO_OOT + " (the FP8 linear methods are no custom ops)"
 PATCHES: dict[str, tuple[str, Callable[[], str], str]] = {
     "WorkerBase.__init__": ("vllm.v1.worker.worker_base:WorkerBase.__init__", pin_worker,
                             "the worker's config, before the model is built: vLLM calls plugins before, not after"),
@@ -277,6 +289,12 @@ PATCHES: dict[str, tuple[str, Callable[[], str], str]] = {
                           "no after-load callback for plugins"),
     "Worker.execute_model": ("vllm.v1.worker.gpu_worker:Worker.execute_model", pin_expert_load,
                              "no per-step callback for plugins"),
+    "Fp8LinearMethod.process_weights_after_loading": (f"{_FP8_LINEAR}.process_weights_after_loading", pin_fp8_dense,
+                                                      _NO_OOT_FP8),
+    "Fp8LinearMethod.apply": (f"{_FP8_LINEAR}.apply", pin_fp8_dense, _NO_OOT_FP8),
+    "CompressedTensorsW8A8Fp8.process_weights_after_loading": (f"{_CT_FP8}.process_weights_after_loading",
+                                                               pin_fp8_dense, _NO_OOT_FP8),
+    "CompressedTensorsW8A8Fp8.apply_weights": (f"{_CT_FP8}.apply_weights", pin_fp8_dense, _NO_OOT_FP8),
 }
 
 

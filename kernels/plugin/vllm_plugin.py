@@ -92,6 +92,7 @@ class MoePlugin:
         self.dense: DenseHook | None = None    # installed in optimized mode with config.dense_gemv
         self.expert_load: expert_load.ExpertLoad | None = None  # made at worker init with config.expert_stats
         self.kernel_hooks_installed = False
+        self.warmups: list[tuple[str, Callable[[], Any]]] = []   # (what, warm_pending) of the installed op hooks
         self.swap_ab = "n/a"
         self.pins_failed: dict[str, str] = {}  # pin -> error, on a vLLM whose internals do not match
         self._last_spec: dict[str, dict[str, Any]] = {}
@@ -121,7 +122,11 @@ class MoePlugin:
             steps.append(("runner gate", self._install_runner_gate))
         if plan.dense is None:
             steps.append(("dense gemv", self._install_dense_hook))
-        for name, why in (("router", plan.router), ("dense GEMV", plan.dense)):
+        if plan.fused_model is None:
+            steps.append(("fused model classes", self._register_model_classes))
+        if plan.fp8_dense is None:
+            steps.append(("fp8 dense gemv", self._install_fp8_dense_hook))
+        for name, why in (("router", plan.router), ("dense GEMV", plan.dense), ("FP8 dense GEMV", plan.fp8_dense)):
             if why and plan.moe is None:
                 self.logger.info("moe-serve plugin: no %s hook: %s", name, why)
         return steps
@@ -162,6 +167,19 @@ class MoePlugin:
         jit_monitor.install()
         jit_monitor.add_listener(self._on_jit_event)
         self.hooks.append("triton.knobs.runtime.jit_post_compile_hook")
+
+    def _register_model_classes(self) -> None:
+        from kernels.fused import warmup
+        from kernels.models.registry import register_model_classes
+
+        self.hooks.extend(f"ModelRegistry[{arch}]" for arch in register_model_classes(self.config))
+        self.warmups.append(("fused pieces", warmup.warm_pending))
+
+    def _install_fp8_dense_hook(self) -> None:
+        from kernels.plugin import fp8_dense_hook
+
+        self.hooks.extend(fp8_dense_hook.install(self.config, self.logger))
+        self.warmups.append(("FP8 dense GEMV", fp8_dense_hook.warm_pending))
 
     def _install_worker_hook(self) -> None:
         if vc.wrap_method(vc.load(vc.WORKER_BASE), "__init__", self.around_worker_init):
@@ -268,6 +286,11 @@ class MoePlugin:
                 self.dense.warm_pending()
             except Exception as exc:  # noqa: BLE001
                 self.warmup_failed(f"dense GEMV warm-up {when}", exc)
+        for what, warm in self.warmups:
+            try:
+                warm()          # vLLM captures its graphs without a warm-up run: compile before it
+            except Exception as exc:  # noqa: BLE001
+                self.warmup_failed(f"{what} warm-up {when}", exc)
 
     def warmup_failed(self, what: str, exc: BaseException, once: str | None = None) -> None:
         """Count a warm-up step that raised; log it (only the first of kind `once` if given)."""
