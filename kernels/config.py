@@ -85,15 +85,16 @@ class PluginConfig(BaseModel):
         None, "moe-serve's cache root; `moe-serve tune` writes tables under kernels/<GPU>/triton-<version> "
         "(default ~/.cache/moe-serve)", "a directory path", min_length=1)
     fuse_norm_gemv: bool = _setting(
-        False, "residual add + RMSNorm fused into the prologue of the next decode GEMV", BOOL)
+        False, "residual add + RMSNorm in the prologue of the QKV decode GEMV at 1..16 tokens (our model classes, "
+        "kernels/models: Qwen3-MoE, Mixtral)", BOOL)
     fuse_qk_norm_rope: bool = _setting(
-        False, "Q/K RMSNorm + RoPE (+ the KV-cache write) in one kernel", BOOL)
-    fuse_moe_chain: bool = _setting(
-        False, "o_proj + residual + RMSNorm + router + top-k as one PDL chain", BOOL)
+        False, "Qwen3-MoE's per-head Q/K RMSNorm + RoPE in one kernel (our model class)", BOOL)
     fp8_dense_gemv: bool = _setting(
-        False, "FP8 weight-streaming decode GEMV for FP8 linear layers", BOOL)
+        False, "FP8 linear layers (per-tensor, per-channel, block) at 1..16 tokens on our weight-streaming GEMV "
+        "where a tuned table lists the shape (kernels/plugin/fp8_dense_hook.py)", BOOL)
     fp8_moe_gemv: bool = _setting(
-        False, "FP8 weight-streaming MoE decode path", BOOL)
+        False, "FP8 MoE layers at 1..16 tokens on our CUDA-core decode path (FP8 weights dequantized in "
+        "registers; the layer plan's buckets 1..16)", BOOL)
 
     @classmethod
     def from_vllm(cls, additional_config: Mapping[str, Any] | None,

@@ -178,8 +178,8 @@ def test_the_plugin_settings_go_to_the_engine_whole(monkeypatch: pytest.MonkeyPa
 
 @pytest.mark.parametrize("env,flags,named", [
     ({"MOE_SERVE_BLOCK_PDL": "2"}, [], "MOE_SERVE_BLOCK_PDL"),
-    ({}, ["--engine-arg", 'additional_config={"moe_serve": {"fuse_moe_chain": "sometimes"}}'],
-     "additional_config['moe_serve']['fuse_moe_chain']"),
+    ({}, ["--engine-arg", 'additional_config={"moe_serve": {"fp8_moe_gemv": "sometimes"}}'],
+     "additional_config['moe_serve']['fp8_moe_gemv']"),
     ({}, ["--engine-arg", 'additional_config={"moe_serve": {"no_such_switch": 1}}'], "'no_such_switch'")])
 def test_moe_serve_stops_at_start_on_a_bad_plugin_setting(env: dict, flags: list, named: str) -> None:
     """The real `moe-serve` command exits 2 naming the setting, in its API process before an engine

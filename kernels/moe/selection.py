@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kernels.moe import configs, routing
+from kernels.moe import configs, heuristics, routing
 from kernels.moe.config_schema import Config, label
 
 OURS_DECODE, OURS_ALIGNED, VLLM = "ours decode", "ours aligned", "vllm"
@@ -97,6 +97,26 @@ def _bucket_choice(bucket: int, E: int, N: int, K: int, topk: int, dtype: str, d
         logger.info("moe-serve: shared-memory fit of E=%d N=%d K=%d %s bucket %d (%s): %s",
                     E, N, K, dtype, bucket, source, ", ".join(shrunk))
     return ConfigChoice(fitted, source, detail, bucket, shrunk, found.refused)
+
+
+FP8_GEMV_BUCKETS = (1, 2, 4, 8, 16)    # the fp8_moe_gemv setting's buckets: the CUDA-core decode path
+FP8_GEMV = "fp8_moe_gemv setting"
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_gemv_choice(bucket: int, E: int, N: int, K: int, topk: int, dtype: str, device: str,
+                    act_bytes: int, triton_version: str | None) -> ConfigChoice:
+    """The config of the FP8 weight-streaming decode path (kernels.moe.moe_gemv: FP8 weights
+    dequantized in registers) for a bucket of FP8_GEMV_BUCKETS: the tuned table's entry where it
+    is a GEMV config, else the GEMV's seed (heuristics.gemv_config); fitted like every config."""
+    found = configs.find_table(E, N, K, dtype, device, triton_version)
+    raw = found.table.get(bucket) if found.table else None
+    if raw is not None and raw.get("GEMV"):
+        source, detail = found.source, str(found.path)
+    else:
+        raw, source, detail = heuristics.gemv_config(bucket, E, N, K, topk, dtype), FP8_GEMV, "the GEMV's seed config"
+    fitted = configs.fit(raw, dtype, act_bytes, topk)
+    return ConfigChoice(fitted, source, detail, bucket, _fit_changes(raw, fitted), found.refused)
 
 
 def buckets_for(E: int, N: int, K: int, dtype: str, device: str | None = None,
@@ -229,5 +249,5 @@ def choose(E: int, N: int, K: int, topk: int, dtype: str, M: int, device: str | 
 
 def clear_caches() -> None:
     """Forget loaded tables and choices (after `moe-serve tune` wrote new ones)."""
-    for fn in (configs.find_table, routing.load, _bucket_choice, get_config):
+    for fn in (configs.find_table, routing.load, _bucket_choice, fp8_gemv_choice, get_config):
         fn.cache_clear()

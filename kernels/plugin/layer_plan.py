@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kernels.config import PluginConfig
-from kernels.moe import configs, routing, selection
+from kernels.moe import configs, quant_format, routing, selection
 from kernels.moe.config_schema import Config, down_config, label
 from kernels.moe.router_topk import max_tokens
 
@@ -253,6 +253,14 @@ def _ranges(f: LayerFacts, ctx: PlanContext) -> tuple[tuple[tuple[int, int | Non
     return tuple((r["m_min"], r["m_max"], r["backend"]) for r in rngs), rule
 
 
+def fp8_gemv(f: LayerFacts, ctx: PlanContext) -> bool:
+    """Whether the fp8_moe_gemv setting puts this layer's decode batches on our FP8 GEMV path: an
+    FP8 layer our kernels take, in optimized mode with the table's routing, no batch invariance."""
+    cfg = ctx.config
+    return (cfg.fp8_moe_gemv and cfg.mode == "optimized" and cfg.moe_routing == "table"
+            and quant_format.is_fp8(f.fmt) and not ctx.batch_invariant and not f.experts_unsupported)
+
+
 def build(facts: LayerFacts, ctx: PlanContext) -> LayerPlan:
     """The layer's plan (see the module doc)."""
     f = facts
@@ -260,6 +268,16 @@ def build(facts: LayerFacts, ctx: PlanContext) -> LayerPlan:
     choices = tuple(selection.config_choice(b, f.E, f.N, f.K, f.topk, f.fmt, ctx.device, f.act_bytes,
                                             ctx.triton_version) for b in buckets)
     ranges, rule = _ranges(f, ctx)
+    if fp8_gemv(f, ctx):    # FP8 at decode on the weight-streaming GEMV path, the rest as routed
+        buckets = tuple(sorted(set(buckets) | set(selection.FP8_GEMV_BUCKETS)))
+        small = selection.FP8_GEMV_BUCKETS[-1]
+        choices = tuple(selection.fp8_gemv_choice(b, f.E, f.N, f.K, f.topk, f.fmt, ctx.device, f.act_bytes,
+                                                  ctx.triton_version) if b <= small else
+                        selection.config_choice(b, f.E, f.N, f.K, f.topk, f.fmt, ctx.device, f.act_bytes,
+                                                ctx.triton_version) for b in buckets)
+        ranges = ((1, small, routing.OURS), *((max(lo, small + 1), hi, backend) for lo, hi, backend in ranges
+                                              if hi is None or hi > small))
+        rule = f"{selection.FP8_GEMV} at M <= {small}; {rule} above"
     reason = key = None
     if ctx.config.mode != "optimized":
         reason, key = "mode vllm", "mode_vllm"

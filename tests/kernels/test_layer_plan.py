@@ -101,3 +101,20 @@ def test_the_hook_plan_installs_the_fused_model_classes_and_the_fp8_gemv_only_wh
     invariant = layer_plan.HookPlan.of(PlanContext(PluginConfig(fuse_norm_gemv=True, fp8_dense_gemv=True),
                                                    "NVIDIA_H200", None, "test", batch_invariant=True))
     assert invariant.fused_model == invariant.fp8_dense == layer_plan.BATCH_INVARIANT   # fail closed
+
+
+@pytest.mark.parametrize("fmt", ["fp8_w8a8,block_shape=[128,128]", "fp8"])
+def test_the_fp8_moe_gemv_setting_puts_fp8_decode_on_the_weight_streaming_path(fmt: str) -> None:
+    """With fp8_moe_gemv, an FP8 layer's M <= 16 run ours on the GEMV path (FP8 weights dequantized
+    in registers), each bucket's config a GEMV one; above 16 the table's routing and configs stay."""
+    off = _plan(fmt=fmt)
+    on = _plan(fmt=fmt, fp8_moe_gemv=True)
+    for M in range(1, 17):
+        assert on.route(M) == routing.OURS and on.config(M).get("GEMV"), M
+        assert on.select(M).path == selection.OURS_DECODE
+    for M in (17, 64, 300, 5000):
+        assert on.route(M) == off.route(M) and on.config(M) == off.config(M), M
+    assert on.rule.startswith(selection.FP8_GEMV) and not any(c.config.get("GEMV") for c in off.choices
+                                                              if c.bucket <= 16 and fmt != "fp8")
+    assert _plan(fmt="bf16", fp8_moe_gemv=True).ranges == _plan(fmt="bf16").ranges      # FP8 layers only
+    assert _plan(fmt=fmt, fp8_moe_gemv=True, batch_invariant=True).reason == layer_plan.BATCH_INVARIANT

@@ -25,7 +25,6 @@ BAD: dict[str, tuple[str, object]] = {
     "cache": ("", 7),
     "fuse_norm_gemv": ("x", "x"),
     "fuse_qk_norm_rope": ("x", [1]),
-    "fuse_moe_chain": ("x", "x"),
     "fp8_dense_gemv": ("x", {}),
     "fp8_moe_gemv": ("x", "x"),
 }
@@ -44,7 +43,7 @@ def test_defaults() -> None:
         ("optimized", True, True, True, 60.0)
     assert (cfg.moe_routing, cfg.block_pdl, cfg.vllm_warmup_max_calls, cfg.kernel_config_dir, cfg.cache) == \
         ("table", False, 4096, None, None)
-    assert not any((cfg.fuse_norm_gemv, cfg.fuse_qk_norm_rope, cfg.fuse_moe_chain, cfg.fp8_dense_gemv,
+    assert not any((cfg.fuse_norm_gemv, cfg.fuse_qk_norm_rope, cfg.fp8_dense_gemv,
                     cfg.fp8_moe_gemv))
 
 
@@ -96,7 +95,7 @@ def test_additional_config_wins_over_the_environment() -> None:
 
 
 def test_round_trip_through_additional_config() -> None:
-    cfg = PluginConfig(dense_gemv=False, moe_routing="vllm", fuse_moe_chain=True, expert_stats_window_s=2.5)
+    cfg = PluginConfig(dense_gemv=False, moe_routing="vllm", fp8_moe_gemv=True, expert_stats_window_s=2.5)
     assert PluginConfig.from_vllm(cfg.additional_config(), {"MOE_SERVE_DENSE_GEMV": "1"}) == cfg
 
 
