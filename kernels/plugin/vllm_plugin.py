@@ -14,22 +14,18 @@ inherit it; a user sets it to run our kernels under ``vllm serve``. Active, the 
    bad one stops `vllm serve` as it starts.
 2. worker init (workers only): builds the worker's PluginConfig (kernels/config.py) from
    vllm_config.additional_config["moe_serve"] over the environment, once (a bad value raises: the
-   worker does not start), then installs the kernel hooks it asks for: in optimized mode the MoE
-   hook on TritonExperts.apply (kernels/plugin/moe_hook.py), with ``fused_router`` the router hook
-   (kernels/plugin/router_hook.py) with the gate of blocks that compute it in the model moved into
-   vLLM's runner (kernels/plugin/runner_gate.py), with ``dense_gemv`` the dense-GEMV hook on the
-   unquantized linear and lm_head methods (kernels/plugin/dense_hook.py); all before the worker
-   builds the model. Then it reads rank and scheduler limits (vllm_compat.worker_facts),
+   worker does not start), then, before the model is built, the kernel hooks its HookPlan asks
+   for (kernels/plugin/layer_plan.py: MoE, router + runner gate, dense GEMV, our fused model
+   classes, FP8 dense GEMV). Then it reads rank and scheduler limits (vllm_compat.worker_facts),
    switches this process's metrics to prometheus multiprocess files in the runtime dir
    (kernels/plugin/plugin_metrics.py), gives the worker the method through which the API process
    asks a worker on another node for them (``REPORT_METHOD``, over vLLM's collective_rpc) and
    wraps the worker's compile_or_warm_up_model; with ``expert_stats``, installs the
    expert load counting (kernels/plugin/expert_load.py), zeroed and snapshotted from each serve().
-3. kernel warm-up, before and after vLLM's own warm-up / CUDA-graph capture: every MoE layer
-   shape seen gets its kernel variants compiled (kernels/plugin/layer_warmup.py), every gate the
-   router hook serves its router variants (M = 1..its RouterSpec.max_m), every weight the
-   dense op has seen its GEMV variants (M = 1..8). A failure is logged
-   and counted (moe_serve_plugin_warmup_failures_total); it never stops the worker.
+3. kernel warm-up, before and after vLLM's own warm-up / CUDA-graph capture (`warmups`): each
+   MoE layer shape, gate and weight the installed hooks have seen gets its kernel variants
+   compiled (kernels/plugin/layer_warmup.py, the hooks' warm_pending). A failure is logged and
+   counted (moe_serve_plugin_warmup_failures_total); it never stops the worker.
 4. serve: the JIT phase turns to 'serving' in a ``finally``, whatever warm-up did, so a
    compile while serving is always counted as one (and logged with its cause). The API process
    turns it back to 'warmup' for its request warm-up (service/warmup.py) through the worker
@@ -92,7 +88,7 @@ class MoePlugin:
         self.dense: DenseHook | None = None    # installed in optimized mode with config.dense_gemv
         self.expert_load: expert_load.ExpertLoad | None = None  # made at worker init with config.expert_stats
         self.kernel_hooks_installed = False
-        self.warmups: list[tuple[str, Callable[[], Any]]] = []   # (what, warm_pending) of the installed op hooks
+        self.warmups: list[tuple[str, Callable[[], Any]]] = [("kernel", lambda: self.layers.warm_pending())]
         self.swap_ab = "n/a"
         self.pins_failed: dict[str, str] = {}  # pin -> error, on a vLLM whose internals do not match
         self._last_spec: dict[str, dict[str, Any]] = {}
@@ -171,13 +167,11 @@ class MoePlugin:
     def _register_model_classes(self) -> None:
         from kernels.fused import warmup
         from kernels.models.registry import register_model_classes
-
         self.hooks.extend(f"ModelRegistry[{arch}]" for arch in register_model_classes(self.config))
         self.warmups.append(("fused pieces", warmup.warm_pending))
 
     def _install_fp8_dense_hook(self) -> None:
         from kernels.plugin import fp8_dense_hook
-
         self.hooks.extend(fp8_dense_hook.install(self.config, self.logger))
         self.warmups.append(("FP8 dense GEMV", fp8_dense_hook.warm_pending))
 
@@ -212,6 +206,7 @@ class MoePlugin:
             if vc.wrap_method(cls, "_compute_routing", hook.compute_routing):
                 self.hooks.append(f"{cls.__name__}._compute_routing")
         self.router = hook
+        self.warmups.append(("router", hook.warm_pending))
 
     def _install_runner_gate(self) -> None:
         self.hooks.extend(runner_gate.install())
@@ -220,6 +215,7 @@ class MoePlugin:
         hook = DenseHook(self)
         self.hooks.extend(hook.install())
         self.dense = hook
+        self.warmups.append(("dense GEMV", hook.warm_pending))
 
     # -- 2. worker init ---------------------------------------------------------------------
     def on_worker_init(self, worker: Any) -> None:
@@ -272,24 +268,10 @@ class MoePlugin:
         raises."""
         if self.mode != "optimized":
             return
-        try:
-            self.layers.warm_pending()
-        except Exception as exc:  # noqa: BLE001 - serve anyway; the failure is counted
-            self.warmup_failed(f"kernel warm-up {when}", exc)
-        if self.router is not None:
-            try:
-                self.router.warm_pending()
-            except Exception as exc:  # noqa: BLE001
-                self.warmup_failed(f"router warm-up {when}", exc)
-        if self.dense is not None:
-            try:
-                self.dense.warm_pending()
-            except Exception as exc:  # noqa: BLE001
-                self.warmup_failed(f"dense GEMV warm-up {when}", exc)
         for what, warm in self.warmups:
             try:
                 warm()          # vLLM captures its graphs without a warm-up run: compile before it
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - serve anyway; the failure is counted
                 self.warmup_failed(f"{what} warm-up {when}", exc)
 
     def warmup_failed(self, what: str, exc: BaseException, once: str | None = None) -> None:
