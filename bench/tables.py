@@ -59,6 +59,7 @@ KERNELS = "kernels-moe-layer-h200-2026-12-04"
 KERNELS_DENSE_H100 = "kernels-dense-h100-2026-12-06"
 EXPERT_LOAD_CHECK_H100 = "expert-load-check-h100-2026-12-06"
 MOE_TUNE_H100 = "kernels-moe-tune-h100-2026-12-06"
+STEP_PIECES_H100 = "kernels-step-pieces-qwen3-30b-a3b-h100-2026-12-07"
 LOG_STAMP = re.compile(r"^\[[\w-]+ \+ *[\d.]+s\] ")
 PREFILL_2048 = "prefill budget 2048 tokens (`vllm serve`: 8192)"
 
@@ -140,6 +141,19 @@ def _dense(claim: str) -> list[str]:
     return table(json.loads(lzma.decompress((RESULTS / claim / "results.json.xz").read_bytes()))["dense"])
 
 
+def _step_pieces(claim: str) -> list[str]:
+    """`moe-serve bench step --kernels-only`'s table and its predicted saving at M = 1, from the
+    claim's kernels.json."""
+    from bench.step import kernel_level
+
+    rows = json.loads(lzma.decompress((RESULTS / claim / "kernels.json.xz").read_bytes()))["rows"]
+    saved = kernel_level.predicted_savings(rows, 1)
+    return [kernel_level.table(rows), "",
+            "Predicted change of a decode step at M = 1, per switch (chain minus fused, times the pieces a "
+            "step runs; negative: the switch would cost): "
+            + ", ".join(f"{k} {v:+.0f} us" for k, v in saved.items())]
+
+
 def _check_log(claim: str, name: str) -> list[str]:
     """A check's timings and verdict from its log: every "cost" line and the summary line, as a
     list (time stamps dropped; the summary cut to 200 characters, a BAD reason can be long)."""
@@ -180,6 +194,7 @@ REGISTRY: dict[str, Callable[[], list[str]]] = {
     "kernels-moe-tune-h100": lambda: _tune_logs(MOE_TUNE_H100),
     "expert-load-check-h100-graphs": lambda: _check_log(EXPERT_LOAD_CHECK_H100, "expert-load-check-graphs-64ac467.log"),
     "kernels-dense-h100": lambda: _dense(KERNELS_DENSE_H100),
+    "kernels-step-pieces-h100": lambda: _step_pieces(STEP_PIECES_H100),
     "expert-load-check-h100": lambda: _check_log(EXPERT_LOAD_CHECK_H100, "expert-load-check.log"),
     "step-budget": lambda: step_budget(*runs(QWEN3_BF16), *runs(MIXTRAL_BF16)),
     "kernels-moe-layer": _kernels("2026-12-01-tuned-fine-m.json", "2026-12-01-untuned.json",
