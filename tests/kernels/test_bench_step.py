@@ -15,7 +15,11 @@ def test_dry_run_checks_and_times_every_piece(tmp_path: Path, capsys) -> None:
     pieces_asked = "norm_gemv/qkv,norm_gemv/gate,qk_norm_rope_cache"
     code = cli.main(["--dry-run", "--out", str(tmp_path), "--tokens", "1", "--pieces", pieces_asked])
     assert code == 0
-    rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]
+    record = json.loads((tmp_path / "kernels.json").read_text())
+    rows, run = record["rows"], record["run"]
+    assert run["argv"][:2] == ["--dry-run", "--out"] and run["gpu"] == "cpu"
+    assert len(run["source_sha256"]) == 64 and run["torch"] and run["triton"]
+    assert run["commit"] is None or len(run["commit"]) == 40
     pieces = {(r["piece"], r["M"]) for r in rows}
     assert pieces == {(p, 1) for p in pieces_asked.split(",")}
     for r in rows:
