@@ -86,7 +86,7 @@ class PluginConfig(BaseModel):
         "(default ~/.cache/moe-serve)", "a directory path", min_length=1)
     fuse_norm_gemv: bool = _setting(
         False, "residual add + RMSNorm in the prologue of the QKV decode GEMV at 1..16 tokens (our model classes, "
-        "kernels/models: Qwen3-MoE, Mixtral)", BOOL)
+        "kernels/models: Qwen3-MoE, Mixtral), at the token counts its tuned norm_gemv table lists", BOOL)
     fuse_qk_norm_rope: bool = _setting(
         False, "Qwen3-MoE's per-head Q/K RMSNorm + RoPE in one kernel (our model class)", BOOL)
     fp8_dense_gemv: bool = _setting(

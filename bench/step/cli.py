@@ -2,6 +2,8 @@
 
     moe-serve bench step --model qwen3-30b-a3b --out DIR                  both levels (GPU, < 10 min)
     moe-serve bench step --model qwen3-30b-a3b --out DIR --kernels-only   the fused pieces alone (~1 min)
+    moe-serve bench step --model qwen3-30b-a3b --out DIR --kernels-only --sweep --pieces norm_gemv/qkv
+                                                                          and the fused norm + GEMV's tables
     moe-serve bench step --dry-run --out DIR                              CPU: tiny shapes, torch fallbacks
 
 Kernel level (bench.step.kernel_level): every fused piece at M = 1, 2, 4, 8, 16 against the unfused
@@ -9,7 +11,9 @@ chain vLLM serves (and vLLM's own fused op where it has one), checked against fl
 from CUDA graphs, with its byte floor and the us a step would save. Model level
 (bench.step.model_level): the yardstick's servers at c = 1, one profiled process per switch set,
 within --budget-s (run the same command again to resume). Files: OUT/kernels.json, OUT/model/ (the
-yardstick's run), OUT/step.md (both tables and the step budget), printed last.
+yardstick's run), OUT/step.md (both tables and the step budget), printed last. With --sweep
+(bench.step.sweep): the fused norm + GEMV's configs searched per token block, OUT/sweep.json and
+its tuned tables in OUT/norm-gemv-tables/ (the buckets where it beat the chain).
 """
 from __future__ import annotations
 
@@ -45,6 +49,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     level.add_argument("--kernels-only", action="store_true")
     level.add_argument("--model-only", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes, kernel level only, no timing worth reading")
+    p.add_argument("--sweep", action="store_true",
+                   help="kernel level: also search the fused norm + GEMV's configs per token block and write its tables")
     p.add_argument("--commit", default=None, help="the commit to record where this checkout has no .git")
     return p.parse_args(argv)
 
@@ -88,6 +94,23 @@ def kernels(args: argparse.Namespace, run: dict) -> list[dict]:
     return rows
 
 
+def sweep_report(args: argparse.Namespace) -> list[str]:
+    """Run the fused norm + GEMV's config search (bench.step.sweep); its report lines."""
+    import torch
+
+    from bench.step import sweep
+
+    if args.dry_run:
+        shapes, dtype, device = DRY_SHAPES, torch.float32, "cpu"
+    else:
+        shapes, dtype, device = step_shapes(MODELS_DIR / args.model, args.tensor_parallel_size), torch.bfloat16, "cuda"
+    rows, paths = sweep.run(shapes, args.pieces, args.tokens, dtype, device, args.replays if not args.dry_run else 2,
+                            args.out, smoke=args.dry_run)
+    return ["## The fused norm + GEMV's configs (coordinate search per token block)", "", sweep.table(rows), "",
+            "Tables written (the buckets where the best config beat the chain): "
+            + (", ".join(str(p) for p in paths) or "none"), ""]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     args = parse(argv)
@@ -103,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         report += ["## Kernel level (CUDA graphs, median)", "", kernel_level.table(rows), "",
                    "Predicted saving of a decode step at M = 1, per switch: "
                    + (", ".join(f"{k} {v:.0f} us" for k, v in saved.items()) or "none measured"), ""]
+        if args.sweep:
+            report += sweep_report(args)
     if not (args.kernels_only or args.dry_run):
         from bench.serve import render, yardstick
 

@@ -26,6 +26,10 @@ refused with a warning. `moe-serve bench kernels --dense` writes such tables fro
 keeping only the buckets where its best config beat F.linear (cuBLAS; vLLM's FP8 linear for the
 FP8 keys) by at least WIN_MARGIN.
 
+The fused residual add + RMSNorm + GEMV (kernels.fused.norm_gemv) keeps its own tables in the
+same format and dirs under the kind "norm_gemv" (``norm_gemv,N=...``): the buckets where its best
+config beat the unfused chain (`moe-serve bench step --sweep`).
+
 Serving (kernels.dense.op) runs the GEMV only for a (shape, bucket) a table lists (tuned_config):
 every other call keeps F.linear. The heuristic (default_config) is the search's starting point
 and what a direct dense_gemv call without a table runs.
@@ -49,6 +53,8 @@ DEFAULT_SMS = 132                   # H100 / H200 SXM: where no GPU is visible (
 PROGRAMS_PER_SM = 4                 # split K until the grid has this many programs per SM
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FP8 = "fp8_"                        # the FP8 keys' prefix
+DENSE, NORM_GEMV = "dense", "norm_gemv"   # the table kinds
+KINDS = (DENSE, NORM_GEMV)
 WIN_MARGIN = 0.03                   # a tabled bucket beat F.linear by >= 3 % (timing noise is ~1 %)
 logger = logging.getLogger(__name__)
 
@@ -144,8 +150,11 @@ def default_config(M: int, N: int, K: int, dtype: str, sms: int = DEFAULT_SMS) -
                      "ACC_PAIRS": pairs, "PREFETCH": True}, dtype)
 
 
-def table_file_name(N: int, K: int, dtype: str, device: str) -> str:
-    return f"dense,N={N},K={K},dtype={dtype},device={device}.json"
+def table_file_name(N: int, K: int, dtype: str, device: str, kind: str = DENSE) -> str:
+    """A table's file name: kind "dense" (the GEMV) or "norm_gemv" (the fused norm + GEMV)."""
+    if kind not in KINDS:
+        raise ValueError(f"table kind {kind!r}: not one of {KINDS}")
+    return f"{kind},N={N},K={K},dtype={dtype},device={device}.json"
 
 
 def table_dirs(device: str) -> list[Path]:
@@ -156,18 +165,18 @@ def table_dirs(device: str) -> list[Path]:
 
 
 @functools.lru_cache(maxsize=None)
-def load_table(N: int, K: int, dtype: str, device: str) -> dict[int, Config] | None:
-    """The tuned {BLOCK_M: config} of this shape, or None (no file, or every file refused)."""
+def load_table(N: int, K: int, dtype: str, device: str, kind: str = DENSE) -> dict[int, Config] | None:
+    """The tuned {BLOCK_M: config} of this shape and kind, or None (no file, or every file refused)."""
     running = moe_configs.running_triton_version()
     for d in table_dirs(device):
-        path = d / table_file_name(N, K, dtype, device)
+        path = d / table_file_name(N, K, dtype, device, kind)
         if not path.is_file():
             continue
         raw = json.loads(path.read_text())
         why = moe_configs.version_refusal(path, raw.get("triton_version"), running)
         if why:
-            logger.warning("moe-serve: dense GEMV table refused (%s); re-measure it with "
-                           "`moe-serve bench kernels --dense`", why)
+            logger.warning("moe-serve: %s table refused (%s); re-measure it with `%s`", kind, why,
+                           "moe-serve bench kernels --dense" if kind == DENSE else "moe-serve bench step --sweep")
             continue
         return {int(k): validate(v, dtype) for k, v in raw.items() if k.isdigit()}
     return None

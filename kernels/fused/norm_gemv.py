@@ -45,8 +45,10 @@ SPLIT_K 8) re-read the most per weight byte. The larger cost is arithmetic: ever
 redoes the norm on its columns of every token, amortised over its BLOCK_N weight rows. The
 plain GEMV's configs (what serving_config takes) hold 2 rows at M = 8, where that K loop runs
 ~1050 instructions per thread for 2 weight vectors: issue-bound below HBM's rate by a rough
-count, so the fused kernel likely wants more rows per program as M grows. Which configs win
-is for the GPU (`bench_cases`: `cfg`).
+count, so the fused kernel likely wants more rows per program as M grows. Its own tables
+(kernels.dense.configs, kind "norm_gemv", written by `moe-serve bench step --sweep`) list the
+buckets where its best config beat the unfused chain; the ops (kernels.fused.ops) run it only
+there.
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dense.configs import Config, bucket, config_for, validate, vec
+from kernels.dense.configs import NORM_GEMV, Config, bucket, config_for, load_table, validate, vec
 from kernels.dense.gemv import DTYPES, _pairs, _store_rows, device_facts
 from kernels.moe.launch import jit, launch
 from kernels.moe.moe_decode_launch import split_workspace
@@ -313,11 +315,20 @@ def unsupported(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Te
     return None
 
 
+def tuned_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> Config | None:
+    """The fused kernel's own tuned config for M's token block (its "norm_gemv" table on this
+    device), or None: no table lists the bucket, so nothing measured it faster than the unfused
+    chain (the row norm, then the GEMM)."""
+    name, _ = device_facts(device)
+    table = load_table(N, K, DTYPES[dtype], name, NORM_GEMV)
+    return table.get(bucket(min(M, TOKEN_BLOCK))) if table else None
+
+
 def serving_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> Config:
-    """The config M tokens run: the dense GEMV's (its tuned table for this shape and the token
-    block's bucket, else its heuristic); a table of the fused kernel's own is the GPU's call."""
+    """The config M tokens run: the fused kernel's tuned table's, else the dense GEMV's (its tuned
+    table for this shape and the token block's bucket, else its heuristic)."""
     name, sms = device_facts(device)
-    return config_for(min(M, TOKEN_BLOCK), N, K, DTYPES[dtype], name, sms)
+    return tuned_config(M, N, K, dtype, device) or config_for(min(M, TOKEN_BLOCK), N, K, DTYPES[dtype], name, sms)
 
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,

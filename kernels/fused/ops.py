@@ -5,8 +5,9 @@ captured batch size):
 
 ``fused_norm_linear(x, residual?, norm_weight, eps, weight, bias?, write_h) -> (y, residual_out, h)``
     residual add + RMSNorm + F.linear (kernels.fused.norm_gemv at 1..SERVED_MAX_M (16) tokens on
-    CUDA; the row-norm kernel kernels.fused.rms_norm + F.linear above that or where the GEMV's
-    layout rules refuse). residual_out is empty without a residual (the caller keeps x, as vLLM's layer
+    CUDA where its tuned table lists the token block: measured faster than the chain; else the
+    row-norm kernel kernels.fused.rms_norm, then the GEMM the unfused layer runs: dense_linear, our
+    GEMV where its table lists the shape, under the dense_gemv setting; else F.linear). residual_out is empty without a residual (the caller keeps x, as vLLM's layer
     does), h empty unless write_h.
 ``fused_qk_norm_rope(qkv, positions, q_norm_weight, k_norm_weight, eps, cos_sin_cache,
 num_q_heads, num_kv_heads, head_dim, rot_dim, neox) -> qk``
@@ -27,6 +28,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from kernels.config import current
+from kernels.dense.op import dense_linear
 from kernels.fused import norm_gemv as ng
 from kernels.fused import qk_norm_rope as qk
 from kernels.fused import reference, rms_norm
@@ -59,6 +62,15 @@ def runs_here(x: torch.Tensor) -> bool:
 
 
 # -- fused_norm_linear --------------------------------------------------------------------
+def fused_here(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None) -> bool:
+    """Whether the fused norm GEMV serves this call: M within its range, a layout it takes, and
+    its tuned table listing M's token block for this shape on this device."""
+    M, (N, K) = x.shape[0], weight.shape
+    return (M <= ng.SERVED_MAX_M and ng.unsupported(x, residual, norm_weight, weight, bias) is None
+            and ng.tuned_config(M, N, K, x.dtype, x.device) is not None)
+
+
 def _norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                  weight: torch.Tensor, bias: torch.Tensor | None, write_h: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -67,12 +79,12 @@ def _norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
         key = (weight.shape[0], weight.shape[1], weight.dtype, bias is not None, residual is not None, write_h,
                str(weight.device))
         _seen_norm.setdefault(key, (weight, norm_weight, bias))
-        if x.shape[0] <= ng.SERVED_MAX_M and ng.unsupported(x, residual, norm_weight, weight, bias) is None:
+        if fused_here(x, residual, norm_weight, weight, bias):
             y, res_out, h = ng.norm_gemv(x, residual, norm_weight, eps, weight, bias, write_h,
                                          exact_h=ng.SERVED_EXACT_H)
         elif rms_norm.unsupported(x, residual, norm_weight) is None:
             h, res_out = rms_norm.add_rms_norm(x, residual, norm_weight, eps)
-            y = F.linear(h, weight, bias)
+            y = dense_linear(h, weight, bias) if current().dense_gemv else F.linear(h, weight, bias)
     if y is None:
         y, res_out, h = reference.norm_linear(x, residual, norm_weight, eps, weight, bias)
     # outputs never alias an input or each other (a custom op's rule): absent ones are fresh empties

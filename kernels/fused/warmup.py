@@ -2,7 +2,8 @@
 profile run passes each layer once), before vLLM captures its CUDA graphs: vLLM captures each
 batch size without a warm-up run, so a first launch there would compile inside the capture.
 
-warm_pending() runs each distinct variant once on zero inputs (fused_norm_linear at M = 1..SERVED_MAX_M;
+warm_pending() runs each distinct variant once on zero inputs (fused_norm_linear at the M of
+1..SERVED_MAX_M its tuned table lists: where the op runs the fused kernel;
 fused_qk_norm_rope at one token: its variants do not depend on M) and remembers what it warmed.
 """
 from __future__ import annotations
@@ -21,11 +22,13 @@ _warmed: set[Any] = set()
 
 def warm_norm_gemv(weight: torch.Tensor, norm_weight: torch.Tensor, bias: torch.Tensor | None, residual: bool,
                    write_h: bool, max_m: int = ng.SERVED_MAX_M) -> int:
-    """Run each distinct norm_gemv variant of this call kind at M = 1..max_m once on zeros; the
-    number of distinct variants."""
+    """Run each distinct norm_gemv variant of this call kind once on zeros, at the M of 1..max_m
+    its tuned table lists (ng.tuned_config); the number of distinct variants."""
     keys: set[tuple] = set()
-    K = weight.shape[1]
+    N, K = weight.shape
     for M in range(1, max_m + 1):
+        if ng.tuned_config(M, N, K, weight.dtype, weight.device) is None:
+            continue
         x = torch.zeros((M, K), dtype=weight.dtype, device=weight.device)
         r = torch.zeros_like(x) if residual else None
         with record_launches() as launches:

@@ -48,3 +48,30 @@ def test_model_level_asks_the_yardstick_for_one_profiled_process_per_set(tmp_pat
     assert argv[argv.index("--variants") + 1] == "vllm-serve,moe-serve+fuse_norm_gemv"
     assert argv[argv.index("--concurrency") + 1] == "1" and argv[argv.index("--processes") + 1] == "1"
     assert "--profile" in argv and argv[argv.index("--profile-levels") + 1] == "1"
+
+
+def test_sweep_dry_run_checks_every_config_and_tables_only_winning_buckets(tmp_path: Path) -> None:
+    """--sweep on CPU: the fused norm + GEMV's search at one token block, every config checked
+    before it is timed; the interpreted kernel loses to torch's chain, so no table is written."""
+    code = cli.main(["--dry-run", "--out", str(tmp_path), "--tokens", "1", "--pieces", "norm_gemv/qkv", "--sweep"])
+    assert code == 0
+    (row,) = json.loads((tmp_path / "sweep.json").read_text())
+    assert (row["piece"], row["M"], row["N"]) == ("norm_gemv/qkv", 1, 128)
+    assert row["configs_timed"] >= 2 and row["configs_failed"] == 0
+    assert all(r["err"] < 1e-5 and r["us"] > 0 for r in row["timed"])
+    assert row["best_us"] == min(r["us"] for r in row["timed"])
+    assert not (tmp_path / "norm-gemv-tables").exists() or not any((tmp_path / "norm-gemv-tables").iterdir())
+    assert "The fused norm + GEMV's configs" in (tmp_path / "step.md").read_text()
+
+
+def test_sweep_tables_keep_the_buckets_that_beat_the_chain(tmp_path: Path) -> None:
+    from bench.step import sweep
+    from kernels.dense import configs
+
+    cfg = configs.default_config(1, 64, 256, "bf16")
+    rows = [{"N": 64, "K": 256, "dtype": "bf16", "M": M, "chain_us": 10.0, "best_us": best, "best": cfg}
+            for M, best in ((1, 9.0), (2, 9.8), (4, None), (8, 5.0))]      # 2: within WIN_MARGIN
+    assert sweep.tables(rows) == {(64, 256, "bf16"): {1: cfg, 8: cfg}}
+    (path,) = sweep.write_tables(rows, tmp_path, "GPU_X")
+    assert path.name == configs.table_file_name(64, 256, "bf16", "GPU_X", configs.NORM_GEMV)
+    assert {k: v for k, v in json.loads(path.read_text()).items() if k.isdigit()} == {"1": cfg, "8": cfg}

@@ -66,11 +66,12 @@ def llm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     model = tmp / name
     model.mkdir()
     (model / "config.json").write_text(json.dumps(MODELS[name][0]))
-    tables = tmp / "tables"               # the QKV GEMV's table: 32 rows a program (few interpreted programs)
+    tables = tmp / "tables"               # the QKV GEMV's tables: 32 rows a program (few interpreted programs)
     tables.mkdir()
     cfg = {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1, "num_warps": 1, "ACC_PAIRS": False, "PREFETCH": True}
-    (tables / dense_configs.table_file_name(QKV_ROWS, COMMON["hidden_size"], "fp32", "cpu")).write_text(
-        dense_configs.table_json({b: cfg for b in dense_configs.BUCKETS}, triton.__version__))
+    for kind in dense_configs.KINDS:      # the GEMV's and the fused norm + GEMV's (every bucket: fused at each M)
+        (tables / dense_configs.table_file_name(QKV_ROWS, COMMON["hidden_size"], "fp32", "cpu", kind)).write_text(
+            dense_configs.table_json({b: cfg for b in dense_configs.BUCKETS}, triton.__version__))
     dense_configs.load_table.cache_clear()
     dense_configs.config_for.cache_clear()
     mp = pytest.MonkeyPatch()

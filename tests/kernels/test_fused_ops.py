@@ -9,7 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import config as plugin_config
+from kernels.dense import configs as dense_configs
 from kernels.fused import ops, reference
+from kernels.moe.launch import kernel_name, record_launches
 from tests.kernels._fused_vllm import close, generator, vllm_config, vllm_rms_norm, vllm_rope
 
 EPS = 1e-6
@@ -26,6 +29,26 @@ def _qk_inputs(T: int, dtype: torch.dtype):
     g = generator()
     return (torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(dtype), torch.randint(0, MAX_POS, (T,), generator=g),
             (1 + 0.3 * torch.randn(D, generator=g)).to(dtype), (1 + 0.3 * torch.randn(D, generator=g)).to(dtype))
+
+
+@pytest.fixture
+def norm_gemv_tables(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """write(N, K, dtype, buckets): a tuned "norm_gemv" table (the GEMV's heuristic config at each
+    bucket) on the CPU "device", in a kernel config dir this test's plugin config names."""
+    import triton
+
+    plugin_config.configure(plugin_config.PluginConfig(kernel_config_dir=str(tmp_path)))
+    dense_configs.load_table.cache_clear()
+
+    def write(N: int, K: int, dtype: str, buckets: tuple[int, ...]) -> None:
+        name = dense_configs.table_file_name(N, K, dtype, "cpu", dense_configs.NORM_GEMV)
+        (tmp_path / name).write_text(dense_configs.table_json(
+            {b: dense_configs.default_config(b, N, K, dtype) for b in buckets}, triton.__version__))
+        dense_configs.load_table.cache_clear()
+
+    yield write
+    plugin_config.configure(None)
+    dense_configs.load_table.cache_clear()
 
 
 @pytest.mark.parametrize("residual", [True, False])
@@ -59,13 +82,18 @@ def test_qk_norm_rope_on_cpu_is_vllms_layer() -> None:
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v) and kc.abs().sum() > 0
 
 
-def test_kernels_behind_the_ops_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fused GEMV at 3 tokens, the row-norm kernel + F.linear at 17 (past the GEMV's limit),
-    Q/K norm + RoPE with the cache; each against the CPU path (vLLM's semantics)."""
+def test_kernels_behind_the_ops_under_the_interpreter(monkeypatch: pytest.MonkeyPatch, norm_gemv_tables) -> None:
+    """The fused GEMV at 3 tokens (its table lists that bucket), the row-norm kernel + the GEMM at
+    1 (a bucket the table leaves out) and at 17 (past the GEMV's limit), Q/K norm + RoPE with the
+    cache; each against the CPU path (vLLM's semantics), each on the kernel it should run."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(ops, "CPU_INTERPRETER", True)
-    for M in (3, 17):
+    norm_gemv_tables(12, 64, "fp16", (4,))
+    for M, kernel in ((3, "norm_gemv_kernel"), (1, "add_rms_norm_kernel"), (17, "add_rms_norm_kernel")):
         x, r, nw, w = _norm_inputs(M, 64, 12, torch.float16)
+        with record_launches() as launches:                           # recorded, not run
+            ops.fused_norm_linear(x, r, nw, EPS, w, None, write_h=True)
+        assert [kernel_name(launch[0]) for launch in launches] == [kernel], M
         y, res_out, h = ops.fused_norm_linear(x, r, nw, EPS, w, None, write_h=True)
         y_r, res_r, h_r = reference.norm_linear(x, r, nw, EPS, w, None)
         assert torch.equal(res_out, res_r) and close(h, h_r, torch.float16, ulps=2)
@@ -108,16 +136,18 @@ def test_ops_trace_as_one_node_each_under_torch_compile() -> None:
     assert [tuple(t.shape) for t in fake] == [(3, Hq * D), (3, Hkv * D), (3, 64)]
 
 
-def test_warm_up_runs_each_variant_of_each_call_kind_seen_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_warm_up_runs_each_variant_of_each_call_kind_seen_once(monkeypatch: pytest.MonkeyPatch,
+                                                               norm_gemv_tables) -> None:
     """The op records each call kind (at any M: vLLM's profile run is a prefill); warm_pending
-    then runs each distinct norm GEMV variant of M = 1..16 (one per BLOCK_M bucket here) and the
-    Q/K kernel once, and nothing again on a second call."""
+    then runs each distinct norm GEMV variant of the M its table lists (buckets 1 and 4 here: M =
+    1, 3, 4) and the Q/K kernel once, and nothing again on a second call."""
     from kernels.fused import warmup
 
     monkeypatch.setattr(ops, "CPU_INTERPRETER", True)
     monkeypatch.setattr(ops, "_seen_norm", {})
     monkeypatch.setattr(ops, "_seen_qk", {})
     monkeypatch.setattr(warmup, "_warmed", set())
+    norm_gemv_tables(8, 64, "fp32", (1, 4))
     x, r, nw, w = _norm_inputs(20, 64, 8, torch.float32)
     ops.fused_norm_linear(x, r, nw, EPS, w)                              # 20 tokens: the row-norm path
     qkv, pos, qw, kw = _qk_inputs(2, torch.float32)
@@ -127,8 +157,8 @@ def test_warm_up_runs_each_variant_of_each_call_kind_seen_once(monkeypatch: pyte
     real = warmup.ng.norm_gemv
     monkeypatch.setattr(warmup.ng, "norm_gemv", lambda x, *a, **k: runs.append(x.shape[0]) or real(x, *a, **k))
     assert warmup.warm_pending() == 2
-    twice = sorted(m for m in set(runs) if runs.count(m) == 2)           # recorded at every M, run at the
-    assert twice == [1, 2, 3, 5] and sorted(set(runs)) == list(range(1, 17))   # first M of each bucket
+    twice = sorted(m for m in set(runs) if runs.count(m) == 2)           # recorded at every tabled M, run
+    assert twice == [1, 3] and sorted(set(runs)) == [1, 3, 4]             # at the first M of each bucket
     assert warmup.warm_pending() == 0
 
 
