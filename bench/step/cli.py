@@ -131,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.kernels_only or args.dry_run):
         from bench.serve import render, yardstick
 
-        extra = ["--vllm-tuned-config-folder", str(args.vllm_tuned_config_folder)] \
-            if args.vllm_tuned_config_folder else []
+        extra = (["--vllm-tuned-config-folder", str(args.vllm_tuned_config_folder)]
+                 if args.vllm_tuned_config_folder else []) + (["--commit", args.commit] if args.commit else [])
         code = yardstick.main(model_level.yardstick_argv(args.model, args.out / "model", args.sets,
                                                          args.budget_s, extra))
         rows = model_level.summary(args.out / "model")
