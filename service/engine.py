@@ -92,7 +92,7 @@ def build_engine_args(settings: Settings, model_path: str) -> Any:
     kwargs["additional_config"] = {**(kwargs.get("additional_config") or {}),
                                    **settings.plugin_config().additional_config()}
     if settings.uses_fused_router:
-        # kernels/plugin/runner_gate.py changes what torch.compile traces (a Mixtral block's gate
+        # kernels/models/runner_gate.py changes what torch.compile traces (a Mixtral block's gate
         # moves into vLLM's MoE op). vLLM's AOT compile cache keys on the config, not on the traced
         # files: without a key of its own, a graph traced with or without the move could load in a
         # server of the other kind.

@@ -1,7 +1,7 @@
 """The router hook (kernels/plugin/router_hook.py) on the real CPU engine and vLLM's real classes.
 
 A tiny Qwen3-MoE (its gate inside vLLM's MoE runner) and a tiny Mixtral (its gate computed in the
-model, moved into the runner by kernels/plugin/runner_gate.py), dummy weights, each served with
+model, moved into the runner by our model class: kernels/models/runner_gate.py), dummy weights, each served with
 --fused-router and the test plugin's CPU switches (tests/vllm_test_plugin): every decode
 MoE call of M <= router_topk.MAX_M skips the gate GEMM and goes through our router path (our
 kernel compiled for sm_90; vLLM's CPU router computes from the gate's logits), every router
@@ -83,7 +83,7 @@ def test_decode_router_calls_take_our_path_and_compile_nothing_while_serving(
     assert "MoERunner._forward_impl" in log and "keeps vLLM's router" not in log, server.tail(60)
     config, experts, topk = MODELS[name]
     if config["model_type"] == "mixtral":                     # its gate moved into the runner
-        assert "MixtralMoE.__init__" in log and "MixtralMoE.forward" in log, server.tail(60)
+        assert "ModelRegistry[MixtralForCausalLM]" in log, server.tail(60)
     plans = {launch_plan(M, experts, config["hidden_size"]) for M in range(1, MAX_M + 1)}
     warmed = re.findall(rf"gate \[{experts}, 256\] torch.bfloat16 top-{topk} softmax warmed, (\d+) variants", log)
     assert warmed == [str(len(plans))], (warmed, plans)      # once, before serving, every variant

@@ -51,7 +51,7 @@ def test_every_patch_names_its_vllm_symbol_and_a_pin() -> None:
     plugin runs (test_register_per_mode checks that what a worker installs is listed here)."""
     import importlib
 
-    assert len(vllm_pins.PATCHES) == 18
+    assert len(vllm_pins.PATCHES) == 16          # Mixtral's gate moves in our model class (ModelRegistry)
     for hook, (symbol, pin, why) in vllm_pins.PATCHES.items():
         assert pin in vllm_pins.PINS and why, hook
         if ":" in symbol:

@@ -1,7 +1,8 @@
 """What the fused model classes share: the input norm + QKV piece of a decoder layer (plan and
 forward), and turning a built vLLM model's decoder layers into the fused subclasses.
 
-A layer runs the piece where `norm_gemv_fits`: the switch is on, no LoRA, the QKV projection is
+A layer runs the piece where `norm_gemv_fits`: the switch is on, no LoRA, the batch need not be
+invariant (vLLM's VLLM_BATCH_INVARIANT: our kernels reduce in their own order), the QKV projection is
 vLLM's unquantized QKVParallelLinear (its bias added, not returned), and the input norm is vLLM's
 plain RMSNorm. Then `attention_block` computes the residual add + norm + QKV GEMV as one op
 (kernels.fused.ops.fused_norm_linear) and hands qkv to the attention's `attend`; else it runs
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from vllm import envs
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import QKVParallelLinear
 
@@ -29,7 +31,8 @@ def plain_norm(norm: Any) -> bool:
 def norm_gemv_fits(layer: Any, config: PluginConfig, lora: bool) -> bool:
     """Whether this decoder layer runs the input norm + QKV piece (see the module doc)."""
     qkv = layer.self_attn.qkv_proj
-    return bool(config.fuse_norm_gemv and not lora and type(qkv) is QKVParallelLinear
+    return bool(config.fuse_norm_gemv and not lora and not envs.VLLM_BATCH_INVARIANT
+                and type(qkv) is QKVParallelLinear
                 and type(qkv.quant_method).__name__ == UNQUANTIZED and not qkv.skip_bias_add
                 and plain_norm(layer.input_layernorm))
 

@@ -1,8 +1,9 @@
-"""Mixtral with the fused input norm + QKV piece (fuse_norm_gemv): vLLM's MixtralForCausalLM whose
-decoder layers compute the residual add + RMSNorm + QKV projection as one op
-(kernels.models.common), the rest vLLM's (as kernels.models.qwen3_moe describes for Qwen3-MoE).
-Mixtral has no Q/K norm, so fuse_qk_norm_rope does not apply. vLLM 0.26 and 0.32 build these
-modules alike.
+"""Mixtral as moe-serve serves it: vLLM's MixtralForCausalLM with, under the fused_router setting,
+each MoE block's gate moved into its runner (kernels.models.runner_gate: our router serves it), and
+with the fused input norm + QKV piece (fuse_norm_gemv) decoder layers that compute the residual
+add + RMSNorm + QKV projection as one op (kernels.models.common), the rest vLLM's (as
+kernels.models.qwen3_moe describes for Qwen3-MoE). Mixtral has no Q/K norm, so fuse_qk_norm_rope
+does not apply. vLLM 0.26 and 0.32 build these modules alike.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from vllm.model_executor.models.mixtral import MixtralAttention, MixtralDecoderL
 
 from kernels.config import current
 from kernels.models.common import attention_block, fuse_layers, fused_layer_counts
+from kernels.models.runner_gate import move_gate
 
 
 class FusedMixtralAttention(MixtralAttention):
@@ -45,12 +47,19 @@ class FusedMixtralDecoderLayer(MixtralDecoderLayer):
 
 
 class FusedMixtralForCausalLM(MixtralForCausalLM):
-    """vLLM's MixtralForCausalLM, its decoder layers the fused subclasses."""
+    """vLLM's MixtralForCausalLM, its decoder layers the fused subclasses, its MoE blocks' gates in
+    their runners under fused_router."""
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        fuse_layers(self.model.layers, MixtralDecoderLayer, FusedMixtralDecoderLayer, FusedMixtralAttention,
-                    current(), getattr(vllm_config, "lora_config", None) is not None)
+        config = current()
+        if config.fuse_norm_gemv:         # else vLLM's decoder layers stay as built
+            fuse_layers(self.model.layers, MixtralDecoderLayer, FusedMixtralDecoderLayer, FusedMixtralAttention,
+                        config, getattr(vllm_config, "lora_config", None) is not None)
+        if config.fused_router:
+            for layer in self.model.layers:
+                if isinstance(layer, MixtralDecoderLayer):
+                    move_gate(layer.block_sparse_moe)
 
     def fused_layers(self) -> dict[str, int]:
         """How many decoder layers run each fused piece."""

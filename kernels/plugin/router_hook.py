@@ -16,7 +16,7 @@ other "logits" than the marked hidden states, another router, or none at all rai
 otherwise route on hidden states as if they were logits).
 
 Eligible (checked once per runner, `eligibility`): a gate inside the runner (Qwen3-MoE style;
-Mixtral's, which the model computes, is moved there by kernels/plugin/runner_gate.py),
+Mixtral's, which the model computes, is moved there by kernels/models/runner_gate.py),
 unquantized, without bias, [E, K] for E = the router's experts; a plain softmax / sigmoid top-k
 router, or a sigmoid one with a correction bias (no hash table, no fused shared experts, no
 image-token bias ``bias_vl`` of vLLM 0.32: fail closed on a routing term ours ignores); no gate

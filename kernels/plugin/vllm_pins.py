@@ -11,7 +11,8 @@ serves both the unquantized and the FP8 formats (Fp8MoEMethod is no custom op): 
 would cover bf16 only and the FP8 patch would stay; the routers' capture hook
 (``BaseRouter.set_capture_fn``, both versions) sees every layer's logical top-k ids, which is what
 the expert load counts (kernels/plugin/expert_load.py), and has one slot that vLLM's own
-routed-experts capture also sets.
+routed-experts capture also sets. Model classes are replaced through vLLM's ``ModelRegistry``
+(kernels/models: the fused pieces, Mixtral's gate moved into its runner), not patched.
 """
 from __future__ import annotations
 
@@ -112,7 +113,7 @@ def pin_expert_load() -> str:
 
 
 def pin_runner_gate() -> str:
-    """What kernels.plugin.runner_gate replaces: each gated block's forward computes the gate in
+    """What kernels.models.runner_gate's gated_forward replaces: each gated block's forward computes the gate in
     the block and hands the logits to its runner, exactly as the replacement assumes, and its
     __init__ registers the gate before the runner (so the gate keeps its checkpoint name)."""
     for where in GATED_BLOCKS:
@@ -271,10 +272,6 @@ PATCHES: dict[str, tuple[str, Callable[[], str], str]] = {
         "vllm.model_executor.layers.fused_moe.router.fused_topk_bias_router:FusedTopKBiasRouter._compute_routing",
         pin_router, NO_OOT),
     "gate.forward": ("a MoE runner's gate module's forward (per instance)", pin_router, NO_OOT + " for a model's gate"),
-    "MixtralMoE.__init__": ("vllm.model_executor.models.mixtral:MixtralMoE.__init__", pin_runner_gate,
-                            "a model class: only replaceable whole (ModelRegistry)"),
-    "MixtralMoE.forward": ("vllm.model_executor.models.mixtral:MixtralMoE.forward", pin_runner_gate,
-                           "a model class: only replaceable whole (ModelRegistry)"),
     "UnquantizedLinearMethod.apply": ("vllm.model_executor.layers.linear:UnquantizedLinearMethod.apply",
                                       pin_dense_linear, NO_OOT + " (the linear layers are: one subclass per type)"),
     "UnquantizedEmbeddingMethod.apply": (

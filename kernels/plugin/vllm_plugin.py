@@ -15,7 +15,7 @@ inherit it; a user sets it to run our kernels under ``vllm serve``. Active, the 
 2. worker init (workers only): builds the worker's PluginConfig (kernels/config.py) from
    vllm_config.additional_config["moe_serve"] over the environment, once (a bad value raises: the
    worker does not start), then, before the model is built, the kernel hooks its HookPlan asks
-   for (kernels/plugin/layer_plan.py: MoE, router + runner gate, dense GEMV, our fused model
+   for (kernels/plugin/layer_plan.py: MoE, router (+ Mixtral's gate moved by our model class), dense GEMV, our fused model
    classes, FP8 dense GEMV). Then it reads rank and scheduler limits (vllm_compat.worker_facts),
    switches this process's metrics to prometheus multiprocess files in the runtime dir
    (kernels/plugin/plugin_metrics.py), gives the worker the method through which the API process
@@ -46,7 +46,7 @@ import threading
 from typing import Any, Callable
 
 from kernels.config import PluginConfig, PluginConfigError, configure
-from kernels.plugin import expert_load, jit_monitor, runner_gate
+from kernels.plugin import expert_load, jit_monitor
 from kernels.plugin import vllm_compat as vc
 from kernels.plugin import vllm_pins
 from kernels.plugin.dense_hook import DenseHook
@@ -115,11 +115,11 @@ class MoePlugin:
             steps.append(("moe", self._install_moe_hook))
         if plan.router is None:
             steps.append(("router", self._install_router_hook))
-            steps.append(("runner gate", self._install_runner_gate))
         if plan.dense is None:
             steps.append(("dense gemv", self._install_dense_hook))
-        if plan.fused_model is None:
-            steps.append(("fused model classes", self._register_model_classes))
+        if plan.fused_model is None or plan.router is None:
+            steps.append(("model classes", lambda: self._register_model_classes(plan.fused_model is None,
+                                                                                plan.router is None)))
         if plan.fp8_dense is None:
             steps.append(("fp8 dense gemv", self._install_fp8_dense_hook))
         for name, why in (("router", plan.router), ("dense GEMV", plan.dense), ("FP8 dense GEMV", plan.fp8_dense)):
@@ -164,11 +164,12 @@ class MoePlugin:
         jit_monitor.add_listener(self._on_jit_event)
         self.hooks.append("triton.knobs.runtime.jit_post_compile_hook")
 
-    def _register_model_classes(self) -> None:
+    def _register_model_classes(self, fused: bool, router: bool) -> None:
         from kernels.fused import warmup
         from kernels.models.registry import register_model_classes
-        self.hooks.extend(f"ModelRegistry[{arch}]" for arch in register_model_classes(self.config))
-        self.warmups.append(("fused pieces", warmup.warm_pending))
+        self.hooks.extend(f"ModelRegistry[{arch}]" for arch in register_model_classes(fused, router))
+        if fused:
+            self.warmups.append(("fused pieces", warmup.warm_pending))
 
     def _install_fp8_dense_hook(self) -> None:
         from kernels.plugin import fp8_dense_hook
@@ -206,16 +207,13 @@ class MoePlugin:
             if vc.wrap_method(cls, "_compute_routing", hook.compute_routing):
                 self.hooks.append(f"{cls.__name__}._compute_routing")
         self.router = hook
-        self.warmups.append(("router", hook.warm_pending))
-
-    def _install_runner_gate(self) -> None:
-        self.hooks.extend(runner_gate.install())
+        self.warmups.append(("router", lambda: hook.warm_pending()))   # looked up at warm-up time
 
     def _install_dense_hook(self) -> None:
         hook = DenseHook(self)
         self.hooks.extend(hook.install())
         self.dense = hook
-        self.warmups.append(("dense GEMV", hook.warm_pending))
+        self.warmups.append(("dense GEMV", lambda: hook.warm_pending()))
 
     # -- 2. worker init ---------------------------------------------------------------------
     def on_worker_init(self, worker: Any) -> None:

@@ -79,7 +79,7 @@ def llm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     mp.setattr(ops, "CPU_INTERPRETER", True)
     config = plugin_config.PluginConfig(fuse_norm_gemv=True, fuse_qk_norm_rope=True, kernel_config_dir=str(tables))
     plugin_config.configure(config)
-    assert register_model_classes(config) == list(MODEL_CLASSES)
+    assert register_model_classes(fused=True) == list(MODEL_CLASSES)
     engine = LLM(model=str(model), dtype="float32", load_format="dummy", enforce_eager=True,
                  skip_tokenizer_init=True, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64,
                  kv_cache_memory_bytes=64 << 20, seed=0)
@@ -149,6 +149,10 @@ def test_logprobs_with_the_switches_on_and_off_match_vllms_layers(llm: tuple[str
         counted(module, attr)
     pieces = MODELS[name][1]
     assert engine.apply_model(_set) == [pieces]
+    if name == "mixtral":                         # fused_router (on): each block's gate moved into its runner
+        assert engine.apply_model(lambda m: [type(layer.block_sparse_moe).__name__ == "GatedMixtralMoE"
+                                             and layer.block_sparse_moe.experts.gate is layer.block_sparse_moe.gate
+                                             for layer in m.model.layers]) == [[True, True]]
     fused = _run(engine)
     want = {"norm_gemv": STEPS, **({"qk_norm_rope": STEPS} if "fuse_qk_norm_rope" in pieces else {})}
     assert calls == want, calls

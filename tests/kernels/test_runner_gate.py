@@ -1,13 +1,13 @@
-"""kernels/plugin/runner_gate.py: a block that computes its gate in the model hands it to its MoE
+"""kernels/models/runner_gate.py: a block that computes its gate in the model hands it to its MoE
 runner, and then passes its hidden states for the logits, with the same output as before (a
-stand-in block here; the real Mixtral on the CPU engine in tests/test_router_hook.py)."""
+stand-in block and vLLM's own Mixtral classes here; the real Mixtral served on the CPU engine in
+tests/test_router_hook.py)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from kernels.plugin import runner_gate
-from kernels.plugin import vllm_compat as vc
+from kernels.models import runner_gate
 
 E, K = 4, 8
 
@@ -52,21 +52,14 @@ class _Block(torch.nn.Module):
         return self.experts(hidden_states, router_logits).view(orig_shape)
 
 
-def _moved() -> type[_Block]:
-    class Moved(_Block):
-        pass
-    Moved.__init__ = runner_gate.wrap_init(_Block.__init__)
-    Moved.forward = runner_gate.wrap_forward(_Block.forward)
-    return Moved
-
-
 def test_the_gate_moves_into_the_runner_and_the_output_is_unchanged() -> None:
     torch.manual_seed(0)
-    block = _moved()()
-    plain = _Block()
+    block, plain = _Block(), _Block()
     with torch.no_grad():
         plain.gate.weight.copy_(block.gate.weight)
-    assert block.experts.gate is block.gate
+    assert runner_gate.move_gate(block)
+    assert block.experts.gate is block.gate and isinstance(block, _Block) and type(block) is not _Block
+    assert type(block) is runner_gate.gated_class(_Block)                 # one subclass per block class
     assert [n for n, _ in block.named_parameters()] == ["gate.weight"]     # checkpoint name, once
     x = torch.randn(2, 3, K)                                               # 2-D and 3-D inputs alike
     torch.testing.assert_close(block(x), plain(x))
@@ -75,30 +68,23 @@ def test_the_gate_moves_into_the_runner_and_the_output_is_unchanged() -> None:
 
 
 def test_a_block_that_does_not_fit_is_left_as_built() -> None:
-    block = _moved()()
-    assert not runner_gate.movable(block)                  # its runner holds a gate now
+    moved = _Block()
+    assert runner_gate.move_gate(moved)
+    assert not runner_gate.move_gate(moved)                # its runner holds a gate now
     owned = _Block()
     owned.experts.gate = _Gate()                           # a runner with a gate of its own
-    assert not runner_gate.movable(owned)
     no_weight = _Block()
     no_weight.gate = torch.nn.Identity()
-    assert not runner_gate.movable(no_weight)
-    assert runner_gate.movable(_Block())
-    kept = _Block()
-    kept.forward = runner_gate.wrap_forward(_Block.forward).__get__(kept)   # not moved: vLLM's forward
+    for block in (owned, no_weight):
+        assert not runner_gate.move_gate(block) and type(block) is _Block
     x = torch.randn(3, K)
-    torch.testing.assert_close(kept(x), _Block.forward(kept, x))
-    assert kept.experts.got[-1].shape == (3, E)
+    torch.testing.assert_close(owned(x), _Block.forward(owned, x))
+    assert owned.experts.got[-1].shape == (3, E)
 
 
-def test_install_wraps_vllms_mixtral_block_once() -> None:
-    cls = vc.load(vc.GATED_BLOCKS[0])
-    saved = {name: cls.__dict__[name] for name in ("__init__", "forward")}
-    try:
-        for name, fn in saved.items():     # vLLM's own methods, whatever this process wrapped before
-            setattr(cls, name, fn.__wrapped__ if getattr(fn, vc.MARK, False) else fn)
-        assert runner_gate.install() == ["MixtralMoE.__init__", "MixtralMoE.forward"]
-        assert runner_gate.install() == []                  # already wrapped
-    finally:
-        for name, fn in saved.items():
-            setattr(cls, name, fn)
+def test_vllms_mixtral_block_is_what_gated_forward_stands_in_for() -> None:
+    """The pin on vLLM's MixtralMoE: its forward computes the gate and hands the logits to its
+    runner, its __init__ registers the gate first (the real model's move: tests/kernels/test_fused_model.py)."""
+    from kernels.plugin import vllm_pins
+
+    assert vllm_pins.pin_runner_gate() == "MixtralMoE.forward / __init__"
