@@ -7,8 +7,6 @@ test method gets the GEMM vLLM's apply runs on CUDA (default_unquantized_gemm, F
 from __future__ import annotations
 
 import logging
-import socket
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -19,28 +17,6 @@ from kernels.plugin import vllm_compat as vc
 from kernels.config import KEY, PluginConfig
 from kernels.plugin.dense_hook import DenseHook
 from kernels.plugin.vllm_plugin import MoePlugin
-
-
-@pytest.fixture(scope="module")
-def tp1() -> Iterator[None]:
-    """What vLLM's layers need to be built outside an engine: a current config and a one-rank
-    tensor-parallel group (gloo)."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,
-                                  init_distributed_environment, initialize_model_parallel)
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
-        initialize_model_parallel(1, 1)
-        try:
-            yield
-        finally:
-            destroy_model_parallel()
-            destroy_distributed_environment()
 
 
 @pytest.fixture()
@@ -138,10 +114,10 @@ def test_the_plugin_installs_the_hook_only_when_switched_on() -> None:
         config = PluginConfig.from_vllm({KEY: {"mode": mode, **given}}, environ)
         return [name for name, _ in MoePlugin(config, None).kernel_hook_steps()]
 
-    assert steps("optimized", {})[-1] == "dense gemv"             # on by default, under any server
+    assert "dense gemv" in steps("optimized", {})                 # on by default, under any server
     assert "dense gemv" not in steps("vllm", {})
     assert "dense gemv" not in steps("optimized", {"MOE_SERVE_DENSE_GEMV": "0"})
-    assert steps("optimized", {"MOE_SERVE_DENSE_GEMV": "0"}, dense_gemv=True)[-1] == "dense gemv"
+    assert "dense gemv" in steps("optimized", {"MOE_SERVE_DENSE_GEMV": "0"}, dense_gemv=True)
 
 
 def test_warm_up_compiles_what_the_op_saw_and_reports_small_calls_left_to_f_linear(

@@ -10,8 +10,6 @@ one), and only its small calls (ours) are run."""
 from __future__ import annotations
 
 import logging
-import socket
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -25,27 +23,6 @@ from kernels.plugin import vllm_compat as vc
 from kernels.plugin.fp8_dense_pins import PINS
 
 LOG = logging.getLogger("test.fp8_dense")
-
-
-@pytest.fixture(scope="module")
-def tp1() -> Iterator[None]:
-    """A one-rank tensor-parallel group (gloo) for vLLM's layers, torn down after the module."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import (destroy_distributed_environment, destroy_model_parallel,
-                                  init_distributed_environment, initialize_model_parallel)
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
-        initialize_model_parallel(1, 1)
-    try:
-        yield
-    finally:
-        destroy_model_parallel()
-        destroy_distributed_environment()
 
 
 @pytest.fixture()
