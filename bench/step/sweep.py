@@ -20,19 +20,12 @@ import torch
 
 from bench.experts.reference import rel_err
 from bench.step.kernel_level import TOLERANCE
-from bench.step.pieces import n_sets
+from bench.step.pieces import n_sets, norm_gemv_shape
 from bench.step.shapes import StepShapes
 from kernels.dense import configs
 
 SWEEP_MS = (1, 2, 4, 8)                # the fused kernel's token blocks (TOKEN_BLOCK = 8)
 SMOKE_AXES = (("BLOCK_N", (2, 8)), ("SPLIT_K", (1, 2)))
-
-
-def piece_shape(piece: str, s: StepShapes) -> tuple[int, bool]:
-    """(N, write_h) of a norm_gemv piece at these shapes (bench.step.pieces' table)."""
-    return {"norm_gemv/qkv": ((s.q_heads + 2 * s.kv_heads) * s.head_dim, False),
-            "norm_gemv/gate": (s.experts, True),
-            "norm_gemv/lm_head": (s.vocab, False)}[piece]
 
 
 def sweep_bucket(N: int, K: int, M: int, write_h: bool, dtype: torch.dtype, device: str, replays: int,
@@ -52,16 +45,21 @@ def sweep_bucket(N: int, K: int, M: int, write_h: bool, dtype: torch.dtype, devi
     if cuda:
         prime_capture_workspace(ng.MAX_M * N, 2 * N)
     chain_us = time_graph(lambda i: chains[i].unfused(), count, replays)
+
     def case(seed: int, cfg: dict | None = None) -> Any:       # same seed, same inputs
         return bench_cases.norm_gemv(N, K, M, dtype=dtype, write_h=write_h, device=device, cfg=cfg,
                                      compile_unfused=False, seed=seed)
 
     expected = case(count).unfused()[0]                         # a fresh set: the checks' inputs
-    timed: list[dict[str, Any]] = []
+    timed: dict[str, dict[str, Any]] = {}                        # config label -> its row
 
     def measure(cfg: dict) -> float | None:
-        row: dict[str, Any] = {"config": configs.label(cfg)}
-        timed.append(row)
+        """us of the fused kernel with cfg (None: failed its check or to run); each config once."""
+        label = configs.label(cfg)
+        if label in timed:
+            return timed[label].get("us")
+        row: dict[str, Any] = {"config": label}
+        timed[label] = row
         try:
             row["err"] = rel_err(case(count, cfg).fused()[0], expected)
             if not row["err"] <= TOLERANCE:
@@ -79,7 +77,8 @@ def sweep_bucket(N: int, K: int, M: int, write_h: bool, dtype: torch.dtype, devi
     best, best_us = coordinate_search(start, axes, lambda c: feasible(c, M, K, dt), measure, rounds, K, dt)
     return {"shape": f"{N}x{K}", "N": N, "K": K, "M": M, "dtype": dt, "chain_us": chain_us,
             "serving_us": serving_us, "best_us": best_us, "best": best if best_us is not None else None,
-            "configs_timed": len(timed), "configs_failed": sum("us" not in r for r in timed), "timed": timed}
+            "configs_timed": len(timed), "configs_failed": sum("us" not in r for r in timed.values()),
+            "timed": list(timed.values())}
 
 
 def tables(rows: list[dict[str, Any]]) -> dict[tuple[int, int, str], dict[int, dict]]:
@@ -129,7 +128,7 @@ def run(s: StepShapes, pieces: tuple[str, ...], Ms: tuple[int, ...], dtype: torc
     blocks = sorted({configs.bucket(min(M, SWEEP_MS[-1])) for M in Ms})
     rows = []
     for piece in (p for p in pieces if p.startswith("norm_gemv/")):
-        N, write_h = piece_shape(piece, s)
+        N, _, write_h = norm_gemv_shape(piece, s)
         for M in blocks:
             row = sweep_bucket(N, s.hidden, M, write_h, dtype, device, replays, SMOKE_AXES if smoke else AXES,
                                1)
