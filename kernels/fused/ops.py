@@ -7,8 +7,9 @@ captured batch size):
     residual add + RMSNorm + F.linear (kernels.fused.norm_gemv at 1..SERVED_MAX_M (16) tokens on
     CUDA where its tuned table lists the token block: measured faster than the chain; else the
     row-norm kernel kernels.fused.rms_norm, then the GEMM the unfused layer runs: dense_linear, our
-    GEMV where its table lists the shape, under the dense_gemv setting; else F.linear). residual_out is empty without a residual (the caller keeps x, as vLLM's layer
-    does), h empty unless write_h.
+    GEMV where its table lists the shape, under the dense_gemv setting; else F.linear).
+    residual_out is empty without a residual (the caller keeps x, as vLLM's layer does), h empty
+    unless write_h.
 ``fused_qk_norm_rope(qkv, positions, q_norm_weight, k_norm_weight, eps, cos_sin_cache,
 num_q_heads, num_kv_heads, head_dim, rot_dim, neox) -> qk``
     the q | k heads [T, (Hq + Hkv) * D] of qkv normalised and rotated (kernels.fused.qk_norm_rope
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.config import current
+from kernels.dense.configs import Config
 from kernels.dense.op import dense_linear
 from kernels.fused import norm_gemv as ng
 from kernels.fused import qk_norm_rope as qk
@@ -62,13 +64,14 @@ def runs_here(x: torch.Tensor) -> bool:
 
 
 # -- fused_norm_linear --------------------------------------------------------------------
-def fused_here(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, weight: torch.Tensor,
-               bias: torch.Tensor | None) -> bool:
-    """Whether the fused norm GEMV serves this call: M within its range, a layout it takes, and
-    its tuned table listing M's token block for this shape on this device."""
+def fused_config(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> Config | None:
+    """The config the fused norm GEMV serves this call with, or None where it does not: M past its
+    range, a layout it refuses, or a token block its tuned table does not list for this shape."""
     M, (N, K) = x.shape[0], weight.shape
-    return (M <= ng.SERVED_MAX_M and ng.unsupported(x, residual, norm_weight, weight, bias) is None
-            and ng.tuned_config(M, N, K, x.dtype, x.device) is not None)
+    if M > ng.SERVED_MAX_M or ng.unsupported(x, residual, norm_weight, weight, bias) is not None:
+        return None
+    return ng.tuned_config(M, N, K, x.dtype, x.device)
 
 
 def _norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -79,8 +82,9 @@ def _norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
         key = (weight.shape[0], weight.shape[1], weight.dtype, bias is not None, residual is not None, write_h,
                str(weight.device))
         _seen_norm.setdefault(key, (weight, norm_weight, bias))
-        if fused_here(x, residual, norm_weight, weight, bias):
-            y, res_out, h = ng.norm_gemv(x, residual, norm_weight, eps, weight, bias, write_h,
+        cfg = fused_config(x, residual, norm_weight, weight, bias)
+        if cfg is not None:
+            y, res_out, h = ng.norm_gemv(x, residual, norm_weight, eps, weight, bias, write_h, cfg=cfg,
                                          exact_h=ng.SERVED_EXACT_H)
         elif rms_norm.unsupported(x, residual, norm_weight) is None:
             h, res_out = rms_norm.add_rms_norm(x, residual, norm_weight, eps)

@@ -27,16 +27,17 @@ def warm_norm_gemv(weight: torch.Tensor, norm_weight: torch.Tensor, bias: torch.
     keys: set[tuple] = set()
     N, K = weight.shape
     for M in range(1, max_m + 1):
-        if ng.tuned_config(M, N, K, weight.dtype, weight.device) is None:
+        cfg = ng.tuned_config(M, N, K, weight.dtype, weight.device)     # what the op serves M with
+        if cfg is None:
             continue
         x = torch.zeros((M, K), dtype=weight.dtype, device=weight.device)
         r = torch.zeros_like(x) if residual else None
         with record_launches() as launches:
-            ng.norm_gemv(x, r, norm_weight, 1e-6, weight, bias, write_h, exact_h=ng.SERVED_EXACT_H)
+            ng.norm_gemv(x, r, norm_weight, 1e-6, weight, bias, write_h, cfg=cfg, exact_h=ng.SERVED_EXACT_H)
         key = tuple(sorted(launches[0][3].items()))         # the variant: its constexprs
         if key not in keys:
             keys.add(key)
-            ng.norm_gemv(x, r, norm_weight, 1e-6, weight, bias, write_h, exact_h=ng.SERVED_EXACT_H)
+            ng.norm_gemv(x, r, norm_weight, 1e-6, weight, bias, write_h, cfg=cfg, exact_h=ng.SERVED_EXACT_H)
     return len(keys)
 
 

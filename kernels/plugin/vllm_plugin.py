@@ -15,8 +15,8 @@ inherit it; a user sets it to run our kernels under ``vllm serve``. Active, the 
 2. worker init (workers only): builds the worker's PluginConfig (kernels/config.py) from
    vllm_config.additional_config["moe_serve"] over the environment, once (a bad value raises: the
    worker does not start), then, before the model is built, the kernel hooks its HookPlan asks
-   for (kernels/plugin/layer_plan.py: MoE, router (+ Mixtral's gate moved by our model class), dense GEMV, our fused model
-   classes, FP8 dense GEMV). Then it reads rank and scheduler limits (vllm_compat.worker_facts),
+   for (kernels/plugin/layer_plan.py: MoE, router, dense GEMV, our model classes for the fused
+   pieces and Mixtral's gate, FP8 dense GEMV). Then it reads rank and scheduler limits (vllm_compat.worker_facts),
    switches this process's metrics to prometheus multiprocess files in the runtime dir
    (kernels/plugin/plugin_metrics.py), gives the worker the method through which the API process
    asks a worker on another node for them (``REPORT_METHOD``, over vLLM's collective_rpc) and
@@ -88,6 +88,7 @@ class MoePlugin:
         self.dense: DenseHook | None = None    # installed in optimized mode with config.dense_gemv
         self.expert_load: expert_load.ExpertLoad | None = None  # made at worker init with config.expert_stats
         self.kernel_hooks_installed = False
+        # (what, warm-up) of each installed hook; each looks its warm_pending up when it runs
         self.warmups: list[tuple[str, Callable[[], Any]]] = [("kernel", lambda: self.layers.warm_pending())]
         self.swap_ab = "n/a"
         self.pins_failed: dict[str, str] = {}  # pin -> error, on a vLLM whose internals do not match
@@ -169,12 +170,12 @@ class MoePlugin:
         from kernels.models.registry import register_model_classes
         self.hooks.extend(f"ModelRegistry[{arch}]" for arch in register_model_classes(fused, router))
         if fused:
-            self.warmups.append(("fused pieces", warmup.warm_pending))
+            self.warmups.append(("fused pieces", lambda: warmup.warm_pending()))
 
     def _install_fp8_dense_hook(self) -> None:
         from kernels.plugin import fp8_dense_hook
         self.hooks.extend(fp8_dense_hook.install(self.config, self.logger))
-        self.warmups.append(("FP8 dense GEMV", fp8_dense_hook.warm_pending))
+        self.warmups.append(("FP8 dense GEMV", lambda: fp8_dense_hook.warm_pending()))
 
     def _install_worker_hook(self) -> None:
         if vc.wrap_method(vc.load(vc.WORKER_BASE), "__init__", self.around_worker_init):
@@ -207,7 +208,7 @@ class MoePlugin:
             if vc.wrap_method(cls, "_compute_routing", hook.compute_routing):
                 self.hooks.append(f"{cls.__name__}._compute_routing")
         self.router = hook
-        self.warmups.append(("router", lambda: hook.warm_pending()))   # looked up at warm-up time
+        self.warmups.append(("router", lambda: hook.warm_pending()))
 
     def _install_dense_hook(self) -> None:
         hook = DenseHook(self)
