@@ -11,10 +11,11 @@ COPY pyproject.toml README.md LICENSE ./
 COPY service ./service
 COPY kernels ./kernels
 COPY loadtest ./loadtest
+COPY bench ./bench
 RUN pip install --no-cache-dir ".[cpu]" \
  && pip uninstall -y torchvision torchaudio torchcodec || true
 # Build the embedded model at image build time so the container starts without it.
-RUN python -m service.embedded_model
+RUN python -m moe_serve.service.embedded_model
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=120s CMD python -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health').status != 200)"
 ENTRYPOINT ["moe-serve"]
@@ -28,6 +29,7 @@ COPY pyproject.toml README.md LICENSE ./
 COPY service ./service
 COPY kernels ./kernels
 COPY loadtest ./loadtest
+COPY bench ./bench
 # vLLM (and torch, triton) come from the base image: install only our own pins on top.
 RUN pip install --no-cache-dir ".[gpu]"
 EXPOSE 8000

@@ -11,7 +11,7 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels.plugin import vllm_pins  # noqa: E402
+from moe_serve.kernels.plugin import vllm_pins  # noqa: E402
 
 
 def main() -> int:

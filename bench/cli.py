@@ -14,16 +14,16 @@ import importlib
 import sys
 
 COMMANDS = {
-    "serve": ("bench.serve.yardstick", "moe-serve against `vllm serve` on a whole model over HTTP: alternating "
+    "serve": ("moe_serve.bench.serve.yardstick", "moe-serve against `vllm serve` on a whole model over HTTP: alternating "
                                        "fresh server processes, intervals, resumable (2-4 min per process on one "
                                        "H200; the bench extra)"),
-    "kernels": ("bench.experts.run", "our fused-MoE kernels against vLLM's fused_experts and the streaming floor, "
+    "kernels": ("moe_serve.bench.experts.run", "our fused-MoE kernels against vLLM's fused_experts and the streaming floor, "
                                      "per shape, format and M (1-3 min per model on one H200); --dense: our dense "
                                      "decode GEMV against cuBLAS and the floor (3-6 min per model)"),
-    "step": ("bench.step.cli", "each fused piece of the decode step against the unfused chain it replaces (CUDA "
+    "step": ("moe_serve.bench.step.cli", "each fused piece of the decode step against the unfused chain it replaces (CUDA "
                                "graphs, ~1 min), then one profiled server process per switch set at c = 1: step "
                                "time, launches, the step slice by slice (under 10 min on one GPU)"),
-    "tables": ("bench.tables", "regenerate (or --check) the tables of RESULTS.md and README.md from bench/results/ "
+    "tables": ("moe_serve.bench.tables", "regenerate (or --check) the tables of RESULTS.md and README.md from bench/results/ "
                                "(seconds, any machine; the bench extra)"),
 }
 # top-level module -> the extra of pyproject.toml that installs it

@@ -4,13 +4,13 @@ cost in a graph, and exact per-layer counts from real servers.
     python bench/expert_load_check.py --out runs/expert-load-check             # H100/H200 with vLLM
     python bench/expert_load_check.py --cpu-smoke --out /tmp/expert-load-check  # CPU: embedded model
 
-1. kernels: kernels.moe.expert_count and router_topk's counts against an integer reference on
+1. kernels: moe_serve.kernels.moe.expert_count and router_topk's counts against an integer reference on
    fresh random inputs added into random counts (CUDA; on CPU under TRITON_INTERPRET=1).
 2. graphs (CUDA only): L layers of router_topk with counts plus one count_experts launch captured
    in one CUDA graph, replayed with varying num_tokens (the padded rows must not count): exact
    counts; and the replay time of the L routers with counts against without, and of L count
    launches alone (median of CUDA-event timings; what counting adds at decode, per layer).
-3. servers: `python -m service` on a dummy-weight MoE model (--model, --layers) per --modes
+3. servers: `python -m moe_serve.service` on a dummy-weight MoE model (--model, --layers) per --modes
    (optimized: our router counts in its kernel at decode; vllm: vLLM's router, counted by our
    launch after select_experts), TP 1, CUDA graphs on. Requests of random token ids at c = 1,
    then 3 at once (a decode batch of 3 replayed from the graph of 4), then a prompt longer than
@@ -39,11 +39,11 @@ import httpx  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.model_dirs import dummy_model_dir  # noqa: E402
-from kernels.moe.expert_count import count_experts_triton  # noqa: E402
-from kernels.moe.router_topk import max_tokens, router_topk  # noqa: E402
-from kernels.tuning.timing import replay_median_us  # noqa: E402
-from loadtest.server_proc import ServerProcess  # noqa: E402
+from moe_serve.bench.model_dirs import dummy_model_dir  # noqa: E402
+from moe_serve.kernels.moe.expert_count import count_experts_triton  # noqa: E402
+from moe_serve.kernels.moe.router_topk import max_tokens, router_topk  # noqa: E402
+from moe_serve.kernels.tuning.timing import replay_median_us  # noqa: E402
+from moe_serve.loadtest.server_proc import ServerProcess  # noqa: E402
 
 T0 = time.monotonic()
 KEY = "expert-load-check"
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         graph_checks(32, 8, 4096, 2, 4)            # Mixtral-8x7B at c = 4
     env_interp = os.environ.pop("TRITON_INTERPRET", None)   # real compiles in the servers' workers
     if a.cpu_smoke:
-        from loadtest.server_proc import MODEL_NAME
+        from moe_serve.loadtest.server_proc import MODEL_NAME
 
         model, base, long_prompt = MODEL_NAME, ["--tensor-parallel-size", "1"], 40
     else:

@@ -105,7 +105,7 @@ def dummy_model_dir(name: str, out: Path, layers: int | None = None,
     (d / "config.json").write_text(json.dumps(cfg, indent=2))
     if decodable_ids(d, cfg["vocab_size"]) < cfg["vocab_size"] or not (d / "tokenizer_config.json").is_file():
         if cfg["vocab_size"] == MIXTRAL_VOCAB:
-            from service.embedded_model import _write_tokenizer  # the embedded model's tokenizer recipe
+            from moe_serve.service.embedded_model import _write_tokenizer  # the embedded model's tokenizer recipe
 
             _write_tokenizer(d)
         else:

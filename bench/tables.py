@@ -24,8 +24,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.experts.render import shape_table
-from bench.serve.render import HeadlineRow, headline, pairwise_table, results_table, step_budget
+from moe_serve.bench.experts.render import shape_table
+from moe_serve.bench.serve.render import HeadlineRow, headline, pairwise_table, results_table, step_budget
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
@@ -108,14 +108,14 @@ def _headline_rows() -> list[HeadlineRow]:
 
 
 def _headline_prose() -> list[str]:
-    from bench.serve.headline_prose import prose   # the headline's sentences, from the same rows
+    from moe_serve.bench.serve.headline_prose import prose   # the headline's sentences, from the same rows
 
     return prose(_headline_rows())
 
 
 def _summary(*dirs: Path) -> list[str]:
-    from bench.serve.ab_tables import summary_lines   # a section's numbers, from its raw files
-    from bench.serve.stats import load
+    from moe_serve.bench.serve.ab_tables import summary_lines   # a section's numbers, from its raw files
+    from moe_serve.bench.serve.stats import load
 
     return summary_lines(load(list(dirs)), "moe-serve")
 
@@ -136,7 +136,7 @@ def _headline_older() -> list[str]:
 
 
 def _dense(claim: str) -> list[str]:
-    from bench.experts.dense import table   # torch and triton: only when this block renders
+    from moe_serve.bench.experts.dense import table   # torch and triton: only when this block renders
 
     return table(json.loads(lzma.decompress((RESULTS / claim / "results.json.xz").read_bytes()))["dense"])
 
@@ -144,7 +144,7 @@ def _dense(claim: str) -> list[str]:
 def _step_pieces(claim: str) -> list[str]:
     """`moe-serve bench step --kernels-only`'s table and its predicted saving at M = 1, from the
     claim's kernels.json."""
-    from bench.step import kernel_level
+    from moe_serve.bench.step import kernel_level
 
     rows = json.loads(lzma.decompress((RESULTS / claim / "kernels.json.xz").read_bytes()))["rows"]
     saved = kernel_level.predicted_savings(rows, 1)

@@ -1,13 +1,13 @@
 """moe-serve kernels: Triton fused MoE (swap-AB, FP8 W8A8) for Hopper.
 
-Three subpackages: ``kernels.moe`` (the Triton kernels, their launcher, configs and routing),
-``kernels.plugin`` (the vLLM plugin) and ``kernels.tuning`` (``moe-serve tune``).
+Three subpackages: ``moe_serve.kernels.moe`` (the Triton kernels, their launcher, configs and routing),
+``moe_serve.kernels.plugin`` (the vLLM plugin) and ``moe_serve.kernels.tuning`` (``moe-serve tune``).
 Kept light on purpose: importing ``kernels`` imports neither torch nor triton.
 Public entry points::
 
-    from kernels.moe.fused_moe import fused_moe, Fp8Scales
-    from kernels.moe.moe_variants import warm_moe_variants
-    from kernels.plugin import jit_monitor
+    from moe_serve.kernels.moe.fused_moe import fused_moe, Fp8Scales
+    from moe_serve.kernels.moe.moe_variants import warm_moe_variants
+    from moe_serve.kernels.plugin import jit_monitor
 
 The modules and their layers: docs/architecture.md.
 """
@@ -19,9 +19,9 @@ from typing import Any
 __all__ = ["fused_moe", "Fp8Scales", "warm_moe_variants", "jit_monitor"]
 
 _LAZY = {
-    "fused_moe": ("kernels.moe.fused_moe", "fused_moe"),
-    "Fp8Scales": ("kernels.moe.fused_moe", "Fp8Scales"),
-    "warm_moe_variants": ("kernels.moe.moe_variants", "warm_moe_variants"),
+    "fused_moe": ("moe_serve.kernels.moe.fused_moe", "fused_moe"),
+    "Fp8Scales": ("moe_serve.kernels.moe.fused_moe", "Fp8Scales"),
+    "warm_moe_variants": ("moe_serve.kernels.moe.moe_variants", "warm_moe_variants"),
 }
 
 
@@ -31,5 +31,5 @@ def __getattr__(name: str) -> Any:
         mod, attr = _LAZY[name]
         return getattr(importlib.import_module(mod), attr)
     if name in ("jit_monitor",):
-        return importlib.import_module(f"kernels.plugin.{name}")
-    raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+        return importlib.import_module(f"moe_serve.kernels.plugin.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from loadtest.report import compiles_text, fmt
+from moe_serve.loadtest.report import compiles_text, fmt
 
 RATIO_KEYS = (("output tok/s", "output_tok_s"), ("TTFT p50 ms", "ttft_p50_ms"), ("TTFT p99 ms", "ttft_p99_ms"),
               ("ITL p50 ms", "itl_p50_ms"), ("req/s", "req_s"))

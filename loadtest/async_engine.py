@@ -13,9 +13,9 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.records import RecordWriter, make_record
-from loadtest.scenarios import Scenario
-from loadtest.stream import StreamTimer, request_body, stream_into
+from moe_serve.loadtest.records import RecordWriter, make_record
+from moe_serve.loadtest.scenarios import Scenario
+from moe_serve.loadtest.stream import StreamTimer, request_body, stream_into
 
 
 class AsyncRunner:

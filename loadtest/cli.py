@@ -1,4 +1,4 @@
-"""`python -m loadtest run|ab|report|compare`: headless load tests and their reports."""
+"""`python -m moe_serve.loadtest run|ab|report|compare`: headless load tests and their reports."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from loadtest.ab import write_ab
-from loadtest.report import write_report
-from loadtest.runner import Target, run
-from loadtest.scenarios import SCENARIOS, Options
+from moe_serve.loadtest.ab import write_ab
+from moe_serve.loadtest.report import write_report
+from moe_serve.loadtest.runner import Target, run
+from moe_serve.loadtest.scenarios import SCENARIOS, Options
 
 
 def _scenario_args(p: argparse.ArgumentParser) -> None:
@@ -34,7 +34,7 @@ def _options(a: argparse.Namespace) -> Options:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m moe_serve.loadtest", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="one scenario against one server, then the report")
     r.add_argument("--host", required=True, help="base URL, e.g. http://127.0.0.1:8000")

@@ -10,7 +10,7 @@ import time
 import httpx
 import numpy as np
 
-from kernels.plugin.expert_snapshot import load_summary
+from moe_serve.kernels.plugin.expert_snapshot import load_summary
 
 PATH = "/v1/moe/expert-load"
 BEFORE_FILE, AFTER_FILE = "expert_load_before.json", "expert_load_after.json"

@@ -1,7 +1,7 @@
 """Locust user + shape for OpenAI-compatible servers (streaming chat and completions).
 
     locust -f loadtest/locustfile.py --headless --host URL --lt-model NAME --lt-scenario step ...
-(`python -m loadtest run` builds this line.) Per request it fires custom events with
+(`python -m moe_serve.loadtest run` builds this line.) Per request it fires custom events with
 request_type "METRIC" (names "ttft sNN", "itl sNN", "e2e sNN"; response_time in ms,
 response_length = output tokens) so they stay apart from the HTTP rows ("chat sNN", ...).
 """
@@ -19,9 +19,9 @@ from gevent import GreenletExit  # noqa: E402
 from locust import stats as locust_stats  # noqa: E402
 from locust import FastHttpUser, LoadTestShape, constant, events, task  # noqa: E402
 
-from loadtest.records import RecordWriter, make_record  # noqa: E402
-from loadtest.scenarios import SCENARIOS, Options, Scenario, build  # noqa: E402
-from loadtest.stream import StreamTimer, error_message, request_body  # noqa: E402
+from moe_serve.loadtest.records import RecordWriter, make_record  # noqa: E402
+from moe_serve.loadtest.scenarios import SCENARIOS, Options, Scenario, build  # noqa: E402
+from moe_serve.loadtest.stream import StreamTimer, error_message, request_body  # noqa: E402
 
 METRIC = "METRIC"
 _state: dict = {}

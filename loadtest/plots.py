@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from loadtest.records import Record  # noqa: E402
+from moe_serve.loadtest.records import Record  # noqa: E402
 
 PLOTS = ("ttft_vs_users.png", "throughput_vs_users.png", "latency_over_time.png")
 _FIG = dict(figsize=(6.4, 4.0), dpi=80)

@@ -7,8 +7,8 @@ import threading
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from loadtest.scenarios import RequestSpec
-from loadtest.stream import StreamTimer
+from moe_serve.loadtest.scenarios import RequestSpec
+from moe_serve.loadtest.stream import StreamTimer
 
 RECORDS_FILE = "requests.jsonl"
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from loadtest import expert_load, prom
-from loadtest.records import RECORDS_FILE, read_records
-from loadtest.scenarios import Stage
-from loadtest.stats import all_stages, error_samples
+from moe_serve.loadtest import expert_load, prom
+from moe_serve.loadtest.records import RECORDS_FILE, read_records
+from moe_serve.loadtest.scenarios import Stage
+from moe_serve.loadtest.stats import all_stages, error_samples
 
 COLUMNS = (("users", "users", "{}"), ("requests", "requests", "{}"), ("errors", "errors", "{}"),
            ("TTFT p50 ms", "ttft_p50_ms", "{:.1f}"), ("TTFT p90 ms", "ttft_p90_ms", "{:.1f}"),
@@ -91,7 +91,7 @@ def write_report(run_dir: Path, plots: bool = True) -> dict:
     (run_dir / "report.json").write_text(json.dumps(report, indent=2))
     (run_dir / "report.md").write_text(markdown(report))
     if plots:
-        from loadtest.plots import write_plots  # matplotlib only when plotting
+        from moe_serve.loadtest.plots import write_plots  # matplotlib only when plotting
 
         records = read_records(run_dir / RECORDS_FILE) if (run_dir / RECORDS_FILE).is_file() else []
         title = f"{report['meta']['scenario']['name']} @ {report['meta'].get('label') or report['meta']['host']}"

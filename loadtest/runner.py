@@ -11,10 +11,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtest import expert_load, prom
-from loadtest.records import RECORDS_FILE
-from loadtest.report import write_report
-from loadtest.scenarios import Options, Scenario, build
+from moe_serve.loadtest import expert_load, prom
+from moe_serve.loadtest.records import RECORDS_FILE
+from moe_serve.loadtest.report import write_report
+from moe_serve.loadtest.scenarios import Options, Scenario, build
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
@@ -42,9 +42,8 @@ def locust_command(sc: Scenario, t: Target, out: Path) -> list[str]:
 
 def _run_locust(sc: Scenario, t: Target, out: Path, grace_s: float) -> int:
     cmd = locust_command(sc, t, out)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     with open(out / "locust.log", "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         try:
             return proc.wait(timeout=sc.duration + grace_s)
         except subprocess.TimeoutExpired:
@@ -54,7 +53,7 @@ def _run_locust(sc: Scenario, t: Target, out: Path, grace_s: float) -> int:
 
 
 def _command_line() -> str:
-    """How this process was started, as `python -m loadtest ...` where it was."""
+    """How this process was started, as `python -m moe_serve.loadtest ...` where it was."""
     argv = list(sys.argv)
     for i, arg in enumerate(argv):  # never write keys into reports
         if i and argv[i - 1] in ("--api-key", "--metrics-api-key"):
@@ -62,7 +61,7 @@ def _command_line() -> str:
         elif arg.startswith(("--api-key=", "--metrics-api-key=")):
             argv[i] = arg.split("=", 1)[0] + "=***"
     if argv and argv[0].endswith(("loadtest/__main__.py", "loadtest/cli.py")):
-        return shlex.join(["python", "-m", "loadtest", *argv[1:]])
+        return shlex.join(["python", "-m", "moe_serve.loadtest", *argv[1:]])
     return shlex.join(argv) if argv else ""
 
 
@@ -94,7 +93,7 @@ def run(scenario: str, options: Options, target: Target, out: Path, engine: str 
         rc = _run_locust(sc, target, out, grace_s)
         print(f"[loadtest] locust exited with {rc} (1 = some requests failed)", flush=True)
     elif engine == "asyncio":
-        from loadtest.async_engine import run_async
+        from moe_serve.loadtest.async_engine import run_async
 
         run_async(sc, target.host, target.model, target.api_key, out / RECORDS_FILE)
     else:

@@ -10,7 +10,7 @@ import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from loadtest.prompts import prompt
+from moe_serve.loadtest.prompts import prompt
 
 SCENARIOS = ("step", "mixed", "burst", "spike-sizes")
 

@@ -1,4 +1,4 @@
-"""Run `python -m service` (or another server module) as a subprocess: start, wait for /health, stop.
+"""Run `python -m moe_serve.service` (or another server module) as a subprocess: start, wait for /health, stop.
 
 Used by the tests (real vLLM CPU engine) and by the benchmarks in bench/ (CPU and H200). The
 server runs in its own session, so stop() can reap its engine and worker processes as a group.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from kernels.plugin.plugin_metrics import RUNTIME_DIR_ENV
+from moe_serve.kernels.plugin.plugin_metrics import RUNTIME_DIR_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_NAME = "moe-serve-tiny-mixtral"
@@ -56,19 +56,20 @@ class ServerProcess:
     in-process) would make two servers share, and clear, each other's files."""
 
     def __init__(self, log_dir: Path, *args: str, api_key: str | None = None, env: Mapping[str, str] | None = None,
-                 module: str = "service", log_name: str | None = None) -> None:
+                 module: str = "moe_serve.service", log_name: str | None = None, cwd: Path = REPO) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / (log_name or f"server-{self.port}.log")
         self.api_key = api_key
-        cmd = [sys.executable, "-m", module, "--port", str(self.port), *args]
+        # -P: the cwd (the checkout) stays off sys.path: its kernels/ folder would shadow PyPI's kernels
+        cmd = [sys.executable, "-P", "-m", module, "--port", str(self.port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
         inherited = {k: v for k, v in os.environ.items() if k != RUNTIME_DIR_ENV}
         full_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
         pin_env, pin = server_core_isolation(full_env)
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env={**full_env, **pin_env}, stdout=log,
+            self.proc = subprocess.Popen(cmd, cwd=cwd, env={**full_env, **pin_env}, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin)
 
     @property
@@ -116,11 +117,12 @@ class ServerProcess:
 
 
 def start_server(log_dir: Path, *args: str, api_key: str | None = None, env: Mapping[str, str] | None = None,
-                 ready_timeout: float = 240.0, module: str = "service", log_name: str | None = None,
-                 progress: Callable[[str], None] | None = None) -> ServerProcess:
+                 ready_timeout: float = 240.0, module: str = "moe_serve.service", log_name: str | None = None,
+                 progress: Callable[[str], None] | None = None, cwd: Path = REPO) -> ServerProcess:
     """Start a server on a free port (log in log_dir/log_name, default server-PORT.log) and wait
     until /health is 200."""
-    server = ServerProcess(log_dir, *args, api_key=api_key, env=env, module=module, log_name=log_name)
+    server = ServerProcess(log_dir, *args, api_key=api_key, env=env, module=module, log_name=log_name,
+                           cwd=cwd)
     try:
         server.wait_ready(ready_timeout, progress)
     except BaseException:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from loadtest.records import Record
-from loadtest.scenarios import Stage
+from moe_serve.loadtest.records import Record
+from moe_serve.loadtest.scenarios import Stage
 
 
 def percentile(values: list[float], p: float) -> float | None:

@@ -1,8 +1,8 @@
-"""`python -m service`: the same as the `moe-serve` console script."""
+"""`python -m moe_serve.service`: the same as the `moe-serve` console script."""
 
 import sys
 
-from service.cli import main
+from moe_serve.service.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from service.errors import APIError
+from moe_serve.service.errors import APIError
 
 
 class Ticket:

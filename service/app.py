@@ -12,22 +12,22 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from service import __version__
-from service import kernel_tables
-from service.engine import EngineHandle
-from service.errors import install_error_handlers
-from service.expert_load_api import router as expert_load_router
-from service.memory_trim import trim_periodically
-from service.middleware import (AUTHENTICATED, AccessLogMiddleware, AuthMiddleware, BodyLimitMiddleware,
+from moe_serve.service import __version__
+from moe_serve.service import kernel_tables
+from moe_serve.service.engine import EngineHandle
+from moe_serve.service.errors import install_error_handlers
+from moe_serve.service.expert_load_api import router as expert_load_router
+from moe_serve.service.memory_trim import trim_periodically
+from moe_serve.service.middleware import (AUTHENTICATED, AccessLogMiddleware, AuthMiddleware, BodyLimitMiddleware,
                                 RefusedRequestCounter)
-from service.openai_api import router as openai_router
-from service.profiling import profiler_configured
-from service.profiling import router as profiling_router
-from service.openapi import install_openapi
-from service.settings import Settings
-from service.state import ServerState
-from service.warmup import is_warmup, warm_up_request_path
-from service.worker_metrics import workers_summary
+from moe_serve.service.openai_api import router as openai_router
+from moe_serve.service.profiling import profiler_configured
+from moe_serve.service.profiling import router as profiling_router
+from moe_serve.service.openapi import install_openapi
+from moe_serve.service.settings import Settings
+from moe_serve.service.state import ServerState
+from moe_serve.service.warmup import is_warmup, warm_up_request_path
+from moe_serve.service.worker_metrics import workers_summary
 
 logger = logging.getLogger(__name__)
 ENGINE_WATCH_INTERVAL_S = 1.0

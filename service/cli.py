@@ -1,4 +1,4 @@
-"""`moe-serve` / `python -m service`: parse flags (env vars as defaults), build the model, run uvicorn."""
+"""`moe-serve` / `python -m moe_serve.service`: parse flags (env vars as defaults), build the model, run uvicorn."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any
 
-from service.settings import DEFAULT_REQUEST_TIMEOUT_S, EXECUTOR_BACKENDS, Settings, SettingsError, env_default
+from moe_serve.service.settings import DEFAULT_REQUEST_TIMEOUT_S, EXECUTOR_BACKENDS, Settings, SettingsError, env_default
 
 KEEP_ALIVE_S = 75  # seconds an idle HTTP connection is kept open
 SUBCOMMANDS = """subcommands (each has its own --help):
@@ -210,16 +210,16 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if args[:1] == ["tune"]:                      # moe-serve tune ... (kernels.tuning.tune_cli)
-        from kernels.tuning.tune_cli import main as tune_main
+    if args[:1] == ["tune"]:                      # moe-serve tune ... (moe_serve.kernels.tuning.tune_cli)
+        from moe_serve.kernels.tuning.tune_cli import main as tune_main
 
         return tune_main(args[1:])
-    if args[:1] == ["bench"]:                     # moe-serve bench serve|kernels|tables ... (bench.cli)
-        from bench.cli import main as bench_main
+    if args[:1] == ["bench"]:                     # moe-serve bench serve|kernels|tables ... (moe_serve.bench.cli)
+        from moe_serve.bench.cli import main as bench_main
 
         return bench_main(args[1:])
-    if args[:1] == ["explain"]:                   # moe-serve explain ... (kernels.tuning.explain)
-        from kernels.tuning.explain import main as explain_main
+    if args[:1] == ["explain"]:                   # moe-serve explain ... (moe_serve.kernels.tuning.explain)
+        from moe_serve.kernels.tuning.explain import main as explain_main
 
         return explain_main(args[1:])
     try:
@@ -230,11 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
 
-    from service.app import create_app
-    from service.embedded_model import ensure_embedded_model
-    from service.engine import default_engine_env, kernel_plugin_installed
-    from service.http_protocol import guarded_protocol
-    from service.shutdown import ABORT_FLUSH_S, DrainingServer
+    from moe_serve.service.app import create_app
+    from moe_serve.service.embedded_model import ensure_embedded_model
+    from moe_serve.service.engine import default_engine_env, kernel_plugin_installed
+    from moe_serve.service.http_protocol import guarded_protocol
+    from moe_serve.service.shutdown import ABORT_FLUSH_S, DrainingServer
 
     default_engine_env(embedded_model=settings.model is None)
     if settings.moe_kernels == "optimized" and not kernel_plugin_installed():

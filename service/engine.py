@@ -14,8 +14,8 @@ import os
 import time
 from typing import Any
 
-from service.settings import Settings, visible_gpu_count
-from service.tokenizer_cache import BPE_CACHE_ENTRIES, bound_bpe_caches
+from moe_serve.service.settings import Settings, visible_gpu_count
+from moe_serve.service.tokenizer_cache import BPE_CACHE_ENTRIES, bound_bpe_caches
 
 logger = logging.getLogger(__name__)
 # How long the engine core and its workers get to exit by themselves after SIGTERM before vLLM
@@ -49,7 +49,7 @@ def build_engine_args(settings: Settings, model_path: str) -> Any:
 
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from service import vllm_compat
+    from moe_serve.service import vllm_compat
 
     serve_defaults = AsyncEngineArgs.from_cli_args(vllm_compat.serve_args(model_path, settings.model_name, []))
     kwargs: dict[str, Any] = {
@@ -106,7 +106,7 @@ def build_engine_args(settings: Settings, model_path: str) -> Any:
         # compiled graph (on CUDA it runs inside vLLM's opaque MoE op, the graph is the same): a
         # graph traced without it must not load in a server that counts.
         kwargs["additional_config"] = {**(kwargs.get("additional_config") or {}), EXPERT_STATS_KEY: EXPERT_STATS_GRAPH}
-    from kernels.plugin import backend_policy
+    from moe_serve.kernels.plugin import backend_policy
 
     backend_policy.apply(kwargs, settings.moe_kernels, model_path)  # an explicit moe_backend wins
     return dataclasses.replace(serve_defaults, **kwargs)
@@ -161,12 +161,12 @@ class EngineHandle:
         self.ready = asyncio.Event()
         self.dead = False
         self.active: set[str] = set()  # engine request ids being generated now
-        self.frontend: Any = None  # service.vllm_compat.Frontend: vLLM's OpenAI handlers
+        self.frontend: Any = None  # moe_serve.service.vllm_compat.Frontend: vLLM's OpenAI handlers
         self.vllm_pins: dict[str, Any] | None = None  # check_vllm_pins(), once start() has run it
 
     async def start(self) -> None:
         """Build the engine (blocking work runs in a thread); set `ready` or `start_error`."""
-        from kernels.plugin.vllm_plugin import ENABLE_ENV as PLUGIN_ENABLE_ENV
+        from moe_serve.kernels.plugin.vllm_plugin import ENABLE_ENV as PLUGIN_ENABLE_ENV
 
         began = time.perf_counter()
         # Read by the plugin in every engine process, which inherits it: it marks the processes moe-serve
@@ -174,8 +174,8 @@ class EngineHandle:
         # plugin's settings go in the engine args' additional_config (build_engine_args).
         os.environ[PLUGIN_ENABLE_ENV] = "1"
         try:
-            from service import vllm_compat
-            from service.engine_client import ObservedEngineClient, report_acceptance
+            from moe_serve.service import vllm_compat
+            from moe_serve.service.engine_client import ObservedEngineClient, report_acceptance
 
             serve_args = vllm_compat.serve_args(self.model_path, self.settings.model_name,
                                                 frontend_flags(self.settings))  # bad parser names fail here
@@ -235,7 +235,7 @@ class EngineHandle:
 
     def note_engine_failure(self, exc: BaseException) -> bool:
         """Mark the engine dead if `exc` (from a request) says its core died; True if so."""
-        from service.vllm_compat import EngineDeadError
+        from moe_serve.service.vllm_compat import EngineDeadError
 
         if isinstance(exc, EngineDeadError) or getattr(self.engine, "errored", False):
             self.dead = True
@@ -244,7 +244,7 @@ class EngineHandle:
     async def set_worker_jit_phase(self, phase: str) -> None:
         """Tell every worker's plugin that Triton compiles from now on count as `phase` ('warmup'
         while the request warm-up runs, then 'serving'); a failure is logged, never raised."""
-        from kernels.plugin.vllm_plugin import JIT_PHASE_RPC
+        from moe_serve.kernels.plugin.vllm_plugin import JIT_PHASE_RPC
 
         try:
             await self.engine.collective_rpc(JIT_PHASE_RPC, timeout=JIT_PHASE_RPC_TIMEOUT_S, args=(phase,))
@@ -267,9 +267,9 @@ class EngineHandle:
 
 
 def check_vllm_pins() -> dict[str, Any]:
-    """service.vllm_compat.pins_report(), logged: the vLLM version and whether moe-serve's pins on
+    """moe_serve.service.vllm_compat.pins_report(), logged: the vLLM version and whether moe-serve's pins on
     its internals hold (the failed pins named when not: a warning unless the plugin gave it)."""
-    from service import vllm_compat
+    from moe_serve.service import vllm_compat
 
     try:
         report = vllm_compat.pins_report()
@@ -281,7 +281,7 @@ def check_vllm_pins() -> dict[str, Any]:
         logger.info("vLLM %s: moe-serve's pins on its internals hold (checked for vLLM %s)",
                     report["version"], checked)
     else:
-        from kernels.plugin.vllm_plugin import PINS_WARNED_ENV
+        from moe_serve.kernels.plugin.vllm_plugin import PINS_WARNED_ENV
 
         # Where this process's plugin already warned (optimized mode), once is enough.
         level = logging.INFO if os.environ.get(PINS_WARNED_ENV) else logging.WARNING

@@ -22,12 +22,12 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from service import vllm_compat as compat
-from service.errors import APIError
-from service.metrics import RequestObserver
+from moe_serve.service import vllm_compat as compat
+from moe_serve.service.errors import APIError
+from moe_serve.service.metrics import RequestObserver
 
 if TYPE_CHECKING:
-    from service.admission import Admission
+    from moe_serve.service.admission import Admission
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class ObservedEngineClient:
     """Duck-typed `EngineClient`: `AsyncLLM` attributes, plus an observed `generate`."""
 
     def __init__(self, handle: Any) -> None:
-        """`handle`: the service.engine.EngineHandle (engine, active, note_engine_failure)."""
+        """`handle`: the moe_serve.service.engine.EngineHandle (engine, active, note_engine_failure)."""
         self._handle = handle
 
     def __getattr__(self, name: str) -> Any:

@@ -123,15 +123,15 @@ async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
 
 async def _on_vllm_client_error(_: Request, exc: Exception) -> JSONResponse:
     """vLLM's request validators raise its own errors (0.32: not ValueErrors, so not pydantic's)."""
-    from service import vllm_compat
+    from moe_serve.service import vllm_compat
 
     return error_response(from_vllm_error(vllm_compat.error_response_for(exc).error.model_dump()))
 
 
 def install_error_handlers(app: FastAPI) -> None:
     """The handlers above, and this process's log bounded against clients' values (service/rejection_log.py)."""
-    from service import vllm_compat  # heavy: vLLM
-    from service.rejection_log import bound_logs
+    from moe_serve.service import vllm_compat  # heavy: vLLM
+    from moe_serve.service.rejection_log import bound_logs
 
     bound_logs(vllm_compat.is_client_error)
 

@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from kernels.plugin import expert_snapshot as es
-from service.errors import APIError
-from service.worker_metrics import RemoteWorkers
+from moe_serve.kernels.plugin import expert_snapshot as es
+from moe_serve.service.errors import APIError
+from moe_serve.service.worker_metrics import RemoteWorkers
 
 RESET_TIMEOUT_S = 30.0   # the workers' answer to a reset (they answer between two engine steps)
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from service.expert_load import ExpertLoadSource
+from moe_serve.service.expert_load import ExpertLoadSource
 
 router = APIRouter()
 PATH = "/v1/moe/expert-load"

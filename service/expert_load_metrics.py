@@ -21,8 +21,8 @@ import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeHistogramMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from kernels.plugin.expert_snapshot import load_summary
-from service.expert_load import ExpertLoadSource, columns
+from moe_serve.kernels.plugin.expert_snapshot import load_summary
+from moe_serve.service.expert_load import ExpertLoadSource, columns
 
 SHARE_BUCKETS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0, 8.0)   # an expert's load / the layer's mean
 

@@ -1,4 +1,4 @@
-"""The API process's side of the structured-output checker (service.grammar_worker).
+"""The API process's side of the structured-output checker (moe_serve.service.grammar_worker).
 
 One checker process per server: started with the app (importing xgrammar takes seconds and runs
 while the engine loads), given the engine's JSON whitespace setting once the engine is up, then
@@ -22,7 +22,7 @@ import logging
 import sys
 from collections import OrderedDict
 
-from service.errors import APIError
+from moe_serve.service.errors import APIError
 
 logger = logging.getLogger(__name__)
 CACHE_ENTRIES = 4096
@@ -60,7 +60,7 @@ class GrammarChecker:
         """Start the checker process (it imports xgrammar, then waits for `configure`)."""
         self._ready = asyncio.get_running_loop().create_future()
         self._proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "service.grammar_worker", stdin=asyncio.subprocess.PIPE,
+            sys.executable, "-m", "moe_serve.service.grammar_worker", stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, limit=1 << 20)
         self._reader = asyncio.create_task(self._read(self._proc, self._ready))
         if self._configured:

@@ -1,10 +1,10 @@
-"""The structured-output checker process (`python -m service.grammar_worker`), run by
-service.grammar_checker.
+"""The structured-output checker process (`python -m moe_serve.service.grammar_worker`), run by
+moe_serve.service.grammar_checker.
 
 It imports xgrammar once, then answers checks: for each check it forks a child that converts each
 grammar spec the way vLLM's xgrammar backend does (its whitespace settings included; `vllm serve`
 converts JSON schemas and regexes the same way in its API process before the engine sees them)
-and rejects rules that can never finish (service.grammar_productive). Compiling for the
+and rejects rules that can never finish (moe_serve.service.grammar_productive). Compiling for the
 vocabulary is the engine's alone: the request waits for it within its own timeout, as under
 `vllm serve`. The budget is the child's CPU time, not wall time, so the verdict does not depend
 on how busy the machine is; a child past it is killed: the conversion stops, its memory goes
@@ -32,7 +32,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from service.grammar_productive import UnknownSyntax, dead_rules
+from moe_serve.service.grammar_productive import UnknownSyntax, dead_rules
 
 _XGRAMMAR_LOG_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s*\S+:\d+:\s*")  # "[07:20:53] /project/cpp/x.cc:49: "
 MAX_ERROR_CHARS = 300

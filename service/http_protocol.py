@@ -10,7 +10,7 @@ with a plain-text 400. Here, per connection:
 - unparsable HTTP: 400; every one of these as `{"error": {...}}`, then the connection is closed
   (after LINGER_S of reading and dropping what the client still sends, so it gets the answer).
 Idle keep-alive connections are closed by uvicorn's own `timeout_keep_alive`; the body's read
-timeout is service.middleware.BodyLimitMiddleware's.
+timeout is moe_serve.service.middleware.BodyLimitMiddleware's.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import json
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from service.errors import error_body
+from moe_serve.service.errors import error_body
 
 
 LINGER_S = 2.0  # after a refusal, what the client still sends is read and dropped this long, then closed

@@ -13,7 +13,7 @@ import json
 import re
 from typing import Any
 
-from service.errors import APIError
+from moe_serve.service.errors import APIError
 
 # Any \uD800-\uDFFF escape (high or low half). Valid pairs decode to one character; only when
 # one of these is present can the parsed body hold a lone surrogate, so only then is it walked.

@@ -1,12 +1,12 @@
 """The served model's MoE shapes against the tuned kernel tables for this GPU.
 
-At start the server reads the model's config.json (kernels.tuning.model_shapes), looks up a tuned
-table for each per-rank shape (kernels.moe.configs: env dir, `moe-serve tune`'s cache, shipped
+At start the server reads the model's config.json (moe_serve.kernels.tuning.model_shapes), looks up a tuned
+table for each per-rank shape (moe_serve.kernels.moe.configs: env dir, `moe-serve tune`'s cache, shipped
 tables; a table tuned under another Triton version is refused), logs one warning per untuned
 shape naming the command that tunes it, and exports `moe_serve_moe_shape_info{shape, tuned,
 routing}` (the routing of each shape's layer plan, kernels/plugin/layer_plan.py),
 `moe_serve_moe_untuned_shapes` and `moe_serve_moe_refused_kernel_tables`. `moe-serve explain`
-prints the same plans per M bucket (kernels.tuning.explain).
+prints the same plans per M bucket (moe_serve.kernels.tuning.explain).
 `--tune-on-start` runs that command (bounded) before the engine starts. The GPU's name comes
 from NVML, so the API process never creates a CUDA context of its own.
 """
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from kernels.config import current
-from kernels.moe import configs, routing, selection
-from kernels.plugin import layer_plan
-from kernels.plugin.layer_plan import LayerFacts, PlanContext
-from kernels.tuning.model_shapes import ModelConfigError, MoEShape, moe_shapes, read_config
+from moe_serve.kernels.config import current
+from moe_serve.kernels.moe import configs, routing, selection
+from moe_serve.kernels.plugin import layer_plan
+from moe_serve.kernels.plugin.layer_plan import LayerFacts, PlanContext
+from moe_serve.kernels.tuning.model_shapes import ModelConfigError, MoEShape, moe_shapes, read_config
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ def export(statuses: list[ShapeStatus], registry: CollectorRegistry) -> None:
 
 def tune_on_start(model: str, tp: int, quantization: str | None, budget_minutes: float) -> int:
     """Run `moe-serve tune` for the model in a subprocess (its CUDA context ends with it)."""
-    cmd = [sys.executable, "-c", "import sys; from service.cli import main; sys.exit(main())",
+    cmd = [sys.executable, "-c", "import sys; from moe_serve.service.cli import main; sys.exit(main())",
            *tune_command(model, tp, quantization)[1:], "--budget-minutes", str(budget_minutes)]
     logger.info("tuning the model's MoE kernels before serving (budget %.1f min): %s",
                 budget_minutes, shlex.join(cmd[3:]))

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import error_body
-from service.metrics import COUNTED
+from moe_serve.service.errors import error_body
+from moe_serve.service.metrics import COUNTED
 
 
 async def _send_error(send: Send, status: int, message: str, code: str, headers: list | None = None) -> None:

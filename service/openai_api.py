@@ -1,9 +1,9 @@
 """OpenAI routes: /v1/completions, /v1/chat/completions, /v1/responses (and a stored response's
 retrieval and cancel), /v1/models, /tokenize, /detokenize; and `vllm serve`'s /load.
 
-Bodies are vLLM's own request models; vLLM's own handlers (built in service.vllm_compat) serve
+Bodies are vLLM's own request models; vLLM's own handlers (built in moe_serve.service.vllm_compat) serve
 them. These routes add what moe-serve owns: strict unknown-field rejection, the model-name and
-engine checks, input limits, admission and the rest of `service.request_flow`.
+engine checks, input limits, admission and the rest of `moe_serve.service.request_flow`.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from openai.types.responses import ResponseOutputMessage
 
-from service import vllm_compat as compat
-from service.errors import APIError, from_vllm_error
-from service.protocol import cap_output, check_common, check_messages, completion_slots, reject_unknown_fields
-from service.request_flow import api_error_from_exception, serve
-from service.state import ServerState
-from service.strict_route import StrictJSONRoute
+from moe_serve.service import vllm_compat as compat
+from moe_serve.service.errors import APIError, from_vllm_error
+from moe_serve.service.protocol import cap_output, check_common, check_messages, completion_slots, reject_unknown_fields
+from moe_serve.service.request_flow import api_error_from_exception, serve
+from moe_serve.service.state import ServerState
+from moe_serve.service.strict_route import StrictJSONRoute
 
 router = APIRouter(route_class=StrictJSONRoute)  # bodies parsed and checked strictly first
 

@@ -10,9 +10,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from service.errors import APIError
-from service.settings import Settings
-from service.state import ServerState
+from moe_serve.service.errors import APIError
+from moe_serve.service.settings import Settings
+from moe_serve.service.state import ServerState
 
 router = APIRouter()
 

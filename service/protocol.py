@@ -13,8 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from service.errors import APIError
-from service.settings import Settings
+from moe_serve.service.errors import APIError
+from moe_serve.service.settings import Settings
 
 # OpenAI request fields that vLLM does not know and that change nothing here (no storage, no
 # tiers, no prompt-cache routing): accepted and ignored. `user` is a vLLM field (also ignored).

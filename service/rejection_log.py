@@ -31,7 +31,7 @@ _FIELD = re.compile(r"[a-z][a-z0-9_]{0,39}")  # a request model's field name (sn
 
 
 class Rejection(Protocol):
-    """What a line tells of a rejection (service.errors.APIError has it)."""
+    """What a line tells of a rejection (moe_serve.service.errors.APIError has it)."""
 
     status: int
     code: str | None

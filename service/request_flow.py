@@ -23,14 +23,14 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from service import vllm_compat as compat
-from service.engine_client import CURRENT, RequestContext
-from service.errors import APIError, from_vllm_error, sse_error_event
-from service.metrics import CLIENT_CLOSED, COUNTED, status_for_http
-from service.rejection_log import RejectionLog
-from service.state import ServerState
-from service.streaming import DONE_EVENT, ClientGone, SSEResponse, StreamDeadline, until_disconnect
-from service.warmup import is_warmup
+from moe_serve.service import vllm_compat as compat
+from moe_serve.service.engine_client import CURRENT, RequestContext
+from moe_serve.service.errors import APIError, from_vllm_error, sse_error_event
+from moe_serve.service.metrics import CLIENT_CLOSED, COUNTED, status_for_http
+from moe_serve.service.rejection_log import RejectionLog
+from moe_serve.service.state import ServerState
+from moe_serve.service.streaming import DONE_EVENT, ClientGone, SSEResponse, StreamDeadline, until_disconnect
+from moe_serve.service.warmup import is_warmup
 
 logger = logging.getLogger(__name__)
 rejected = RejectionLog(logger)  # bounded lines, at most one a second: never the client's values
@@ -44,7 +44,7 @@ def _status(err: APIError) -> str:
 def api_error_from_exception(exc: BaseException) -> APIError:
     """An exception from vLLM's handler, classified as `vllm serve` does (its request checks raise
     ValueError/TypeError/template errors: 4xx); whatever it calls a server error is a logged 500.
-    Engine-side failures arrive as APIError already (service.engine_client)."""
+    Engine-side failures arrive as APIError already (moe_serve.service.engine_client)."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, NotImplementedError):  # e.g. a feature this model lacks: the client's request

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kernels.config import KEY as PLUGIN_KEY
-from kernels.config import PluginConfig, PluginConfigError, env_name
+from moe_serve.kernels.config import KEY as PLUGIN_KEY
+from moe_serve.kernels.config import PluginConfig, PluginConfigError, env_name
 
 MoeKernels = Literal["optimized", "vllm"]
 MAX_TENSOR_PARALLEL = 8  # one node's GPUs; over several nodes (executor backend ray) there is no cap

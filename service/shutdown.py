@@ -17,7 +17,7 @@ from types import FrameType
 
 import uvicorn
 
-from service.state import ServerState
+from moe_serve.service.state import ServerState
 
 logger = logging.getLogger(__name__)
 ABORT_FLUSH_S = 5.0  # after aborting, how long streams get to send their final error event

@@ -9,14 +9,14 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from service.admission import Admission
-from service.engine import EngineHandle
-from service.expert_load import ExpertLoadSource
-from service.expert_load_metrics import ExpertLoadCollector
-from service.grammar_checker import GrammarChecker
-from service.metrics import ServiceMetrics
-from service.settings import Settings
-from service.worker_metrics import RemoteWorkers, WorkerMetricsCollector, prepare_runtime_dir
+from moe_serve.service.admission import Admission
+from moe_serve.service.engine import EngineHandle
+from moe_serve.service.expert_load import ExpertLoadSource
+from moe_serve.service.expert_load_metrics import ExpertLoadCollector
+from moe_serve.service.grammar_checker import GrammarChecker
+from moe_serve.service.metrics import ServiceMetrics
+from moe_serve.service.settings import Settings
+from moe_serve.service.worker_metrics import RemoteWorkers, WorkerMetricsCollector, prepare_runtime_dir
 
 
 @dataclass

@@ -12,7 +12,7 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Send
 
-from service.errors import APIError
+from moe_serve.service.errors import APIError
 
 T = TypeVar("T")
 DONE_EVENT = "data: [DONE]\n\n"

@@ -2,10 +2,10 @@
 
 FastAPI's own body parsing uses Python's lenient `json` (NaN, lone surrogates) and then pydantic's
 lax validation of vLLM's models (whose validators may already run xgrammar on a constraint).
-`StrictJSONRoute` reads the body first and, in order: parses it strictly (service.json_body),
-checks booleans and dataclass keys strictly (service.strict_types), and bounds the structured-
-output constraints (service.structured_limits; a client that disconnects meanwhile cancels the
-check), whose compile verdict it leaves in the scope for service.request_flow (and ends, if the
+`StrictJSONRoute` reads the body first and, in order: parses it strictly (moe_serve.service.json_body),
+checks booleans and dataclass keys strictly (moe_serve.service.strict_types), and bounds the structured-
+output constraints (moe_serve.service.structured_limits; a client that disconnects meanwhile cancels the
+check), whose compile verdict it leaves in the scope for moe_serve.service.request_flow (and ends, if the
 route never took it). FastAPI then validates the already-parsed value as usual.
 """
 
@@ -18,11 +18,11 @@ from fastapi import Request, Response
 from fastapi.routing import APIRoute
 from starlette.requests import ClientDisconnect
 
-from service.json_body import parse_json_body
-from service.metrics import CLIENT_CLOSED
-from service.streaming import ClientGone, until_disconnect
-from service.strict_types import check_strict_types
-from service.structured_limits import check_constraints, constraint_specs
+from moe_serve.service.json_body import parse_json_body
+from moe_serve.service.metrics import CLIENT_CLOSED
+from moe_serve.service.streaming import ClientGone, until_disconnect
+from moe_serve.service.strict_types import check_strict_types
+from moe_serve.service.structured_limits import check_constraints, constraint_specs
 
 
 

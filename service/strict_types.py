@@ -4,7 +4,7 @@
   here a bool-typed field (at any depth of the request model) must be `true`, `false` or `null`.
 - Dataclass-typed fields (vLLM's `StructuredOutputsParams`, `RepetitionDetectionParams`) drop
   keys they do not know without a word (the models' own extra fields are caught afterwards by
-  `service.protocol.reject_unknown_fields`): here an unknown key is a 400 naming it.
+  `moe_serve.service.protocol.reject_unknown_fields`): here an unknown key is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Annotated, Any, Union, get_args, get_origin
 
 from pydantic import BaseModel
 
-from service.errors import APIError
+from moe_serve.service.errors import APIError
 
 _JSON_TYPE = {str: "a string", int: "a number", float: "a number", list: "an array", dict: "an object"}
 

@@ -7,7 +7,7 @@ the raw JSON body before vLLM's own validators (some of which already run xgramm
 
 1. size: each constraint's bytes <= --max-structured-output-bytes, its enum values (summed over
    the schema) or choices <= --max-structured-output-choices (cheap, here);
-2. conversion: the checker process (service.grammar_checker) converts it as vLLM's xgrammar backend
+2. conversion: the checker process (moe_serve.service.grammar_checker) converts it as vLLM's xgrammar backend
    does, within --structured-output-compile-budget seconds of CPU time (a 30-byte
    `"pattern": "^[a-z]{1,10000}$"` takes 30 s), and rejects grammars with rules that can never
    finish (`{"$ref": "#"}`, `$ref` cycles).
@@ -21,9 +21,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from service.errors import APIError
-from service.grammar_checker import CheckFailed, GrammarChecker
-from service.settings import Settings
+from moe_serve.service.errors import APIError
+from moe_serve.service.grammar_checker import CheckFailed, GrammarChecker
+from moe_serve.service.settings import Settings
 
 Spec = tuple[str, str, str]  # (param, kind, text); kind: json | regex | grammar | choice | structural_tag
 _STRUCTURED_OUTPUT_KINDS = ("json", "regex", "grammar", "choice", "structural_tag")

@@ -142,10 +142,10 @@ def error_response_for(exc: BaseException) -> Any:
 
 def pins_report() -> dict[str, Any]:
     """vLLM's version and whether moe-serve's pins on its internals hold for it (the plugin's
-    kernels.plugin.vllm_pins.check_pins, as the plugin and bench/check_vllm_pins.py run them):
+    moe_serve.kernels.plugin.vllm_pins.check_pins, as the plugin and bench/check_vllm_pins.py run them):
     {"version", "checked_versions", "pins_hold", "failed": {pin: error}}."""
-    from kernels.plugin import vllm_compat as plugin_compat
-    from kernels.plugin import vllm_pins
+    from moe_serve.kernels.plugin import vllm_compat as plugin_compat
+    from moe_serve.kernels.plugin import vllm_pins
 
     failed = vllm_pins.check_pins()
     return {"version": vllm.__version__, "checked_versions": [".".join(map(str, v)) for v in plugin_compat.SUPPORTED],

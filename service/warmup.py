@@ -34,7 +34,7 @@ import httpx
 from fastapi import FastAPI, Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.state import ServerState
+from moe_serve.service.state import ServerState
 
 logger = logging.getLogger(__name__)
 WARMUP_CLIENT = ("moe-serve-warmup", 0)

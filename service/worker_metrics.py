@@ -5,12 +5,12 @@ with prometheus-client's MultiProcessCollector: summed per series for ``/metrics
 (``WorkerMetricsCollector``), and file by file, one pid at a time, for ``/version``'s
 per-worker details (``workers_summary``). Only ``moe_serve_*`` families are exported: whatever
 vLLM itself records inside a worker lands in the same files and stays out (vLLM's ``vllm:*``
-series come from the API process, through service.metrics.DefaultRegistryBridge).
+series come from the API process, through moe_serve.service.metrics.DefaultRegistryBridge).
 
 Workers on other nodes (vLLM's Ray executor) write their files on their own node: with the Ray
 executor, ``RemoteWorkers.refresh`` asks every worker over vLLM's ``collective_rpc`` (at scrape
 time, before ``/metrics`` and ``/version`` answer) and those whose files are not here answer with
-their series (kernels.plugin.plugin_metrics.worker_report); they are combined with the local
+their series (moe_serve.kernels.plugin.plugin_metrics.worker_report); they are combined with the local
 files' series as prometheus-client combines files (counters summed, gauges by their mode).
 """
 from __future__ import annotations
@@ -31,8 +31,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.samples import Sample
 
-from kernels.plugin import expert_snapshot
-from kernels.plugin import plugin_metrics as pm
+from moe_serve.kernels.plugin import expert_snapshot
+from moe_serve.kernels.plugin import plugin_metrics as pm
 
 logger = logging.getLogger(__name__)
 REPORT_TIMEOUT_S = 5.0  # a scrape waits this long for the workers on other nodes, then uses their last report

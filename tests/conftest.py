@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
+from moe_serve.loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
 from tests.plugin_env import plugin_server_env
 
 API_KEY = "test-key-0123456789"
@@ -45,7 +45,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="session")
 def embedded_model_dir() -> str:
-    from service.embedded_model import ensure_embedded_model
+    from moe_serve.service.embedded_model import ensure_embedded_model
 
     return str(ensure_embedded_model())
 

@@ -15,7 +15,7 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.server_proc import REPO, free_port
+from moe_serve.loadtest.server_proc import REPO, free_port
 
 MONITORING = REPO / "monitoring"
 DASHBOARD = MONITORING / "grafana" / "dashboards" / "moe-serve.json"

@@ -15,11 +15,11 @@ import httpx
 import pytest
 from starlette.routing import Route
 
-from kernels.plugin.plugin_metrics import RUNTIME_DIR_ENV
-from loadtest.server_proc import MODEL_NAME, ServerProcess
-from service import __version__
-from service.app import create_app
-from service.cli import settings_from_args
+from moe_serve.kernels.plugin.plugin_metrics import RUNTIME_DIR_ENV
+from moe_serve.loadtest.server_proc import MODEL_NAME, ServerProcess
+from moe_serve.service import __version__
+from moe_serve.service.app import create_app
+from moe_serve.service.cli import settings_from_args
 from tests.conftest import API_KEY, STRICT_KEY, STRICT_METRICS_KEY, strict_flags
 
 pytestmark = pytest.mark.engine

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from service.admission import Admission
-from service.errors import APIError
+from moe_serve.service.admission import Admission
+from moe_serve.service.errors import APIError
 
 
 def run(coro):

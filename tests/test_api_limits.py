@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
+from moe_serve.loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
 
 pytestmark = pytest.mark.engine
 # 64 slots, no queue: a request that does not fit is refused at once.

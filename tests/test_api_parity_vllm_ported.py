@@ -45,7 +45,7 @@ ONE_PLUS_ONE = [SYSTEM, {"role": "user", "content": "what is 1+1?"}]
 def _tokenizer():
     from transformers import AutoTokenizer
 
-    from service.embedded_model import ensure_embedded_model
+    from moe_serve.service.embedded_model import ensure_embedded_model
 
     return AutoTokenizer.from_pretrained(str(ensure_embedded_model()))
 

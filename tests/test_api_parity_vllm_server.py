@@ -18,11 +18,11 @@ import pytest
 
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from kernels.plugin.plugin_metrics import RUNTIME_DIR_ENV, WORKER_INFO
-from kernels.plugin.vllm_plugin import ENABLE_ENV
-from loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
-from service.embedded_model import ensure_embedded_model
-from service.engine import EMBEDDED_STRUCTURED_OUTPUTS
+from moe_serve.kernels.plugin.plugin_metrics import RUNTIME_DIR_ENV, WORKER_INFO
+from moe_serve.kernels.plugin.vllm_plugin import ENABLE_ENV
+from moe_serve.loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
+from moe_serve.service.embedded_model import ensure_embedded_model
+from moe_serve.service.engine import EMBEDDED_STRUCTURED_OUTPUTS
 from tests.plugin_env import plugin_server_env
 
 pytestmark = pytest.mark.engine

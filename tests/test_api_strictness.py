@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from loadtest.server_proc import MODEL_NAME
+from moe_serve.loadtest.server_proc import MODEL_NAME
 
 pytestmark = pytest.mark.engine
 CMPL = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2}

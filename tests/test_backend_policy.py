@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.plugin import backend_policy as bp
+from moe_serve.kernels.plugin import backend_policy as bp
 
 HOPPER, AMPERE = (9, 0), (8, 0)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from loadtest.server_proc import MODEL_NAME, ServerProcess
+from moe_serve.loadtest.server_proc import MODEL_NAME, ServerProcess
 
 pytestmark = pytest.mark.engine
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.experts.fp8 import FORMAT_SHAPES
-from bench.experts.shapes import TUNED
-from bench.model_dirs import decodable_ids, dummy_model_dir
-from kernels.moe import quant_format
-from kernels.tuning.model_shapes import moe_shapes, read_config
-from loadtest.server_proc import REPO
+from moe_serve.bench.experts.fp8 import FORMAT_SHAPES
+from moe_serve.bench.experts.shapes import TUNED
+from moe_serve.bench.model_dirs import decodable_ids, dummy_model_dir
+from moe_serve.kernels.moe import quant_format
+from moe_serve.kernels.tuning.model_shapes import moe_shapes, read_config
+from moe_serve.loadtest.server_proc import REPO
 
 
 REAL_VOCAB = {"mixtral-": 32000, "qwen3-": 151936, "deepseek-v3": 129280}   # each family's published config.json

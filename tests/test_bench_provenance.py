@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.serve import provenance, run_env
-from bench.serve.yardstick import main as yardstick_main
+from moe_serve.bench.serve import provenance, run_env
+from moe_serve.bench.serve.yardstick import main as yardstick_main
 
 
 def _git(root: Path, *args: str) -> str:

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.model_dirs import write_word_tokenizer
-from bench.serve import verify
-from bench.serve.answers import PROMPT_TOKENS, PROMPTS
-from bench.serve.run_env import ROUTING_ENV
-from bench.serve.servers import BASELINE, FRONTEND, OURS, VARIANTS, config_differences
-from bench.serve.schedule import warmup_pass_count
+from moe_serve.bench.model_dirs import write_word_tokenizer
+from moe_serve.bench.serve import verify
+from moe_serve.bench.serve.answers import PROMPT_TOKENS, PROMPTS
+from moe_serve.bench.serve.run_env import ROUTING_ENV
+from moe_serve.bench.serve.servers import BASELINE, FRONTEND, OURS, VARIANTS, config_differences
+from moe_serve.bench.serve.schedule import warmup_pass_count
 
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,14 +28,14 @@ ARGS = ["--processes", "1", "--frontend-every", "1", "--concurrency", "1,2",
 
 
 def _serve_ab(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "service", "bench", "serve", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "moe_serve.service", "bench", "serve", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=1500)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded model's weights and config with the word-level tokenizer over its 32,000 ids."""
-    from service.embedded_model import ensure_embedded_model
+    from moe_serve.service.embedded_model import ensure_embedded_model
 
     src, d = ensure_embedded_model(), tmp_path_factory.mktemp("words") / "tiny-words"
     d.mkdir()
@@ -84,7 +84,7 @@ def test_every_variant_ran_once_with_its_files(run_dir: Path) -> None:
     assert argv[BASELINE][0] == "vllm.entrypoints.openai.api_server"
     assert argv[BASELINE][argv[BASELINE].index("--model") + 1].endswith("tiny-words")
     assert "--kv-cache-memory-bytes" in argv[BASELINE] and "--gpu-memory-utilization" not in argv[BASELINE]
-    assert argv[FRONTEND][:1] == argv[OURS][:1] == ["service"]
+    assert argv[FRONTEND][:1] == argv[OURS][:1] == ["moe_serve.service"]
     assert argv[FRONTEND][argv[FRONTEND].index("--moe-kernels") + 1] == "vllm"
     assert argv[OURS][argv[OURS].index("--moe-kernels") + 1] == "optimized"
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from kernels.plugin.plugin_metrics import RUNTIME_DIR_ENV
-from service.app import create_app
-from service.cli import settings_from_args
-from service.engine import build_engine_args
+from moe_serve.kernels.plugin.plugin_metrics import RUNTIME_DIR_ENV
+from moe_serve.service.app import create_app
+from moe_serve.service.cli import settings_from_args
+from moe_serve.service.engine import build_engine_args
 
 KEY = "profile-key-0123456789"
 PROFILER = json.dumps({"profiler": "torch", "torch_profiler_dir": "/tmp/moe-serve-profile-test"})

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from bench import stats as bench_stats
-from bench import tables
-from bench.serve import ab_tables, baseline_table, headline, run_env, spread, verify
-from bench.serve import stats as serve_stats
-from bench.serve.servers import BASELINE, OURS
+from moe_serve.bench import stats as bench_stats
+from moe_serve.bench import tables
+from moe_serve.bench.serve import ab_tables, baseline_table, headline, run_env, spread, verify
+from moe_serve.bench.serve import stats as serve_stats
+from moe_serve.bench.serve.servers import BASELINE, OURS
 
 MODELS = Path(__file__).resolve().parents[1] / "bench" / "models"
 H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
@@ -258,7 +258,7 @@ def test_the_yardstick_adds_a_round_while_the_c1_interval_is_wide(tmp_path: Path
                                                                    spread_us: int, rounds: int) -> None:
     """3 rounds, then a 4th only where the c = 1 interval is wider than 2 % (processes stand in: files
     as a server process leaves them, no server started)."""
-    from bench.serve import yardstick
+    from moe_serve.bench.serve import yardstick
 
     def fake_process(a, variant, rnd, model, flags, meta0, profile, log) -> float:   # noqa: ANN001
         gap = (4000 if variant == BASELINE else 3000) + spread_us * (rnd % 2)

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.serve import answers, roofline, servers
-from bench.serve import render as serve_render
-from bench.serve import schedule
-from bench.serve import stats as serve_stats
-from bench.serve import trace
-from bench.serve import yardstick as serve_ab
-from bench.serve.servers import (BASELINE, BLOCK_PDL, DENSE_GEMV, FRONTEND, FUSED_ROUTER, NO_DENSE_GEMV, NO_EXPERT_STATS,
+from moe_serve.bench.serve import answers, roofline, servers
+from moe_serve.bench.serve import render as serve_render
+from moe_serve.bench.serve import schedule
+from moe_serve.bench.serve import stats as serve_stats
+from moe_serve.bench.serve import trace
+from moe_serve.bench.serve import yardstick as serve_ab
+from moe_serve.bench.serve.servers import (BASELINE, BLOCK_PDL, DENSE_GEMV, FRONTEND, FUSED_ROUTER, NO_DENSE_GEMV, NO_EXPERT_STATS,
                                  NO_ROUTER, OURS,
                                  QK_NORM_ROPE,
                                  ROUTING_ENV, VARIANTS, VLLM_TRITON, EngineFlags, chosen_backends, command,
@@ -153,7 +153,7 @@ def test_every_variant_gets_the_same_engine_flags_in_its_own_spelling(tmp_path: 
         assert flag in text
     assert json.loads(argv[argv.index("--profiler-config") + 1])["profiler"] == "torch"
     module, argv, env = command(FRONTEND, tmp_path, EngineFlags(None, 512, 8, 1, None, 1 << 29))
-    assert module == "service" and env == {"MOE_SERVE_BLOCK_PDL": "0", ROUTING_ENV: ""}     # never inherited
+    assert module == "moe_serve.service" and env == {"MOE_SERVE_BLOCK_PDL": "0", ROUTING_ENV: ""}     # never inherited
     assert argv[argv.index("--moe-kernels") + 1] == "vllm"
     assert "kv_cache_memory_bytes=536870912" in argv and "--gpu-memory-utilization" not in argv
     assert command(OURS, tmp_path, gpu)[1][5] == "optimized"
@@ -391,7 +391,7 @@ def test_api_cpu_per_token_is_tabled_where_recorded_with_its_ratio(tmp_path: Pat
 
 
 def test_process_cpu_seconds_count_this_process_work() -> None:
-    from bench.serve.servers import process_cpu_s
+    from moe_serve.bench.serve.servers import process_cpu_s
 
     before = process_cpu_s(os.getpid())
     end = time.process_time() + 0.2
@@ -449,7 +449,7 @@ def test_run_refuses_an_out_dir_of_another_workload(tmp_path: Path, capsys) -> N
 def test_switch_and_attention_variants_start_what_they_name() -> None:
     """`moe-serve+<setting>` turns the plugin settings on through their MOE_SERVE_* overrides (names
     the plugin's config knows); `<server>+<tweak>` adds one vLLM attention flag in that server's spelling."""
-    from kernels.config import PluginConfig, env_name
+    from moe_serve.kernels.config import PluginConfig, env_name
 
     f = servers.EngineFlags("dummy", 4096, 256, 1, 0.9, None)
     _, argv, env = servers.command("moe-serve+fused", Path("/m"), f)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import cli, tables
+from moe_serve.bench import cli, tables
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ def test_without_the_bench_extra_tables_says_in_one_line_which_extra(monkeypatch
 @pytest.mark.parametrize("command", ["serve", "tables"])
 def test_a_subcommand_whose_import_needs_the_bench_extra_says_so(command: str) -> None:
     """A fresh interpreter without psutil (imported by the yardstick's server module): one line."""
-    run = subprocess.run([sys.executable, "-c", "import sys; sys.modules['psutil'] = None; from bench.cli import "
+    run = subprocess.run([sys.executable, "-c", "import sys; sys.modules['psutil'] = None; from moe_serve.bench.cli import "
                           f"main; sys.exit(main(['{command}', '--help']))"], cwd=REPO, capture_output=True, text=True,
                          timeout=60)
     assert run.returncode == 2 and run.stdout == "", run

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.config import PluginConfig
-from service.cli import settings_from_args
-from service.settings import Settings, SettingsError, visible_gpu_count
+from moe_serve.kernels.config import PluginConfig
+from moe_serve.service.cli import settings_from_args
+from moe_serve.service.settings import Settings, SettingsError, visible_gpu_count
 
 _STOCK = PluginConfig(mode="vllm", fused_router=False, dense_gemv=False)   # --moe-kernels vllm's
 
@@ -89,7 +89,7 @@ def test_the_router_hook_and_the_expert_stats_key_their_own_compile_cache(embedd
     counting on vLLM's CPU engine, where torch.compile traces the MoE layer); vLLM's AOT compile
     cache keys on the config, so a server with any of them must not share compiled graphs with one
     without."""
-    from service.engine import (DENSE_GEMV_GRAPH, DENSE_GEMV_KEY, EXPERT_STATS_GRAPH, EXPERT_STATS_KEY,
+    from moe_serve.service.engine import (DENSE_GEMV_GRAPH, DENSE_GEMV_KEY, EXPERT_STATS_GRAPH, EXPERT_STATS_KEY,
                                 RUNNER_GATE_KEY, build_engine_args)
 
     def extra(*flags: str) -> dict:
@@ -115,8 +115,8 @@ def test_the_engine_gets_vllm_serves_batch_defaults(monkeypatch: pytest.MonkeyPa
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from service import vllm_compat
-    from service.engine import build_async_llm, build_engine_args
+    from moe_serve.service import vllm_compat
+    from moe_serve.service.engine import build_async_llm, build_engine_args
 
     class Built(Exception):
         pass
@@ -146,8 +146,8 @@ def test_engine_args_are_vllm_serves_but_for_the_cpu_kv_budget(embedded_model_di
 
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from service import vllm_compat
-    from service.engine import EXPERT_STATS_GRAPH, EXPERT_STATS_KEY, build_engine_args
+    from moe_serve.service import vllm_compat
+    from moe_serve.service.engine import EXPERT_STATS_GRAPH, EXPERT_STATS_KEY, build_engine_args
 
     ours = build_engine_args(settings_from_args(["--model", embedded_model_dir, "--moe-kernels", "vllm"]),
                              embedded_model_dir)
@@ -190,7 +190,7 @@ def test_moe_serve_stops_at_start_on_a_bad_plugin_setting(env: dict, flags: list
     import time
 
     began = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "service", "--port", "0", *flags], capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-m", "moe_serve.service", "--port", "0", *flags], capture_output=True, text=True,
                          timeout=120, env={**os.environ, **env})
     assert res.returncode == 2 and res.stderr.startswith("moe-serve: error:"), res.stderr[-2000:]
     assert named in res.stderr and "Traceback" not in res.stderr and time.monotonic() - began < 60
@@ -211,7 +211,7 @@ def test_help_lists_the_subcommands() -> None:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "service", "--help"], capture_output=True, text=True, timeout=120,
+    out = subprocess.run([sys.executable, "-m", "moe_serve.service", "--help"], capture_output=True, text=True, timeout=120,
                          check=True).stdout
     assert "moe-serve tune" in out and "moe-serve explain" in out and "--triton-version" in out
     assert "moe-serve bench serve|kernels|tables" in out

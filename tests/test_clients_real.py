@@ -17,7 +17,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from loadtest.server_proc import ServerProcess
+from moe_serve.loadtest.server_proc import ServerProcess
 from tests.conftest import API_KEY
 
 pytestmark = pytest.mark.engine
@@ -121,7 +121,7 @@ def test_lm_eval_local_completions_loglikelihood(server: ServerProcess, model: s
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from service.embedded_model import ensure_embedded_model
+    from moe_serve.service.embedded_model import ensure_embedded_model
 
     tokenizer = ensure_embedded_model()
     results = lm_eval.simple_evaluate(

@@ -16,10 +16,10 @@ import httpx
 import pytest
 import uvicorn
 
-from loadtest.server_proc import ServerProcess, free_port
-from service.app import create_app
-from service.http_protocol import guarded_protocol
-from service.settings import Settings
+from moe_serve.loadtest.server_proc import ServerProcess, free_port
+from moe_serve.service.app import create_app
+from moe_serve.service.http_protocol import guarded_protocol
+from moe_serve.service.settings import Settings
 
 TIMEOUT_S = 1.0
 SMALL_HEADERS = 4096

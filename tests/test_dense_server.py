@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx
 
-from loadtest.server_proc import ServerProcess
+from moe_serve.loadtest.server_proc import ServerProcess
 
 
 def test_a_server_with_the_dense_gemv_hook_serves(strict_server: ServerProcess) -> None:

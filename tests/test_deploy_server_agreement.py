@@ -1,5 +1,5 @@
 """deploy/k8s/ agrees with the server: every flag and MOE_SERVE_* variable the pods set is one the
-server parses (service.cli's parser) and parses to what the manifests assume; ports, probe and
+server parses (moe_serve.service.cli's parser) and parses to what the manifests assume; ports, probe and
 scrape paths, the Secret keys and the drain time line up; the probe paths answer without a key,
 /metrics with the Secret's /metrics key, and the series the autoscaler reads exist, on the real
 server (the strict_server fixture: an API key and a separate /metrics key, as in the manifests)."""
@@ -16,10 +16,10 @@ import pytest
 import vllm.envs
 import yaml
 
-from loadtest.server_proc import ServerProcess
-from service.cli import build_parser, settings_from_args
-from service.settings import Settings
-from service.shutdown import ABORT_FLUSH_S
+from moe_serve.loadtest.server_proc import ServerProcess
+from moe_serve.service.cli import build_parser, settings_from_args
+from moe_serve.service.settings import Settings
+from moe_serve.service.shutdown import ABORT_FLUSH_S
 from tests.conftest import STRICT_METRICS_KEY
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy" / "k8s"

@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from loadtest.server_proc import MODEL_NAME, ServerProcess
+from moe_serve.loadtest.server_proc import MODEL_NAME, ServerProcess
 
 pytestmark = pytest.mark.engine
 LONG = {"model": MODEL_NAME, "prompt": "Tell me a long story", "max_tokens": 4000, "ignore_eos": True}

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kernels.plugin.vllm_plugin import ENABLE_ENV
-from loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
+from moe_serve.kernels.plugin.vllm_plugin import ENABLE_ENV
+from moe_serve.loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
 from tests.monitoring_helpers import scrape, value
 from tests.plugin_env import plugin_server_env
 
@@ -37,7 +37,7 @@ def _environ(pid: int) -> dict[str, str]:
 
 def _engine_pids(server: ServerProcess) -> list[int]:
     return [p for p in _descendants(server.proc.pid)
-            if b"service.grammar_worker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+            if b"moe_serve.service.grammar_worker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
 
 
 def test_the_engine_gets_no_multicast_switch_of_ours_and_the_plugin_mark(server: ServerProcess) -> None:

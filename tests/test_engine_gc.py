@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from loadtest.server_proc import ServerProcess
-from service.engine import freeze_startup_heap
+from moe_serve.loadtest.server_proc import ServerProcess
+from moe_serve.service.engine import freeze_startup_heap
 
 
 def test_freeze_moves_live_objects_out_of_the_collector() -> None:

@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kernels.plugin.expert_snapshot import INTERVAL_S
-from loadtest.server_proc import MODEL_NAME, ServerProcess
+from moe_serve.kernels.plugin.expert_snapshot import INTERVAL_S
+from moe_serve.loadtest.server_proc import MODEL_NAME, ServerProcess
 from tests.conftest import STRICT_METRICS_KEY
 from tests.monitoring_helpers import EXPERT_LOAD_PATH as PATH
 from tests.monitoring_helpers import fresh_expert_load, scrape, value

@@ -15,12 +15,12 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kernels.plugin import expert_snapshot as es
-from kernels.plugin import vllm_compat as vc
-from kernels.plugin.expert_load import SLOT_ATTR, ExpertLoad, LayerSlot, layer_number, logical_experts
-from service.errors import APIError
-from service.expert_load import ExpertLoadSource, merge
-from service.expert_load_metrics import ExpertLoadCollector, share_buckets
+from moe_serve.kernels.plugin import expert_snapshot as es
+from moe_serve.kernels.plugin import vllm_compat as vc
+from moe_serve.kernels.plugin.expert_load import SLOT_ATTR, ExpertLoad, LayerSlot, layer_number, logical_experts
+from moe_serve.service.errors import APIError
+from moe_serve.service.expert_load import ExpertLoadSource, merge
+from moe_serve.service.expert_load_metrics import ExpertLoadCollector, share_buckets
 from tests.monitoring_helpers import parse_metrics, value
 
 CPU_ROUTER = ("vllm.model_executor.layers.fused_moe.router.cpu_router", "CPURouter")

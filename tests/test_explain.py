@@ -12,14 +12,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels.config import PluginConfig
-from kernels.moe import configs, routing, selection
-from kernels.moe.router_topk import max_tokens
-from kernels.plugin import layer_plan, vllm_compat
-from kernels.plugin.layer_plan import LayerFacts, PlanContext
-from kernels.plugin.moe_hook import unsupported_reason
-from kernels.tuning import explain
-from kernels.tuning.model_shapes import moe_shapes, read_config
+from moe_serve.kernels.config import PluginConfig
+from moe_serve.kernels.moe import configs, routing, selection
+from moe_serve.kernels.moe.router_topk import max_tokens
+from moe_serve.kernels.plugin import layer_plan, vllm_compat
+from moe_serve.kernels.plugin.layer_plan import LayerFacts, PlanContext
+from moe_serve.kernels.plugin.moe_hook import unsupported_reason
+from moe_serve.kernels.tuning import explain
+from moe_serve.kernels.tuning.model_shapes import moe_shapes, read_config
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_ROUTING = json.loads((configs.CONFIG_DIR / routing.file_name("NVIDIA_H200")).read_text())
@@ -171,9 +171,8 @@ def test_bad_models_exit_2(tmp_path, capsys) -> None:
 
 
 def test_console_script_dispatches_explain(tmp_path) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    res = subprocess.run([sys.executable, "-m", "service", "explain", "--model", _model(tmp_path),
-                          "--m", "1"], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    res = subprocess.run([sys.executable, "-m", "moe_serve.service", "explain", "--model", _model(tmp_path),
+                          "--m", "1"], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert res.returncode == 0, res.stderr[-2000:]
     assert sorted(_rows(res.stdout)) == [1] and "moe-serve explain:" in res.stdout
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from service.grammar_checker import CheckFailed, GrammarChecker
+from moe_serve.service.grammar_checker import CheckFailed, GrammarChecker
 
 BUDGET_S = 0.5
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadtest.server_proc import MODEL_NAME, ServerProcess
+from moe_serve.loadtest.server_proc import MODEL_NAME, ServerProcess
 from tests.test_grammar_checker import pattern_schema
 
 pytestmark = pytest.mark.engine
@@ -219,7 +219,7 @@ def _children(pid: int) -> list[int]:
 
 def _checker_pid(server_pid: int) -> int:
     return next(p for p in _children(server_pid)
-                if b"service.grammar_worker" in Path(f"/proc/{p}/cmdline").read_bytes())
+                if b"moe_serve.service.grammar_worker" in Path(f"/proc/{p}/cmdline").read_bytes())
 
 
 def _until(condition, timeout_s: float) -> bool:

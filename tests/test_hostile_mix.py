@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadtest.server_proc import MODEL_NAME, ServerProcess
+from moe_serve.loadtest.server_proc import MODEL_NAME, ServerProcess
 
 pytestmark = pytest.mark.engine
 ROUNDS = 3

@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from service import vllm_compat as compat
-from service.errors import APIError
-from service.grammar_productive import UnknownSyntax, dead_rules
-from service.json_body import parse_json_body
-from service.metrics import status_for_http
-from service.settings import Settings
-from service.strict_types import check_strict_types
-from service.structured_limits import check_sizes, constraint_specs
+from moe_serve.service import vllm_compat as compat
+from moe_serve.service.errors import APIError
+from moe_serve.service.grammar_productive import UnknownSyntax, dead_rules
+from moe_serve.service.json_body import parse_json_body
+from moe_serve.service.metrics import status_for_http
+from moe_serve.service.settings import Settings
+from moe_serve.service.strict_types import check_strict_types
+from moe_serve.service.structured_limits import check_sizes, constraint_specs
 
 
 def _refused(call, *args) -> APIError:

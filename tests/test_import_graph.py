@@ -19,7 +19,7 @@ def _modules() -> dict[str, Path]:
     out = {}
     for pkg in PACKAGES:
         for f in sorted((REPO / pkg).rglob("*.py")):
-            parts = f.relative_to(REPO).with_suffix("").parts
+            parts = ("moe_serve", *f.relative_to(REPO).with_suffix("").parts)
             out[".".join(parts[:-1] if f.stem == "__init__" else parts)] = f
     return out
 
@@ -95,12 +95,12 @@ def test_the_hooks_look_their_choices_up_in_the_layer_plan() -> None:
     import re
 
     graph = _graph()
-    for hook in ("kernels.plugin.moe_hook", "kernels.plugin.router_hook", "kernels.plugin.layer_warmup"):
-        assert "kernels.plugin.layer_plan" in graph[hook], hook
+    for hook in ("moe_serve.kernels.plugin.moe_hook", "moe_serve.kernels.plugin.router_hook", "moe_serve.kernels.plugin.layer_warmup"):
+        assert "moe_serve.kernels.plugin.layer_plan" in graph[hook], hook
     asks = re.compile(r"selection\.(route|route_choice|choose|describe|ranges)\(|routing\.policy\(")
-    deciding = {name for name, path in _modules().items() if name.split(".")[0] in ("kernels", "service")
+    deciding = {name for name, path in _modules().items() if name.split(".")[1] in ("kernels", "service")
                 and asks.search(path.read_text())}
-    assert deciding - {"kernels.moe.selection"} == {"kernels.plugin.layer_plan"}, deciding
+    assert deciding - {"moe_serve.kernels.moe.selection"} == {"moe_serve.kernels.plugin.layer_plan"}, deciding
 
 
 def test_no_moe_serve_setting_is_read_from_the_environment_outside_the_config() -> None:
@@ -112,7 +112,7 @@ def test_no_moe_serve_setting_is_read_from_the_environment_outside_the_config() 
     read = re.compile(r"os\.environ\.get\(([^),]+)|os\.getenv\(([^),]+)|os\.environ\[([^\]]+)\](?!\s*=[^=])")
     found = {}
     for name, path in _modules().items():
-        if name.startswith("kernels.") and name != "kernels.config":
+        if name.startswith("moe_serve.kernels.") and name != "moe_serve.kernels.config":
             keys = [next(g for g in m.groups() if g).strip() for m in read.finditer(path.read_text())]
             ours = [k for k in keys if "MOE_SERVE" in k or (k.endswith("ENV") and k not in plumbing)]
             if ours:

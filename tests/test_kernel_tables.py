@@ -6,8 +6,8 @@ import json
 
 from prometheus_client import CollectorRegistry
 
-from kernels.moe import configs, routing, selection
-from service import kernel_tables
+from moe_serve.kernels.moe import configs, routing, selection
+from moe_serve.service import kernel_tables
 
 CONFIG = {"architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2,
           "intermediate_size": 48, "hidden_size": 64, "torch_dtype": "float16"}

@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
-from service.engine import ENGINE_EXIT_GRACE_S
-from service.shutdown import ABORT_FLUSH_S
+from moe_serve.loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
+from moe_serve.service.engine import ENGINE_EXIT_GRACE_S
+from moe_serve.service.shutdown import ABORT_FLUSH_S
 
 pytestmark = pytest.mark.engine
 DRAIN_S = 3.0
@@ -103,7 +103,7 @@ def test_killing_an_engine_process_fails_health_and_exits_non_zero(tmp_path: Pat
     server = start_server(tmp_path)
     pgid = server.proc.pid
     engine_procs = [p for p in _children(server.proc.pid)  # not the structured-output checker
-                    if b"service.grammar_worker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+                    if b"moe_serve.service.grammar_worker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
     assert engine_procs, "no engine subprocess found"
     victims = [p for core in engine_procs for p in _children(core)] or engine_procs
     os.kill(victims[0], signal.SIGKILL)

@@ -16,12 +16,12 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from loadtest.cli import main as cli_main
-from loadtest.plots import PLOTS
-from loadtest.runner import Target, run
-from loadtest.scenarios import Options
+from moe_serve.loadtest.cli import main as cli_main
+from moe_serve.loadtest.plots import PLOTS
+from moe_serve.loadtest.runner import Target, run
+from moe_serve.loadtest.scenarios import Options
 from tests.conftest import API_KEY
-from loadtest.server_proc import MODEL_NAME, ServerProcess
+from moe_serve.loadtest.server_proc import MODEL_NAME, ServerProcess
 
 pytestmark = pytest.mark.engine
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

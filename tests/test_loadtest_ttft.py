@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadtest.runner import Target, run
-from loadtest.scenarios import Options
-from loadtest.server_proc import REPO, free_port
+from moe_serve.loadtest.runner import Target, run
+from moe_serve.loadtest.scenarios import Options
+from moe_serve.loadtest.server_proc import REPO, free_port
 
 FIRST_DELAY_S = 0.3
 GAP_S = 0.05

@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 import pytest
-from loadtest import expert_load, prom
-from loadtest.records import Record
-from loadtest.scenarios import SCENARIOS, Options, build, doubling
-from loadtest.stats import percentile, tokens_in_window
-from loadtest.stream import StreamTimer, error_message, request_body
+from moe_serve.loadtest import expert_load, prom
+from moe_serve.loadtest.records import Record
+from moe_serve.loadtest.scenarios import SCENARIOS, Options, build, doubling
+from moe_serve.loadtest.stats import percentile, tokens_in_window
+from moe_serve.loadtest.stream import StreamTimer, error_message, request_body
 
 
 def test_doubling_ladder_reaches_max() -> None:

@@ -7,7 +7,7 @@ import platform
 
 import pytest
 
-from service.memory_trim import find_malloc_trim, trim_periodically
+from moe_serve.service.memory_trim import find_malloc_trim, trim_periodically
 
 
 def test_trims_every_interval_until_cancelled() -> None:

@@ -9,8 +9,8 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from service.admission import Admission
-from service.metrics import (FINISH_REASONS, STATUSES, DefaultRegistryBridge, ServiceMetrics, TokenRate,
+from moe_serve.service.admission import Admission
+from moe_serve.service.metrics import (FINISH_REASONS, STATUSES, DefaultRegistryBridge, ServiceMetrics, TokenRate,
                              status_for_http)
 from tests.monitoring_helpers import delta, parse_metrics, scrape, value
 

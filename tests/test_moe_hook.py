@@ -13,14 +13,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels.plugin import vllm_compat
-from kernels.plugin.moe_hook import unsupported_reason
+from moe_serve.kernels.plugin import vllm_compat
+from moe_serve.kernels.plugin.moe_hook import unsupported_reason
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _run(code: str, **env: str) -> dict:
-    full = {**os.environ, "PYTHONPATH": str(REPO), **env}
+    full = {**os.environ, **env}
     res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full, cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-4000:]
@@ -31,7 +31,7 @@ _REGISTER = """
     import json, inspect, logging
     from types import SimpleNamespace
     logging.basicConfig(level=logging.DEBUG, format="LOG %(levelname)s %(message)s")
-    from kernels.plugin import vllm_pins, vllm_plugin as vp
+    from moe_serve.kernels.plugin import vllm_pins, vllm_plugin as vp
     if {fail_pin}:
         vllm_pins.PINS = (*vllm_pins.PINS, lambda: (_ for _ in ()).throw(AssertionError("moved")))
     vp.register(); vp.register()  # idempotent
@@ -57,7 +57,7 @@ def _register(fail_pin: bool = False, worker: bool = True, additional: dict | No
               **env: str) -> tuple[dict, str]:
     """register() twice in a fresh process, then one worker init with `additional` as its
     vllm_config.additional_config: (what it installed, its log lines)."""
-    full = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "0", **env}
+    full = {**os.environ, "TRITON_INTERPRET": "0", **env}
     full.pop("MOE_SERVE_VLLM_PINS_WARNED", None)
     code = _REGISTER.format(fail_pin=fail_pin, worker=worker, additional=repr(additional or {}))
     res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full,
@@ -77,7 +77,7 @@ def test_register_per_mode(mode: str, wrapped: bool) -> None:
     assert out["wrapped"] is wrapped and ("TritonExperts.apply" in out["hooks"]) is wrapped
     assert out["params"] == list(vllm_compat.APPLY_PARAMS)
     assert out["hooks"].count("WorkerBase.__init__") == 1
-    from kernels.plugin.vllm_pins import PATCHES
+    from moe_serve.kernels.plugin.vllm_pins import PATCHES
 
     supported = {h for h in out["hooks"] if h.startswith("ModelRegistry[")}     # vLLM's own extension point
     assert set(out["hooks"]) - {"triton.knobs.runtime.jit_post_compile_hook"} - supported <= set(PATCHES), out["hooks"]
@@ -88,8 +88,8 @@ def test_a_bad_setting_stops_the_process_at_register_or_at_worker_init(monkeypat
     """A bad MOE_SERVE_* value raises in register() (vllm serve stops as it starts) before anything
     is patched; a bad additional_config value raises out of the worker's __init__ (the worker does
     not start), before any kernel hook is installed."""
-    from kernels.config import PluginConfig, PluginConfigError
-    from kernels.plugin import vllm_plugin as vp
+    from moe_serve.kernels.config import PluginConfig, PluginConfigError
+    from moe_serve.kernels.plugin import vllm_plugin as vp
 
     monkeypatch.setenv(vp.ENABLE_ENV, "1")
     monkeypatch.setenv("MOE_SERVE_BLOCK_PDL", "2")
@@ -262,9 +262,9 @@ def test_our_path_maps_arguments_correctly() -> None:
     out = _run("""
         import json, torch
         from types import SimpleNamespace
-        from bench.experts.reference import moe_reference, rel_err, routing
-        from kernels.plugin.moe_hook import MoeHook, fp8_scales, layer_shape
-        from kernels.plugin.vllm_compat import ApplyCall
+        from moe_serve.bench.experts.reference import moe_reference, rel_err, routing
+        from moe_serve.kernels.plugin.moe_hook import MoeHook, fp8_scales, layer_shape
+        from moe_serve.kernels.plugin.vllm_compat import ApplyCall
         E, N, K, M, TOPK = 4, 16, 32, 7, 2
         g = torch.Generator().manual_seed(0)
         res = {}
@@ -297,7 +297,7 @@ def test_our_path_maps_arguments_correctly() -> None:
                             a2_scale=a2)
         res["fp8"] = rel_err(out.float(), ref)
         # block FP8 and per-token FP8 as vLLM's prepare step hands them over (fp8 x + scales)
-        from bench.experts.reference import quant_fp8_block, quant_act_groups, quant_fp8
+        from moe_serve.bench.experts.reference import quant_fp8_block, quant_act_groups, quant_fp8
         x = torch.randn(M, K, generator=g)
         for name, block, per_tok in (("block", [16, 16], False), ("per_token", None, True)):
             qb = SimpleNamespace(use_fp8_w8a8=True, quant_dtype=fp8, block_shape=block,
@@ -334,10 +334,10 @@ def test_the_hook_looks_its_layers_plan_up_and_fails_closed() -> None:
     """The hook builds a layer's plan at its first supported call (once per layer) and follows it:
     under VLLM_BATCH_INVARIANT every call is vLLM's, counted as a fallback with the plan's reason;
     else the plan's route and config for M."""
-    from kernels.config import PluginConfig
-    from kernels.plugin import layer_plan
-    from kernels.plugin.layer_warmup import LayerWarmup
-    from kernels.plugin.moe_hook import MoeHook
+    from moe_serve.kernels.config import PluginConfig
+    from moe_serve.kernels.plugin import layer_plan
+    from moe_serve.kernels.plugin.layer_warmup import LayerWarmup
+    from moe_serve.kernels.plugin.moe_hook import MoeHook
 
     def served(batch_invariant: bool) -> tuple[list, list, list]:
         ctx = layer_plan.PlanContext(PluginConfig(moe_routing="ours"), "cpu", None, "test", batch_invariant)

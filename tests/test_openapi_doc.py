@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadtest.server_proc import ServerProcess
+from moe_serve.loadtest.server_proc import ServerProcess
 
 pytestmark = pytest.mark.engine
 

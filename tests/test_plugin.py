@@ -22,10 +22,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kernels.moe.router_topk import MAX_M
-from kernels.plugin import expert_snapshot as es
-from kernels.plugin.plugin_metrics import SERVER_ID_FILE
-from loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
+from moe_serve.kernels.moe.router_topk import MAX_M
+from moe_serve.kernels.plugin import expert_snapshot as es
+from moe_serve.kernels.plugin.plugin_metrics import SERVER_ID_FILE
+from moe_serve.loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
 from tests.monitoring_helpers import fresh_expert_load
 from tests.plugin_env import plugin_server_env
 

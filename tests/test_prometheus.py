@@ -20,7 +20,7 @@ import yaml
 from tests.monitoring_helpers import (ALERTS, DASHBOARD, MONITORING, PLUGIN_FAMILIES, PROMETHEUS_YML, Expr,
                                       Prometheus, alert_exprs, alert_rules, dashboard_exprs, scrape,
                                       split_threshold, substitute_grafana_vars, value)
-from loadtest.server_proc import REPO
+from moe_serve.loadtest.server_proc import REPO
 
 RATE_INTERVAL = "1m"  # what $__rate_interval becomes in the test (Prometheus has only run seconds)
 # Expert-load families over the server's sliding window (--expert-stats-window, 60 s): no series once
@@ -114,7 +114,7 @@ def prom(server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheu
 
 def _load(server) -> None:
     """Some concurrent streamed and non-streamed requests (both routes)."""
-    from loadtest.server_proc import MODEL_NAME
+    from moe_serve.loadtest.server_proc import MODEL_NAME
 
     def one(i: int) -> None:
         with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=120) as c:

@@ -6,7 +6,7 @@ platform plugin tests/vllm_ray_cpu_platform gives it Ray's "GPU" resource key, w
 declares twice; the rest is vLLM's and Ray's own code. The Ray head stands for another node: it
 hands its workers a runtime dir of its own (MOE_SERVE_RUNTIME_DIR, which vLLM's Ray executor does
 not overwrite), which the API process never reads, so every rank's plugin series reach /metrics
-and /version only over collective_rpc (kernels.plugin.plugin_metrics.worker_report), as they do
+and /version only over collective_rpc (moe_serve.kernels.plugin.plugin_metrics.worker_report), as they do
 from another machine. The test plugin (tests/vllm_test_plugin) makes the series non-trivial:
 real MoE calls through the plugin's hook (launches) and Triton compiles in both phases per rank.
 """
@@ -28,7 +28,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.server_proc import MODEL_NAME, REPO, ServerProcess, free_port, start_server
+from moe_serve.loadtest.server_proc import MODEL_NAME, REPO, ServerProcess, free_port, start_server
 from tests.plugin_env import plugin_server_env
 
 pytest.importorskip("ray")
@@ -39,8 +39,8 @@ HEAD_READY = "Ray runtime started"
 
 
 def _pythonpath(env: dict[str, str]) -> str:
-    """The test plugins, this repo, then whatever was there."""
-    return os.pathsep.join(p for p in (env["PYTHONPATH"], str(RAY_CPU_PLATFORM), str(REPO),
+    """The test plugins, then whatever was there (moe_serve as installed)."""
+    return os.pathsep.join(p for p in (env["PYTHONPATH"], str(RAY_CPU_PLATFORM),
                                        os.environ.get("PYTHONPATH")) if p)
 
 
@@ -121,8 +121,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
         env = {**plugins, "PYTHONPATH": path, "RAY_ADDRESS": head.address, "VLLM_CPU_OMP_THREADS_BIND": "0|1",
                "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp / "triton-cache"),
                "MOE_SERVE_RUNTIME_DIR": str(api_dir), "MOE_SERVE_MOE_ROUTING": "ours"}
+        # cwd outside the checkout: Ray puts the driver's cwd on its workers' sys.path, where
+        # the checkout's kernels/ folder would shadow PyPI's kernels (transformers imports it)
         srv = start_server(tmp, "--distributed-executor-backend", "ray", "--tensor-parallel-size", str(TP),
-                           "--engine-arg", "enforce_eager=true", env=env, ready_timeout=600)
+                           "--engine-arg", "enforce_eager=true", env=env, ready_timeout=600, cwd=tmp)
         try:
             _complete(srv)
             yield RayCluster(srv, head, api_dir, node_dir, time.monotonic() - began)

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from service.cli import settings_from_args
-from service.engine import RAY_ENV_PREFIXES, build_engine_args, default_engine_env
-from service.settings import SettingsError
+from moe_serve.service.cli import settings_from_args
+from moe_serve.service.engine import RAY_ENV_PREFIXES, build_engine_args, default_engine_env
+from moe_serve.service.settings import SettingsError
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,6 @@
 """Workers whose metrics files the API process cannot read (another node under vLLM's Ray executor)
-report through collective_rpc (kernels.plugin.plugin_metrics.worker_report); the API side
-(service.worker_metrics) combines those reports with this node's files for /metrics and /version.
+report through collective_rpc (moe_serve.kernels.plugin.plugin_metrics.worker_report); the API side
+(moe_serve.service.worker_metrics) combines those reports with this node's files for /metrics and /version.
 Real worker processes write real multiprocess files; the engine's collective_rpc is a stand-in
 here (tests/test_ray_executor.py runs the real one)."""
 from __future__ import annotations
@@ -21,13 +21,13 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kernels.plugin import plugin_metrics as pm
-from service.worker_metrics import RemoteWorkers, WorkerMetricsCollector, prepare_runtime_dir, workers_summary
+from moe_serve.kernels.plugin import plugin_metrics as pm
+from moe_serve.service.worker_metrics import RemoteWorkers, WorkerMetricsCollector, prepare_runtime_dir, workers_summary
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = """
 import json, sys
-from kernels.plugin.plugin_metrics import PluginMetrics, enable_multiprocess, ensure_runtime_dir, worker_report
+from moe_serve.kernels.plugin.plugin_metrics import PluginMetrics, enable_multiprocess, ensure_runtime_dir, worker_report
 rank, runtime_dir, server_id = sys.argv[1:4]
 assert ensure_runtime_dir(runtime_dir)
 enable_multiprocess(runtime_dir)
@@ -44,7 +44,7 @@ print(json.dumps(worker_report(runtime_dir, server_id)))
 
 def _worker(rank: int, runtime_dir: Path, server_id: str) -> dict[str, Any] | None:
     res = subprocess.run([sys.executable, "-c", textwrap.dedent(WORKER), str(rank), str(runtime_dir), server_id],
-                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                         cwd=REPO, capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -135,7 +135,7 @@ def test_refresh_asks_ray_workers_only_and_keeps_the_last_reports(api_dir: Path,
     asyncio.run(remote.refresh(ray))
     assert ray.calls == [(pm.REPORT_METHOD, (remote.server_id,))] and remote.reports == [report]
     broken = _engine("ray", RuntimeError("worker gone"))
-    with caplog.at_level(logging.WARNING, logger="service.worker_metrics"):
+    with caplog.at_level(logging.WARNING, logger="moe_serve.service.worker_metrics"):
         asyncio.run(remote.refresh(broken))
         asyncio.run(remote.refresh(broken))
     assert remote.reports == [report]

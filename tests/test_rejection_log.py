@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from service.errors import MAX_MESSAGE_CHARS, APIError, error_body
-from service.rejection_log import MAX_LINE_CHARS, BoundedRecords, RateLimit, RejectionLog, describe, field_name
+from moe_serve.service.errors import MAX_MESSAGE_CHARS, APIError, error_body
+from moe_serve.service.rejection_log import MAX_LINE_CHARS, BoundedRecords, RateLimit, RejectionLog, describe, field_name
 
 SECRET = "zq-client-secret"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from loadtest.server_proc import MODEL_NAME, ServerProcess
+from moe_serve.loadtest.server_proc import MODEL_NAME, ServerProcess
 from tests.conftest import STRICT_METRICS_KEY
 from tests.monitoring_helpers import delta, scrape, value
 

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from service.errors import APIError
-from service.streaming import StreamDeadline
+from moe_serve.service.errors import APIError
+from moe_serve.service.streaming import StreamDeadline
 
 
 async def _gated(gate: asyncio.Future) -> AsyncIterator[str]:

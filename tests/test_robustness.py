@@ -16,7 +16,7 @@ import hypothesis
 import pytest
 import schemathesis
 
-from loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
+from moe_serve.loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
 
 pytestmark = pytest.mark.engine
 LIMITS = ["--max-concurrent-requests", "2", "--max-queued-requests", "2", "--max-tokens-limit", "32",
@@ -36,8 +36,8 @@ def _fuzz_strategy():
     """Cases for every operation of the server's own OpenAPI schema (valid and invalid bodies)."""
     from hypothesis import strategies as st
 
-    from service.app import create_app
-    from service.settings import Settings
+    from moe_serve.service.app import create_app
+    from moe_serve.service.settings import Settings
 
     schema = schemathesis.openapi.from_dict(create_app(Settings(), "/unused").openapi())
     return st.one_of([result.ok().as_strategy() for result in schema.get_all_operations()])

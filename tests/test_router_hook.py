@@ -20,10 +20,10 @@ import httpx
 import pytest
 import torch
 
-from kernels.moe.router_topk import MAX_M, launch_plan
-from kernels.plugin import vllm_compat as vc
-from kernels.plugin.router_hook import RouterSpec, eligibility, router_spec
-from loadtest.server_proc import ServerProcess, start_server
+from moe_serve.kernels.moe.router_topk import MAX_M, launch_plan
+from moe_serve.kernels.plugin import vllm_compat as vc
+from moe_serve.kernels.plugin.router_hook import RouterSpec, eligibility, router_spec
+from moe_serve.loadtest.server_proc import ServerProcess, start_server
 from tests.monitoring_helpers import fresh_expert_load, scrape, served_forward_tokens, value
 from tests.plugin_env import plugin_server_env
 
@@ -51,7 +51,7 @@ MODELS = {NAME: (TINY_QWEN3_MOE, 16, 4), "tiny-mixtral": (TINY_MIXTRAL, 8, 2)}  
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[tuple[ServerProcess, str]]:
     """(server, its model's name in MODELS), after decode requests at M = 1 and 2."""
-    from service.embedded_model import _write_tokenizer
+    from moe_serve.service.embedded_model import _write_tokenizer
 
     name = request.param
     tmp = tmp_path_factory.mktemp("router")
@@ -168,7 +168,7 @@ def test_each_layer_takes_our_router_only_up_to_its_measured_token_limit() -> No
 def test_a_traced_runner_keeps_vllms_path_and_the_trace_has_no_break() -> None:
     """Where torch.compile traces the runner (vLLM-CPU), the wrapped _forward_impl and
     _compute_routing only call vLLM's: fullgraph tracing succeeds and decides nothing."""
-    from kernels.plugin.router_hook import RouterHook
+    from moe_serve.kernels.plugin.router_hook import RouterHook
 
     hook = RouterHook(SimpleNamespace(logger=None, count_router=None), ())
     forward = hook.forward_impl(lambda runner, x: x * 2)
@@ -211,9 +211,9 @@ def _marked_call(vllm_step: str) -> tuple[list, object]:
     """One runner call through the router hook's three wrappers, with vLLM's _forward_impl played
     by `vllm_step`: 'routes' (the gate's output to the router, as vLLM does), 'copies' (routes a
     copy of it), 'skips' (never routes). (what ours served, the call's result or exception)."""
-    from kernels.config import PluginConfig
-    from kernels.plugin import layer_plan
-    from kernels.plugin.router_hook import RouterHook
+    from moe_serve.kernels.config import PluginConfig
+    from moe_serve.kernels.plugin import layer_plan
+    from moe_serve.kernels.plugin.router_hook import RouterHook
 
     plain_cls = vc.load(vc.ROUTERS[0])
     router = plain_cls(top_k=2, global_num_experts=8, scoring_func="softmax", renormalize=True)

@@ -13,12 +13,12 @@ from vllm.exceptions import VLLMValidationError
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-from service import vllm_compat as compat
-from service.admission import Admission
-from service.engine_client import CURRENT, ObservedEngineClient, RequestContext
-from service.errors import APIError
-from service.metrics import ServiceMetrics
-from service.request_flow import api_error_from_exception
+from moe_serve.service import vllm_compat as compat
+from moe_serve.service.admission import Admission
+from moe_serve.service.engine_client import CURRENT, ObservedEngineClient, RequestContext
+from moe_serve.service.errors import APIError
+from moe_serve.service.metrics import ServiceMetrics
+from moe_serve.service.request_flow import api_error_from_exception
 from prometheus_client import CollectorRegistry
 
 

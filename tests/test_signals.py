@@ -16,10 +16,10 @@ import httpx
 import pytest
 import uvicorn
 
-from loadtest.server_proc import start_server
-from service.shutdown import DrainingServer
-from service.engine import ENGINE_EXIT_GRACE_S
-from service.shutdown import ABORT_FLUSH_S
+from moe_serve.loadtest.server_proc import start_server
+from moe_serve.service.shutdown import DrainingServer
+from moe_serve.service.engine import ENGINE_EXIT_GRACE_S
+from moe_serve.service.shutdown import ABORT_FLUSH_S
 from tests.test_lifecycle import FORCE_KILL, _group_alive, _stream, drained_seconds
 
 

@@ -1,6 +1,6 @@
 """When a streamed response starts: once the engine has accepted the request, not at its first token.
 
-`service.request_flow.serve` driven as the route drives it, with real vLLM types (SamplingParams,
+`moe_serve.service.request_flow.serve` driven as the route drives it, with real vLLM types (SamplingParams,
 RequestOutput, VLLMValidationError), our real engine client, admission and metrics, and a stand-in
 AsyncLLM whose `generate` calls its `add_request` and then holds the first output until the test
 lets it go. The response is run as an ASGI app and every message it sends is recorded, so the test
@@ -22,12 +22,12 @@ from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.utils.async_utils import merge_async_iterators
 
-from service.admission import Admission
-from service.engine_client import ObservedEngineClient, report_acceptance
-from service.errors import APIError
-from service.metrics import ServiceMetrics
-from service.request_flow import serve
-from service.streaming import DONE_EVENT
+from moe_serve.service.admission import Admission
+from moe_serve.service.engine_client import ObservedEngineClient, report_acceptance
+from moe_serve.service.errors import APIError
+from moe_serve.service.metrics import ServiceMetrics
+from moe_serve.service.request_flow import serve
+from moe_serve.service.streaming import DONE_EVENT
 
 SCOPE = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1", "method": "POST",
          "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
-from service.warmup import warmup_requests
+from moe_serve.loadtest.server_proc import MODEL_NAME, ServerProcess, start_server
+from moe_serve.service.warmup import warmup_requests
 from tests.monitoring_helpers import scrape, value
 
 pytestmark = pytest.mark.engine

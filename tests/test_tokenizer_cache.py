@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from loadtest.prompts import prompt
-from service.tokenizer_cache import _pool_members, bound_bpe_caches
+from moe_serve.loadtest.prompts import prompt
+from moe_serve.service.tokenizer_cache import _pool_members, bound_bpe_caches
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="measures with glibc mallinfo2")
 
@@ -39,7 +39,7 @@ def _pooled_tokenizer():
     from transformers import AutoTokenizer
     from vllm.tokenizers.hf import maybe_make_thread_pool
 
-    from service.embedded_model import ensure_embedded_model
+    from moe_serve.service.embedded_model import ensure_embedded_model
 
     return maybe_make_thread_pool(AutoTokenizer.from_pretrained(str(ensure_embedded_model())))
 

@@ -12,13 +12,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kernels.moe import configs, routing
-from kernels.tuning import tune
-from loadtest.server_proc import start_server
-from service.embedded_model import ensure_embedded_model
+from moe_serve.kernels.moe import configs, routing
+from moe_serve.kernels.tuning import tune
+from moe_serve.loadtest.server_proc import start_server
+from moe_serve.service.embedded_model import ensure_embedded_model
 from tests.conftest import API_KEY
 
-TUNE = [sys.executable, "-c", "import sys; from service.cli import main; sys.exit(main())", "tune"]
+TUNE = [sys.executable, "-c", "import sys; from moe_serve.service.cli import main; sys.exit(main())", "tune"]
 
 
 def _run(args: list[str], **env: str) -> subprocess.CompletedProcess:
@@ -60,7 +60,7 @@ def test_tune_writes_tables_the_loader_reads_then_skips_and_resumes(model: Path,
     assert ent["rule"].startswith("default rule") and ent["ranges"] == routing.default_ranges(E, N, K, 2)
     assert "tuned in" in r.stdout and "[tune] [" in r.stderr          # summary and progress
     # the loader (and so the server's workers) picks the tuned table up from that dir
-    code = ("from kernels.moe import configs; import json, sys; "
+    code = ("from moe_serve.kernels.moe import configs; import json, sys; "
             f"t = configs.load_table({E}, {N}, {K}, 'bf16', 'cpu'); "
             "print(json.dumps(sorted(t)))")
     env = {**os.environ, "MOE_SERVE_KERNEL_CONFIG_DIR": str(out)}
@@ -118,8 +118,8 @@ def test_untuned_shape_is_warned_and_counted(server, http) -> None:
 
 
 def test_untuned_shape_on_a_gpu_names_the_tune_command(caplog) -> None:
-    from kernels.tuning.model_shapes import MoEShape
-    from service import kernel_tables
+    from moe_serve.kernels.tuning.model_shapes import MoEShape
+    from moe_serve.service import kernel_tables
 
     status = kernel_tables.ShapeStatus(MoEShape("m/TP8", 8, 1792, 4096, 2, "bf16", 32), False, "1-4:ours,5+:vllm")
     kernel_tables.warn_untuned([status], "/models/mixtral", 8, None, "NVIDIA_H200")
@@ -129,8 +129,8 @@ def test_untuned_shape_on_a_gpu_names_the_tune_command(caplog) -> None:
 
 
 def test_tuning_on_a_gpu_without_vllm_warns_that_the_search_is_unseeded(monkeypatch) -> None:
-    from kernels.tuning import tune_cli
-    from kernels.moe import vllm_kernels
+    from moe_serve.kernels.tuning import tune_cli
+    from moe_serve.kernels.moe import vllm_kernels
 
     monkeypatch.setattr(vllm_kernels, "fused_experts", lambda: None)
     assert "vLLM is not importable" in tune_cli.seed_warning("cuda")

@@ -1,4 +1,4 @@
-"""`moe-serve tune --for-vllm` (kernels.tuning.vllm_*) on the CPU: its candidates (vLLM's tuner's
+"""`moe-serve tune --for-vllm` (moe_serve.kernels.tuning.vllm_*) on the CPU: its candidates (vLLM's tuner's
 search space, every table the installed vLLM ships for the shape, vLLM's default), the tables it
 writes as vLLM's own loader reads them (VLLM_TUNED_CONFIG_FOLDER), the budget and the correctness
 check with a fake timer, and vLLM's real Triton kernel through the whole pipeline under
@@ -23,10 +23,10 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels.tuning import vllm_space as space, vllm_tune  # noqa: E402
-from kernels.tuning.model_shapes import MoEShape  # noqa: E402
-from kernels.tuning.vllm_bench import F64_TOL, GATE_TOL, VllmBench  # noqa: E402
-from kernels.tuning.vllm_search import Search, key  # noqa: E402
+from moe_serve.kernels.tuning import vllm_space as space, vllm_tune  # noqa: E402
+from moe_serve.kernels.tuning.model_shapes import MoEShape  # noqa: E402
+from moe_serve.kernels.tuning.vllm_bench import F64_TOL, GATE_TOL, VllmBench  # noqa: E402
+from moe_serve.kernels.tuning.vllm_search import Search, key  # noqa: E402
 
 fm = pytest.importorskip("vllm.model_executor.layers.fused_moe.fused_moe")
 BLOCK = "fp8_w8a8,block_shape=[128,128]"
@@ -239,7 +239,7 @@ def test_a_faster_config_that_fails_the_check_never_wins() -> None:
 
 
 def test_only_resource_and_compile_errors_keep_a_config_from_being_timed() -> None:
-    from kernels.tuning.vllm_precompile import cannot_run
+    from moe_serve.kernels.tuning.vllm_precompile import cannot_run
 
     assert cannot_run("OutOfResources: out of resource: shared memory, Required: 262144")
     assert cannot_run("CompilationError: at 12:4: ...")
@@ -354,7 +354,7 @@ def test_vllms_kernel_through_the_whole_pipeline(vllm_kernel_on_cpu, tmp_path: P
 
 
 def test_cli_exits_2_without_a_gpu_or_an_out_folder(tmp_path: Path, monkeypatch, capsys) -> None:
-    from kernels.tuning import tune_cli
+    from moe_serve.kernels.tuning import tune_cli
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     model = tmp_path / "m"

@@ -6,8 +6,8 @@ import inspect
 
 import pytest
 
-from kernels.plugin import vllm_compat as vc
-from kernels.plugin import vllm_pins
+from moe_serve.kernels.plugin import vllm_compat as vc
+from moe_serve.kernels.plugin import vllm_pins
 
 
 @pytest.mark.parametrize("pin", vllm_pins.PINS, ids=lambda p: p.__name__)

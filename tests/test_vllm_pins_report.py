@@ -8,12 +8,12 @@ import httpx
 import pytest
 import vllm
 
-from kernels.plugin import vllm_pins
-from service.engine import check_vllm_pins
+from moe_serve.kernels.plugin import vllm_pins
+from moe_serve.service.engine import check_vllm_pins
 
 
 def test_pins_hold_on_this_vllm_and_are_logged(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="service.engine")
+    caplog.set_level(logging.INFO, logger="moe_serve.service.engine")
     report = check_vllm_pins()
     assert report == {"version": vllm.__version__, "checked_versions": ["0.26", "0.32", "0.33"], "pins_hold": True,
                       "failed": {}}

@@ -13,8 +13,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 
-from service import warmup
-from service.warmup import is_warmup, warm_up_request_path, warmup_requests
+from moe_serve.service import warmup
+from moe_serve.service.warmup import is_warmup, warm_up_request_path, warmup_requests
 
 PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 # One request field per feature vLLM may compile a kernel for on its first use.
@@ -69,7 +69,7 @@ def test_client_requests_are_not_warmup() -> None:
 
 
 def test_a_failing_warmup_is_logged_and_does_not_block_health(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="service.warmup")
+    caplog.set_level(logging.INFO, logger="moe_serve.service.warmup")
     state = _state()
     seen: list[dict] = []
     asyncio.run(warm_up_request_path(_app(seen, status=503), state))
@@ -80,7 +80,7 @@ def test_a_failing_warmup_is_logged_and_does_not_block_health(caplog: pytest.Log
 
 
 def test_a_refused_kind_is_logged_as_information(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="service.warmup")
+    caplog.set_level(logging.INFO, logger="moe_serve.service.warmup")
     asyncio.run(warm_up_request_path(_app([], status=400), _state()))
     refused = [r for r in caplog.records if "answered 400" in r.getMessage()]
     assert refused and all(r.levelno == logging.INFO for r in refused)

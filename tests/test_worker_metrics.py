@@ -1,5 +1,5 @@
 """Worker -> API process through prometheus-client multiprocess files: workers (subprocesses)
-write kernels.plugin.plugin_metrics.PluginMetrics, the API side (service/worker_metrics.py) reads them
+write moe_serve.kernels.plugin.plugin_metrics.PluginMetrics, the API side (service/worker_metrics.py) reads them
 for /metrics and /version."""
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.worker_metrics import WorkerMetricsCollector, prepare_runtime_dir, workers_summary
+from moe_serve.service.worker_metrics import WorkerMetricsCollector, prepare_runtime_dir, workers_summary
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = """
 import json, os, sys
 from prometheus_client import Counter
-from kernels.plugin.plugin_metrics import PluginMetrics, enable_multiprocess
+from moe_serve.kernels.plugin.plugin_metrics import PluginMetrics, enable_multiprocess
 rank, events = sys.argv[1], json.loads(sys.argv[2])
 enable_multiprocess(sys.argv[3])
 m = PluginMetrics(rank, "optimized")
@@ -41,7 +41,7 @@ print(os.getpid())
 
 def _worker(d: Path, rank: int, events: list) -> int:
     res = subprocess.run([sys.executable, "-c", textwrap.dedent(WORKER), str(rank), json.dumps(events), str(d)],
-                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                         cwd=REPO, capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     return int(res.stdout.strip().splitlines()[-1])
@@ -133,8 +133,8 @@ def test_prepare_runtime_dir_clears_an_earlier_servers_files(tmp_path: Path, mon
 API = """
 import sys
 from prometheus_client import Counter, CollectorRegistry, generate_latest
-from service.metrics import ServiceMetrics
-from service.worker_metrics import WorkerMetricsCollector
+from moe_serve.service.metrics import ServiceMetrics
+from moe_serve.service.worker_metrics import WorkerMetricsCollector
 Counter("vllm:request_success", "what AsyncLLM registers in the API process").inc()
 reg = CollectorRegistry()
 ServiceMetrics(reg, "m")
@@ -154,7 +154,7 @@ def test_api_process_in_multiprocess_mode_exports_each_series_once(tmp_path: Pat
     user.mkdir()
     _worker(runtime, 0, [[K, "warmup", "compile", 2]])
     res = subprocess.run([sys.executable, "-c", textwrap.dedent(API), str(runtime)], cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO), "PROMETHEUS_MULTIPROC_DIR": str(user)},
+                         env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(user)},
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     samples = parse_metrics(res.stdout)  # raises on a duplicate sample

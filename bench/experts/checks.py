@@ -12,14 +12,14 @@ from pathlib import Path
 
 import torch
 
-from bench.experts.problem import DEV, log
-from bench.experts.shapes import TUNED
+from moe_serve.bench.experts.problem import DEV, log
+from moe_serve.bench.experts.shapes import TUNED
 
 def part_correctness(shapes: dict, ms: tuple, smoke: bool) -> list[dict]:
     """Every path (aligned: plain, swapped, split, x quantized once; decode: heuristic, swapped,
     narrow) in bf16 and fp8 W8A8 against the float64 reference, into NaN-poisoned outputs."""
-    from kernels.moe import configs, smem
-    from bench.experts.reference import quant_fp8
+    from moe_serve.kernels.moe import configs, smem
+    from moe_serve.bench.experts.reference import quant_fp8
 
     rows = []
     fdt = torch.float16 if smoke else torch.bfloat16  # interpreter: bf16 tl.dot is garbage
@@ -66,8 +66,8 @@ def _decode_variant(M: int, E: int, N: int, K: int, topk: int, kind: str) -> dic
     """The decode heuristic's config, forced to swapped 64-row tiles ('decode-swap') or to
     16-row mma.sync tiles with BLOCK_K 64 and no PDL ('decode-narrow'), or split-K in both
     kernels ('decode-split': the heuristic's splits, at least 2 each)."""
-    from kernels.moe import heuristics
-    from kernels.moe.config_schema import validate
+    from moe_serve.kernels.moe import heuristics
+    from moe_serve.kernels.moe.config_schema import validate
 
     cfg = heuristics.decode_config(M, E, N, K, topk, "bf16", split=kind == "decode-split")
     if kind == "decode-split":
@@ -86,8 +86,8 @@ def _check_variants(name, M, swap, cfg, x, w1, w2, q, tw, ids, fdt, smoke, E,  #
                     static_only: bool = False) -> list[dict]:
     """bf16 (fp16 under the interpreter) and the four fp8 W8A8 variants of one config (only the
     two with static activation scales when static_only)."""
-    from kernels.moe.fused_moe import Fp8Scales, fused_moe
-    from bench.experts.reference import act_amax, moe_reference, rel_err
+    from moe_serve.kernels.moe.fused_moe import Fp8Scales, fused_moe
+    from moe_serve.bench.experts.reference import act_amax, moe_reference, rel_err
 
     rows = []
     variants = [("bf16" if not smoke else "fp16", None)]
@@ -135,9 +135,9 @@ def _check_variants(name, M, swap, cfg, x, w1, w2, q, tw, ids, fdt, smoke, E,  #
 # ----------------------------------------------------------------------------------------
 def part_sass(out_dir: Path) -> list[dict]:
     """Compile swapped / unswapped small-M bf16 and fp8 variants for sm_90; grep the SASS."""
-    from kernels.moe import aot
-    from kernels.moe.fused_moe import Fp8Scales, fused_moe
-    from kernels.moe.launch import record_launches
+    from moe_serve.kernels.moe import aot
+    from moe_serve.kernels.moe.fused_moe import Fp8Scales, fused_moe
+    from moe_serve.kernels.moe.launch import record_launches
 
     rows = []
     E, N, K, topk = TUNED["Mixtral-8x7B/TP8"]
@@ -179,7 +179,7 @@ def part_sass_subprocess(out_dir: Path) -> list[dict]:
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     sub = out_dir / "sass"
     sub.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run([sys.executable, "-m", "service", "bench", "kernels", "--sass", "--out", str(sub)], env=env,
+    r = subprocess.run([sys.executable, "-m", "moe_serve.service", "bench", "kernels", "--sass", "--out", str(sub)], env=env,
                        capture_output=True, text=True, timeout=600)
     log(r.stdout[-3000:], r.stderr[-2000:] if r.returncode else "")
     return json.loads((sub / "results.json").read_text()).get("sass", [])

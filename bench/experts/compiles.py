@@ -1,4 +1,4 @@
-"""The expert-kernel bench's compile count: Triton compiles (kernels.plugin.jit_monitor) while M
+"""The expert-kernel bench's compile count: Triton compiles (moe_serve.kernels.plugin.jit_monitor) while M
 sweeps 1..max_m after the warm-up, ours and vLLM's `fused_experts`."""
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from typing import Any
 
 import torch
 
-from bench.experts.problem import CUDA, DEV, log, problem
+from moe_serve.bench.experts.problem import CUDA, DEV, log, problem
 
 def part_compiles(shape: tuple, dtype: str, max_m: int) -> dict:
     """Compiles (jit_monitor) while M sweeps 1..max_m after warm-up, ours and vLLM's."""
-    from kernels.plugin import jit_monitor
-    from kernels.moe.fused_moe import fused_moe
-    from kernels.moe.moe_variants import warm_moe_variants
+    from moe_serve.kernels.plugin import jit_monitor
+    from moe_serve.kernels.moe.fused_moe import fused_moe
+    from moe_serve.kernels.moe.moe_variants import warm_moe_variants
 
     E, N, K, topk = shape
     jit_monitor.install()
@@ -33,7 +33,7 @@ def part_compiles(shape: tuple, dtype: str, max_m: int) -> dict:
     res["ours_serving_compiles"] = sum(v for (k, ph, kd), v in snap.items()
                                        if ph == "serving" and kd == "compile")
     res["ours_warmup_compiles"] = sum(v for (k, ph, kd), v in before.items() if kd == "compile")
-    from kernels.moe import vllm_kernels
+    from moe_serve.kernels.moe import vllm_kernels
 
     vl = vllm_kernels.fused_experts() if CUDA else None
     if vl is not None:

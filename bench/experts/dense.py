@@ -12,11 +12,11 @@ Per (shape, M in 1, 2, 4, 8, and 16 for FP8), in the shape's format: every confi
 against float64 (one weight set's product, computed on the device) into a NaN-poisoned output
 (FP8: of the dequantized weights, and vLLM's layer's output against it and against ours); then
 ours with the config serving would run (the tuned table's, else the heuristic's), vLLM's GEMM and
-the floor (floor.py) are timed from CUDA graphs over weight sets rotated beyond L2 (kernels.tuning.timing);
+the floor (floor.py) are timed from CUDA graphs over weight sets rotated beyond L2 (moe_serve.kernels.tuning.timing);
 then a coordinate search over the config's keys (two rounds, each key through its values with the
 others held) finds the best config it can. Results: OUT/results.json ("dense" rows,
 "dense-sweep" every config timed), OUT/dense-tables/*.json (the best config per BLOCK_M in
-kernels.dense.configs' table format, the buckets where it beat vLLM's GEMM: copy into
+moe_serve.kernels.dense.configs' table format, the buckets where it beat vLLM's GEMM: copy into
 kernels/dense/configs/ to ship it), and the table
 printed last: us, ratios, the fraction of the copy ceiling, and a decode step's dense GEMMs summed
 over the model's layers.
@@ -33,12 +33,12 @@ from typing import Any, Callable
 import torch
 import triton
 
-from bench.experts.dense_fp8 import Fp8Cell
-from bench.experts.dense_shapes import DEFAULT_NAMED, NAMED, SMOKE, DenseShape, dense_shapes
-from bench.experts.problem import CUDA, DEV, copy_ceiling, log, named
-from bench.experts.reference import rel_err
-from kernels.dense import configs
-from kernels.dense.gemv import dense_gemv, device_facts
+from moe_serve.bench.experts.dense_fp8 import Fp8Cell
+from moe_serve.bench.experts.dense_shapes import DEFAULT_NAMED, NAMED, SMOKE, DenseShape, dense_shapes
+from moe_serve.bench.experts.problem import CUDA, DEV, copy_ceiling, log, named
+from moe_serve.bench.experts.reference import rel_err
+from moe_serve.kernels.dense import configs
+from moe_serve.kernels.dense.gemv import dense_gemv, device_facts
 
 DENSE_MS = (1, 2, 4, 8, 16)         # each shape's up to configs.max_m of its format
 TOL = 8e-3                          # bf16 output rounding, relative to the product's norm
@@ -97,10 +97,10 @@ def coordinate_search(start: dict, axes: tuple, ok: Callable[[dict], bool], meas
 
 def prime_capture_workspace(n_floats: int, n_counters: int) -> None:
     """Size the split-K workspace of the stream CUDA graphs are captured on (one per stream,
-    kernels.moe.moe_decode_launch.split_workspace) before timing: allocated inside a capture, its
+    moe_serve.kernels.moe.moe_decode_launch.split_workspace) before timing: allocated inside a capture, its
     zero fill would be a node of that graph and add a memset to one config's time. A throwaway
     graph allocates it and one replay zeroes it."""
-    from kernels.moe.moe_decode_launch import split_workspace
+    from moe_serve.kernels.moe.moe_decode_launch import split_workspace
 
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -135,7 +135,7 @@ class Cell:
 
     def time_ours(self, cfg: dict) -> float | None:
         """Median us of our GEMV with cfg, after its check (memoized); None if it fails."""
-        from kernels.tuning.timing import time_graph
+        from moe_serve.kernels.tuning.timing import time_graph
 
         label = configs.label(cfg)
         if label in self.tried:                       # measured before (the search revisits)
@@ -155,7 +155,7 @@ class Cell:
         return us
 
     def time_cublas(self) -> float:
-        from kernels.tuning.timing import time_graph
+        from moe_serve.kernels.tuning.timing import time_graph
 
         assert rel_err(torch.nn.functional.linear(self.xs[0], self.ws[0]), self.ref) < TOL
         return time_graph(lambda i: torch.nn.functional.linear(self.xs[i], self.ws[i]), self.n_sets, self.replays)
@@ -179,7 +179,7 @@ def part_dense(shapes: dict[str, list[DenseShape]], ms: tuple[int, ...], ceiling
     """One row per (model, shape, M <= configs.max_m of its format): ours (serving's config), vLLM's
     GEMM (baseline), the floor, the best config the search found; every config tried goes to
     sweep_rows."""
-    from bench.experts.floor import floor_us
+    from moe_serve.bench.experts.floor import floor_us
 
     device, sms = device_facts(torch.device(DEV))
     rows: list[dict] = []
@@ -235,7 +235,7 @@ def part_dense(shapes: dict[str, list[DenseShape]], ms: tuple[int, ...], ceiling
 
 
 def write_tables(rows: list[dict], out: Path, device: str) -> list[Path]:
-    """The best config per (N, K, format) and BLOCK_M as kernels.dense.configs tables in out: only
+    """The best config per (N, K, format) and BLOCK_M as moe_serve.kernels.dense.configs tables in out: only
     the buckets where it beat vLLM's GEMM by configs.WIN_MARGIN (serving runs vLLM's at the others;
     on the CPU, where vLLM's is not timed, every bucket); a shape with no such bucket gets no table."""
     best: dict[tuple[int, int, str], dict[int, dict]] = {}

@@ -9,7 +9,7 @@ the quantized weights and scales are loaded into them, its process_weights_after
 them as serving does (on an H100 without FlashInfer: CUTLASS's transposed [K, N] view for
 per-tensor / per-channel, [N, K] with weight_scale_inv for block, or DeepGEMM's where installed)
 and its apply is timed. Ours reads those very tensors as the plugin's hook does
-(kernels.plugin.fp8_dense_hook.layout_of), so both stream the same bytes. Every config of ours
+(moe_serve.kernels.plugin.fp8_dense_hook.layout_of), so both stream the same bytes. Every config of ours
 is first checked into a NaN-poisoned output against float64 of the dequantized weights (TOL),
 and vLLM's output against the same reference (its activation quantization: within VLLM_TOL);
 ours against vLLM's within their noise (VLLM_NOISE).
@@ -31,10 +31,10 @@ from typing import Any, Callable
 
 import torch
 
-from bench.experts.problem import CUDA, DEV
-from bench.experts.reference import rel_err
-from kernels.dense import configs
-from kernels.dense.gemv_fp8 import FP8, dense_gemv_fp8
+from moe_serve.bench.experts.problem import CUDA, DEV
+from moe_serve.bench.experts.reference import rel_err
+from moe_serve.kernels.dense import configs
+from moe_serve.kernels.dense.gemv_fp8 import FP8, dense_gemv_fp8
 
 TENSOR, CHANNEL, BLOCK = configs.fp8_key(None), configs.fp8_key(None, True), configs.fp8_key((128, 128))
 FORMATS = (TENSOR, CHANNEL, BLOCK)
@@ -139,8 +139,8 @@ def vllm_apply(method: Any, layer: torch.nn.Module) -> Callable[[torch.Tensor], 
 
 def stored_operands(method: Any, layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
     """(fp8 [N, K] view, scale, block) of a vLLM layer as the plugin's hook reads it."""
-    from kernels.dense.op_fp8 import nk_view
-    from kernels.plugin.fp8_dense_hook import layout_of
+    from moe_serve.kernels.dense.op_fp8 import nk_view
+    from moe_serve.kernels.plugin.fp8_dense_hook import layout_of
 
     lay = layout_of(method, layer)
     if isinstance(lay, str):
@@ -193,7 +193,7 @@ class Fp8Cell:
 
     def time_ours(self, cfg: dict) -> float | None:
         """Median us of our GEMV with cfg, after its check (memoized); None if it fails."""
-        from kernels.tuning.timing import time_graph
+        from moe_serve.kernels.tuning.timing import time_graph
 
         label = configs.label(cfg)
         if label in self.tried:
@@ -223,7 +223,7 @@ class Fp8Cell:
         return err
 
     def time_vllm(self) -> float:
-        from kernels.tuning.timing import time_graph
+        from moe_serve.kernels.tuning.timing import time_graph
 
         return time_graph(lambda i: self.vllm[i](self.xs[i]), self.n_sets, self.replays)
 
@@ -233,9 +233,9 @@ def fp8_bench_cases(shape: tuple[int, int], M: int, fmt: str, cfg: dict | None =
     """(ours, vllm): callables of a set index (taken modulo the cell's sets) running our FP8 GEMV
     (cfg: serving's config when None) and vLLM's FP8 linear layer on the same stored weights
     ([N, K] = shape, format fmt, M bf16 tokens), for a step benchmark to time
-    (kernels.tuning.timing.time_graph); both checked first (Fp8Cell.check, check_vllm). vllm is
+    (moe_serve.kernels.tuning.timing.time_graph); both checked first (Fp8Cell.check, check_vllm). vllm is
     None where vLLM cannot build the layer (vllm_builds)."""
-    from kernels.dense.gemv import device_facts
+    from moe_serve.kernels.dense.gemv import device_facts
 
     N, K = shape
     cell = Fp8Cell(N, K, fmt, M, 8, 1, seed=M)

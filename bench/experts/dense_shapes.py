@@ -10,7 +10,7 @@ vocabulary padded to a multiple of 64, split over the ranks). Not listed: MLA at
 projections (DeepSeek: models with kv_lora_rank get the rest), the routers' gates (served by the
 fused router at decode).
 
-Each shape has its weight format (kernels.dense.configs dtype key): bf16, or for an FP8
+Each shape has its weight format (moe_serve.kernels.dense.configs dtype key): bf16, or for an FP8
 checkpoint (quantization_config, or vLLM's --quantization) its FP8 format for every linear layer
 (fp8_tensor: quant_method fp8 without blocks; fp8_block{bn}x{bk}: with weight_block_size;
 fp8_channel / fp8_tensor: compressed-tensors channel / tensor weights) and bf16 for the lm_head
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kernels.dense import configs
+from moe_serve.kernels.dense import configs
 
 VOCAB_PADDING = 64                  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 

@@ -30,7 +30,7 @@ def _read_kernel(src_ptr, dst_ptr, n_words, BLOCK: tl.constexpr):
 def floor_us(nbytes: int, replays: int = 20, grids: tuple[int, ...] = (132, 264, 528, 1056),
              blocks: tuple[int, ...] = (1024, 4096)) -> dict[str, float]:
     """Best median us to read nbytes once, and the (grid, block) that reached it."""
-    from kernels.tuning.timing import time_graph
+    from moe_serve.kernels.tuning.timing import time_graph
 
     words = max(1, nbytes // 4)
     n_sets = max(2, min(64, -(-2 * L2_BYTES // max(nbytes, 1)) + 1))

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from kernels.moe import quant_format
+from moe_serve.kernels.moe import quant_format
 
 BLOCK = quant_format.block_key(128, 128)
 FORMAT_SHAPES = {  # the issue's shapes: TP=8 shards of DeepSeek-V3 and Qwen3-235B-A22B, 30B TP1
@@ -57,7 +57,7 @@ def expert_bytes(N: int, K: int, fmt: str) -> int:
 
 def _block_variants(M: int, E: int, N: int, K: int, topk: int, fmt: str) -> dict[str, dict]:
     """Forced configs of every block-FP8 variant at M (decode ones while slots fit)."""
-    from kernels.moe import configs, heuristics, selection
+    from moe_serve.kernels.moe import configs, heuristics, selection
 
     bk = quant_format.block_shape(fmt)[1]
     al = configs.aligned_default(M, E, N, K, topk, fmt)
@@ -79,9 +79,9 @@ def part_block_correctness(shapes: dict, ms: tuple, dev: str, smoke: bool,
                            log: Callable[..., None]) -> list[dict]:
     """See the module doc. smoke (CPU interpreter): fp16 activations (bf16 tl.dot is broken
     there), [32, 32] blocks, no vLLM."""
-    from kernels.moe import vllm_kernels
-    from kernels.moe.fused_moe import Fp8Scales, fused_moe
-    from bench.experts.reference import moe_reference, quant_act_groups, quant_fp8_block, rel_err
+    from moe_serve.kernels.moe import vllm_kernels
+    from moe_serve.kernels.moe.fused_moe import Fp8Scales, fused_moe
+    from moe_serve.bench.experts.reference import moe_reference, quant_act_groups, quant_fp8_block, rel_err
 
     block = (32, 32) if smoke else (128, 128)
     fmt = quant_format.block_key(*block)
@@ -139,8 +139,8 @@ def aligned_candidates(base: dict[str, Any], E: int, N: int, K: int, topk: int, 
     and up fused (what heuristics.from_vllm_config gives per-tensor and per-token FP8 there) or
     not (vLLM's grid), and the untuned tile of M = 128 (BLOCK_M = 64). Empty for any other
     BLOCK_M."""
-    from kernels.moe import configs
-    from kernels.moe.config_schema import down_config
+    from moe_serve.kernels.moe import configs
+    from moe_serve.kernels.moe.config_schema import down_config
 
     if base["BLOCK_M"] != 32:
         return {}
@@ -154,7 +154,7 @@ def aligned_candidates(base: dict[str, Any], E: int, N: int, K: int, topk: int, 
 def _check_vs_vllm(prob: dict, cfg: dict, theirs: torch.Tensor) -> float:
     """Relative error of ours (config cfg, routing set 0, into a NaN-poisoned output) against
     vLLM's output on the same problem."""
-    from kernels.moe.fused_moe import fused_moe
+    from moe_serve.kernels.moe.fused_moe import fused_moe
 
     x, tw, ids = prob["sets"][0]
     w1, w2 = prob["weights"][:2]
@@ -165,7 +165,7 @@ def _check_vs_vllm(prob: dict, cfg: dict, theirs: torch.Tensor) -> float:
 
 def _vllm_output(prob: dict) -> torch.Tensor | None:
     """vLLM's fused_experts output on routing set 0 of prob (None without vLLM)."""
-    from kernels.moe import vllm_kernels
+    from moe_serve.kernels.moe import vllm_kernels
 
     fx = vllm_kernels.fused_experts()
     if fx is None:
@@ -184,10 +184,10 @@ def part_fp8_aligned(shapes: dict, ms: tuple, n_sets: int, replays: int, dev: st
                      problem: Callable[..., dict], log: Callable[..., None]) -> list[dict]:
     """See the module doc: per (shape, format, M) ours quantize-once, ours in the K loop and
     vLLM, all on the aligned path's untuned config for the shape (forced, not routed)."""
-    from kernels.moe import configs
-    from kernels.moe.config_schema import label
-    from kernels.tuning import precompile
-    from kernels.tuning.timing import time_ours, time_vllm
+    from moe_serve.kernels.moe import configs
+    from moe_serve.kernels.moe.config_schema import label
+    from moe_serve.kernels.tuning import precompile
+    from moe_serve.kernels.tuning.timing import time_ours, time_vllm
 
     fmts = ("fp8", quant_format.PER_TOKEN)
     cfgs: dict[tuple, dict[str, Any]] = {}

@@ -34,7 +34,7 @@ def copy_ceiling() -> dict[str, Any]:
     the graph-replayed memcpy; the ceiling is the best of them, all are reported."""
     if not CUDA:
         return {"copy_bytes_per_s": float("nan")}
-    from kernels.tuning.timing import time_graph
+    from moe_serve.kernels.tuning.timing import time_graph
 
     n = 1 << 28                                   # 256 Mi fp32 = 1 GiB per buffer
     a = torch.rand(n, device=DEV)
@@ -62,8 +62,8 @@ def copy_ceiling() -> dict[str, Any]:
 
 
 def problem(shape: tuple, M: int, dtype: str, n_sets: int, weights: tuple | None = None) -> dict:
-    """kernels.tuning.timing.make_problem for a (E, N, K, top-k) shape at M tokens on DEV, seeded by M."""
-    from kernels.tuning.timing import make_problem
+    """moe_serve.kernels.tuning.timing.make_problem for a (E, N, K, top-k) shape at M tokens on DEV, seeded by M."""
+    from moe_serve.kernels.tuning.timing import make_problem
 
     E, N, K, topk = shape
     return make_problem(E, N, K, topk, M, dtype, n_sets, DEV, seed=M, weights=weights)

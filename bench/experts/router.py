@@ -1,5 +1,5 @@
 """`moe-serve bench kernels --router`: the MoE router at decode, our one launch
-(kernels.moe.router_topk, each top-k method) against vLLM's two (the gate GEMM as the model runs it,
+(moe_serve.kernels.moe.router_topk, each top-k method) against vLLM's two (the gate GEMM as the model runs it,
 F.linear in the gate's dtype, then vLLM's fused top-k op).
 
     moe-serve bench kernels --router --model DIR --out OUT          the model's router (config.json)
@@ -25,9 +25,9 @@ from typing import Any, Callable
 
 import torch
 
-from bench.experts.problem import CUDA, DEV, log, named
-from kernels.moe.router_topk import SERVED_TOPK_METHOD, TOPK_METHODS, router_topk
-from kernels.tuning.timing import time_graph
+from moe_serve.bench.experts.problem import CUDA, DEV, log, named
+from moe_serve.kernels.moe.router_topk import SERVED_TOPK_METHOD, TOPK_METHODS, router_topk
+from moe_serve.kernels.tuning.timing import time_graph
 
 ROUTER_MS = (1, 2, 4, 8, 16)
 VLLM_TIE = 0.05              # logit gap under which vLLM's bf16 logits may swap two experts
@@ -66,7 +66,7 @@ def router_shape(cfg: dict[str, Any]) -> RouterShape:
     if not E or not topk:
         raise ValueError("config.json names no expert count or top-k: not a MoE model")
     if (cfg.get("n_group") or 1) > 1 and (cfg.get("topk_group") or 1) < cfg["n_group"]:
-        raise ValueError("grouped top-k routers run on vLLM's router (kernels.moe.router_topk does not cover them)")
+        raise ValueError("grouped top-k routers run on vLLM's router (moe_serve.kernels.moe.router_topk does not cover them)")
     return RouterShape(int(E), int(cfg["hidden_size"]), int(topk), cfg.get("scoring_func") or "softmax",
                        cfg.get("norm_topk_prob") is not False, cfg.get("topk_method") == "noaux_tc",
                        float(cfg.get("routed_scaling_factor") or 1.0))

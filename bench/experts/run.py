@@ -28,14 +28,14 @@ from typing import Any
 
 import torch
 
-from bench.experts import fp8 as kernels_fp8
-from bench.experts import router
-from bench.experts.checks import part_correctness, part_sass, part_sass_subprocess
-from bench.experts.compiles import part_compiles
-from bench.experts.problem import CUDA, DEV, copy_ceiling, log, problem
-from bench.experts.render import shape_table
-from bench.experts.shapes import M_LIST, QUICK_MS, SMOKE, TUNED, UNTUNED
-from kernels.moe import quant_format
+from moe_serve.bench.experts import fp8 as kernels_fp8
+from moe_serve.bench.experts import router
+from moe_serve.bench.experts.checks import part_correctness, part_sass, part_sass_subprocess
+from moe_serve.bench.experts.compiles import part_compiles
+from moe_serve.bench.experts.problem import CUDA, DEV, copy_ceiling, log, problem
+from moe_serve.bench.experts.render import shape_table
+from moe_serve.bench.experts.shapes import M_LIST, QUICK_MS, SMOKE, TUNED, UNTUNED
+from moe_serve.kernels.moe import quant_format
 
 RESULTS: dict[str, Any] = {}       # part -> its rows (or result), saved to OUT after every part
 _OUT: Path | None = None
@@ -45,13 +45,13 @@ def part_bench(shapes: dict, ms: tuple, dtypes: tuple, ceiling: float, n_sets: i
                replays: int, tag: str) -> list[dict]:
     """Ours (the config serving would use: tuned table or default), vLLM's fused_experts and
     the streaming floor of the same expert bytes, per (shape, dtype, M), in one run."""
-    from bench.experts.floor import floor_us
-    from bench.experts.fp8 import expert_bytes
-    from kernels.moe import configs, selection
-    from kernels.tuning import precompile
-    from kernels.moe.config_schema import label
-    from kernels.moe.fused_moe import num_programs
-    from kernels.tuning.timing import time_ours, time_vllm
+    from moe_serve.bench.experts.floor import floor_us
+    from moe_serve.bench.experts.fp8 import expert_bytes
+    from moe_serve.kernels.moe import configs, selection
+    from moe_serve.kernels.tuning import precompile
+    from moe_serve.kernels.moe.config_schema import label
+    from moe_serve.kernels.moe.fused_moe import num_programs
+    from moe_serve.kernels.tuning.timing import time_ours, time_vllm
 
     prior = RESULTS.get(tag) if isinstance(RESULTS.get(tag), list) else []   # an earlier format's rows
     rows: list[dict] = []
@@ -232,7 +232,7 @@ def _fp8_formats(args: argparse.Namespace, ms: tuple | None) -> None:
 
 def model_shapes(model: str, tp: int, quantization: str | None) -> dict[str, dict[str, tuple]]:
     """format -> {shape name: (E, N, K, top-k)} of one rank of a model dir at tensor-parallel size tp."""
-    from kernels.tuning.model_shapes import moe_shapes, read_config
+    from moe_serve.kernels.tuning.model_shapes import moe_shapes, read_config
 
     out: dict[str, dict[str, tuple]] = {}
     for sh in moe_shapes(read_config(model), tp, quantization, name=Path(model).name):
@@ -252,7 +252,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="with --model: vLLM's --quantization (default: the checkpoint's own)")
     ap.add_argument("--shapes", default=None, help="comma list of named shapes (bench/experts/shapes.py); "
                                                    "default without --model: the tuned ones")
-    ap.add_argument("--formats", default="bf16,fp8", help="with --shapes: kernels.moe.quant_format keys")
+    ap.add_argument("--formats", default="bf16,fp8", help="with --shapes: moe_serve.kernels.moe.quant_format keys")
     ap.add_argument("--ms", default=None, help=f"M list (default {','.join(map(str, M_LIST))}; --quick: "
                                                f"{','.join(map(str, QUICK_MS))})")
     ap.add_argument("--quick", action="store_true", help="the short M list")
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         log("moe-serve bench kernels: no CUDA GPU visible (on CPU, TRITON_INTERPRET=1 with --smoke)")
         return 2
     if args.dense:
-        from bench.experts import dense
+        from moe_serve.bench.experts import dense
 
         return dense.main(args, RESULTS, lambda: _save(args.out))
     if args.router:

@@ -1,9 +1,9 @@
 """MoE shard shapes (E experts, N per-rank intermediate, K hidden, top-k) for the benchmarks:
-the named ones (kernels.tuning.named_shapes, which the routing table is built from) and the
+the named ones (moe_serve.kernels.tuning.named_shapes, which the routing table is built from) and the
 benchmarks' own smoke shapes and M lists."""
 from __future__ import annotations
 
-from kernels.tuning.named_shapes import TUNED, UNTUNED
+from moe_serve.kernels.tuning.named_shapes import TUNED, UNTUNED
 
 __all__ = ["TUNED", "UNTUNED", "SMOKE", "M_LIST", "QUICK_MS"]
 

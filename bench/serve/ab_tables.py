@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.serve import baseline_table, spread
-from bench.serve import stats as serve_stats
-from bench.serve.servers import ALL_VARIANTS, BASELINE, WEIGHTS
+from moe_serve.bench.serve import baseline_table, spread
+from moe_serve.bench.serve import stats as serve_stats
+from moe_serve.bench.serve.servers import ALL_VARIANTS, BASELINE, WEIGHTS
 
 PRIMARY = {(1, "itl"), (8, "tok_s")}      # stated before any run: c = 1 ITL p50, c = 8 output tok/s
 def ratio_text(r: dict[str, Any] | None) -> str:

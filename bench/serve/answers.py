@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from bench.serve.load import prompt_ids
+from moe_serve.bench.serve.load import prompt_ids
 
 PROMPTS = 8
 PROMPT_TOKENS = 64

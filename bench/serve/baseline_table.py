@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from kernels.tuning.model_shapes import ModelConfigError, moe_shapes
+from moe_serve.kernels.tuning.model_shapes import ModelConfigError, moe_shapes
 
 LOADED = re.compile(r"Using configuration from (\S+) for MoE layer")
 DEFAULT = re.compile(r"Using default MoE config\..*?Config file not found at (.+)$", re.M)
@@ -64,7 +64,7 @@ def expected(cfg: dict[str, Any], tp: int, gpu: str, tuned: Path | None,
     model at tensor-parallel size tp on `gpu`, the table vLLM will load (tuned folder first, then
     shipped, as vLLM looks) or source "default" with path and sha256 None. No MoE shape that
     model_shapes can read: "tables": []."""
-    from kernels.moe.vllm_kernels import vllm_dtype   # torch: only where a run looks its table up
+    from moe_serve.kernels.moe.vllm_kernels import vllm_dtype   # torch: only where a run looks its table up
 
     device = device_file_name(gpu)
     try:

@@ -18,13 +18,13 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.model_dirs import model_config
-from bench.serve import baseline_table, spread
-from bench.serve import stats as serve_stats
-from bench.serve.ab_tables import bold, counts, ratio_text
-from bench.serve.schedule import BATCHED, MIN_BATCHED_REQUESTS, MIN_PROCESSES, processes_needed
-from bench.serve.servers import ALL_VARIANTS, BASELINE, OURS
-from bench.stats import WIDE
+from moe_serve.bench.model_dirs import model_config
+from moe_serve.bench.serve import baseline_table, spread
+from moe_serve.bench.serve import stats as serve_stats
+from moe_serve.bench.serve.ab_tables import bold, counts, ratio_text
+from moe_serve.bench.serve.schedule import BATCHED, MIN_BATCHED_REQUESTS, MIN_PROCESSES, processes_needed
+from moe_serve.bench.serve.servers import ALL_VARIANTS, BASELINE, OURS
+from moe_serve.bench.stats import WIDE
 
 NOT_MEASURED = "not measured"
 LAUNCHES = "moe_serve_moe_kernel_launches_total"   # the plugin's MoE launches by path (optimized = ours)
@@ -51,7 +51,7 @@ class Cell:
     """One headline cell: its text, the measured ratio and its pooled row, why it misses the bar."""
 
     text: str
-    ratio: dict[str, Any] | None = None   # bench.stats.ratio_ci, where measured
+    ratio: dict[str, Any] | None = None   # moe_serve.bench.stats.ratio_ci, where measured
     row: dict[str, Any] | None = None
     reason: str = ""                      # why it is n/a ("": it meets the bar)
     outliers: str = ""                    # outside_spread's note

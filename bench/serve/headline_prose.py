@@ -1,16 +1,16 @@
 """The headline's sentences, generated from the same raw files as its table (headline.row_data).
 
 Under the first-screen table of README.md and RESULTS.md: how a cell is measured and the bar it
-must meet (the constants of schedule.py and bench.stats), then per row which MoE table `vllm serve`
+must meet (the constants of schedule.py and moe_serve.bench.stats), then per row which MoE table `vllm serve`
 ran, each cell that meets the bar, each that does not with what was measured and why it misses,
 and for a row not measured yet the command that measures it. No number in them is typed by hand.
 """
 from __future__ import annotations
 
-from bench.serve.ab_tables import counts, ratio_text
-from bench.serve.headline import Cell, HeadlineRow, RowData, model_format, row_data
-from bench.serve.schedule import BATCHED, MIN_BATCHED_REQUESTS, MIN_PROCESSES, WIDE_PROCESSES
-from bench.stats import WIDE
+from moe_serve.bench.serve.ab_tables import counts, ratio_text
+from moe_serve.bench.serve.headline import Cell, HeadlineRow, RowData, model_format, row_data
+from moe_serve.bench.serve.schedule import BATCHED, MIN_BATCHED_REQUESTS, MIN_PROCESSES, WIDE_PROCESSES
+from moe_serve.bench.stats import WIDE
 
 CELLS = (("c1", "c = 1 ITL speedup"), ("c8", "c = 8 tok/s ratio"), ("c64", "c = 64 tok/s ratio"))
 

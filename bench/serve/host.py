@@ -86,8 +86,8 @@ def probe(timeout_s: float = 300.0) -> dict[str, Any]:
 def commit(override: str | None = None) -> dict[str, Any]:
     """{"commit": hash, "dirty": bool | None, "source_sha256": digest} of this checkout;
     `override` (e.g. from a machine whose copy of the tree has no .git) wins, with dirty unknown:
-    the digest (bench.serve.provenance) lets `moe-serve bench serve verify` tell it later."""
-    from bench.serve import provenance   # not at the top: the probe runs this file as a script
+    the digest (moe_serve.bench.serve.provenance) lets `moe-serve bench serve verify` tell it later."""
+    from moe_serve.bench.serve import provenance   # not at the top: the probe runs this file as a script
 
     digest = {"source_sha256": provenance.source_digest()}
     if override:

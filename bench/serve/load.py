@@ -22,9 +22,9 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.records import Record, RecordWriter, make_record
-from loadtest.scenarios import RequestSpec
-from loadtest.stream import StreamTimer, request_body, stream_into
+from moe_serve.loadtest.records import Record, RecordWriter, make_record
+from moe_serve.loadtest.scenarios import RequestSpec
+from moe_serve.loadtest.stream import StreamTimer, request_body, stream_into
 
 FIRST_PROMPT_ID = 1000            # prompt ids are drawn from [FIRST_PROMPT_ID, vocab)
 
@@ -56,7 +56,7 @@ class LoadRecord(Record):
 
 def prompt_ids(level: int, index: int, tokens: int, vocab: int, seed: int = 0) -> list[int]:
     """The prompt of request `index` at concurrency `level`: `tokens` ids below `vocab` (the ids
-    the model's tokenizer decodes: bench.model_dirs.decodable_ids), the same in every run."""
+    the model's tokenizer decodes: moe_serve.bench.model_dirs.decodable_ids), the same in every run."""
     rng = random.Random(f"yardstick-{seed}-{level}-{index}")
     return [rng.randrange(min(FIRST_PROMPT_ID, vocab // 2), vocab) for _ in range(tokens)]
 

@@ -21,12 +21,12 @@ from typing import Any
 
 import httpx
 
-from bench.serve import answers, baseline_table
-from bench.serve import profile as serve_profile
-from bench.serve import stats as serve_stats
-from bench.serve.load import LoadClient
-from bench.serve.schedule import requests_at, warmup_count, warmup_pass_count
-from bench.serve.servers import SERVED_NAME, WEIGHTS, EngineFlags, Server, chosen_backends, engine_config
+from moe_serve.bench.serve import answers, baseline_table
+from moe_serve.bench.serve import profile as serve_profile
+from moe_serve.bench.serve import stats as serve_stats
+from moe_serve.bench.serve.load import LoadClient
+from moe_serve.bench.serve.schedule import requests_at, warmup_count, warmup_pass_count
+from moe_serve.bench.serve.servers import SERVED_NAME, WEIGHTS, EngineFlags, Server, chosen_backends, engine_config
 
 Log = Callable[[str], None]
 

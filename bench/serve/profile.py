@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.serve import trace
-from bench.serve.load import LoadClient
+from moe_serve.bench.serve import trace
+from moe_serve.bench.serve.load import LoadClient
 
 TRACE_GLOB = "*.pt.trace.json*"
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.model_dirs import model_config_of_run
-from bench.serve import stats as serve_stats
-from bench.serve import roofline, trace
-from bench.serve.ab_tables import ab_table, ratio_text
-from bench.serve.headline import HeadlineRow, model_format, row_data
-from bench.serve.servers import BASELINE
+from moe_serve.bench.model_dirs import model_config_of_run
+from moe_serve.bench.serve import stats as serve_stats
+from moe_serve.bench.serve import roofline, trace
+from moe_serve.bench.serve.ab_tables import ab_table, ratio_text
+from moe_serve.bench.serve.headline import HeadlineRow, model_format, row_data
+from moe_serve.bench.serve.servers import BASELINE
 
 NOTE = ("Primary metrics, fixed before the runs: **c = 1 ITL p50** (as the weights route) and **c = 8 output "
         "tok/s** (under uniform expert load) (bold). A cell is the geometric mean over n processes (n server "

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kernels.plugin.plugin_metrics import RUNTIME_DIR_ENV
+from moe_serve.kernels.plugin.plugin_metrics import RUNTIME_DIR_ENV
 
 PREFIXES = ("VLLM_", "MOE_SERVE_")
 SECRET = re.compile(r"KEY|TOKEN|SECRET|PASS", re.I)
@@ -56,7 +56,7 @@ def additional_config(argv: list[str]) -> Any:
 
 def record(extra: Mapping[str, str], argv: list[str]) -> dict[str, Any]:
     """A server's record: this process's environment with the variant's `extra` over it (what
-    loadtest.server_proc gives the server, less the runtime dir), its folders and additional_config."""
+    moe_serve.loadtest.server_proc gives the server, less the runtime dir), its folders and additional_config."""
     env = decisive({**os.environ, **extra})
     return {"env": env, "folders": {k: folder_files(env[k]) for k in FOLDERS if env.get(k)},
             "additional_config": additional_config(argv)}

@@ -2,7 +2,7 @@
 load level sends (warm-up and timed), and when a run needs more rounds.
 
 A headline cell (bench/serve/render.py) needs MIN_PROCESSES + MIN_PROCESSES alternating processes,
-WIDE_PROCESSES each where its interval is wider than bench.stats.WIDE, and at c >= BATCHED at least
+WIDE_PROCESSES each where its interval is wider than moe_serve.bench.stats.WIDE, and at c >= BATCHED at least
 MIN_BATCHED_REQUESTS timed requests per process; `more_rounds` tells the yardstick to add a round
 while a primary cell misses that.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.serve.servers import FRONTEND
-from bench.stats import wider_than
+from moe_serve.bench.serve.servers import FRONTEND
+from moe_serve.bench.stats import wider_than
 
 MIN_PROCESSES, WIDE_PROCESSES = 3, 4
 BATCHED, MIN_BATCHED_REQUESTS = 8, 256
@@ -55,12 +55,12 @@ def requests_at(c: int, per_level: int | None) -> int:
 
 
 def processes_needed(ratio: dict[str, Any]) -> int:
-    """Processes per side a headline cell with this ratio (bench.stats.ratio_ci) needs."""
+    """Processes per side a headline cell with this ratio (moe_serve.bench.stats.ratio_ci) needs."""
     return WIDE_PROCESSES if wider_than(ratio) else MIN_PROCESSES
 
 
 def more_rounds(rows: list[dict[str, Any]]) -> list[str]:
-    """The primary cells (pooled rows of bench.serve.stats) short of processes for their interval,
+    """The primary cells (pooled rows of moe_serve.bench.serve.stats) short of processes for their interval,
     as "c = 1 moe-serve: 3 + 3, interval [..] needs 4 + 4"; [] where none is. The frontend
     variant, which runs in every K-th round only, is not counted."""
     short = []

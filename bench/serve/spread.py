@@ -1,7 +1,7 @@
 """Processes outside their variant's spread, and the ratios without them.
 
 Per level c, variant and primary metric (ITL p50, output tok/s), the cells of the variant's
-processes are checked with bench.stats.outlier (3 or more processes; one whose value lies farther
+processes are checked with moe_serve.bench.stats.outlier (3 or more processes; one whose value lies farther
 from the nearest other than both twice the others' range and 2 %). A flagged process is named
 with its value and the others' range, and each ratio it enters (its variant's against the
 baseline, or every variant's where it is a baseline process) is given with and without it.
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.serve import stats as serve_stats
-from bench.stats import outlier
+from moe_serve.bench.serve import stats as serve_stats
+from moe_serve.bench.stats import outlier
 
 METRICS = {"itl_p50_ms": "itl_speedup", "tok_s": "tok_s_ratio"}   # cell value -> the ratio it enters
 
@@ -49,7 +49,7 @@ def flags(procs: list[serve_stats.Process]) -> list[Flag]:
 def with_and_without(procs: list[serve_stats.Process], flag: Flag, baseline: str,
                      variants: tuple[str, ...]) -> list[tuple[str, dict[str, Any], dict[str, Any] | None]]:
     """(variant, ratio with the flagged process, ratio without it) for each ratio it enters at its
-    level (bench.stats.ratio_ci; without: None where no ratio is left)."""
+    level (moe_serve.bench.stats.ratio_ci; without: None where no ratio is left)."""
     key = METRICS[flag.metric]
     rows = [r for r in serve_stats.pooled_rows(procs, baseline, variants) if r["level"] == flag.level]
     kept = [p for p in procs if p.dir != flag.dir]

@@ -15,7 +15,7 @@ measured requests at c:
 
 A cell with a failed request is left out of the pool (and counted). Pooled over processes, a
 cell is the geometric mean; its ratio to the baseline is the ratio of geometric means with a
-95 % Welch interval on logs (bench.stats.ratio_ci), oriented so that higher is better for the
+95 % Welch interval on logs (moe_serve.bench.stats.ratio_ci), oriented so that higher is better for the
 variant: ITL and TTFT speedup = baseline / variant, tok/s = variant / baseline, API CPU =
 baseline / variant.
 
@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.model_dirs import model_config_of_run
-from bench.serve import answers, roofline
-from bench.serve.servers import VARIANT_CONFIG_KEYS, WEIGHTS, config_differences
-from bench.stats import ratio_ci
+from moe_serve.bench.model_dirs import model_config_of_run
+from moe_serve.bench.serve import answers, roofline
+from moe_serve.bench.serve.servers import VARIANT_CONFIG_KEYS, WEIGHTS, config_differences
+from moe_serve.bench.stats import ratio_ci
 
 COMPLETE = "complete"
 REQUESTS = "requests.jsonl"

@@ -25,9 +25,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench.serve import baseline_table, provenance, run_env
-from bench.serve.servers import BASELINE, FRONTEND, VLLM_TRITON
-from bench.serve.stats import COMPLETE, read_records
+from moe_serve.bench.serve import baseline_table, provenance, run_env
+from moe_serve.bench.serve.servers import BASELINE, FRONTEND, VLLM_TRITON
+from moe_serve.bench.serve.stats import COMPLETE, read_records
 
 VLLM_KERNEL_VARIANTS = (BASELINE, VLLM_TRITON, FRONTEND)   # vLLM's MoE kernel at every batch size
 VERSIONS = ("gpu", "vllm", "torch", "triton")

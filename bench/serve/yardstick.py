@@ -10,9 +10,9 @@
 tok/s under realistic expert load (`--routing uniform_random`).**
 
 Starts one server at a time on the same GPU(s), each a fresh process: `vllm-serve` (`python -m
-vllm.entrypoints.openai.api_server`, no vLLM plugin), `moe-serve-vllm-kernels` (`python -m service
+vllm.entrypoints.openai.api_server`, no vLLM plugin), `moe-serve-vllm-kernels` (`python -m moe_serve.service
 --moe-kernels vllm`: what our frontend costs; only every `--frontend-every` K-th round) and
-`moe-serve` (`python -m service`, as shipped), on the same model (bench/models/<name> with dummy
+`moe-serve` (`python -m moe_serve.service`, as shipped), on the same model (bench/models/<name> with dummy
 weights, `--model embedded`, or `--model-dir` any local HF dir) with identical engine flags
 (servers.py). Round r runs the variants in rotated order (three variants: every second cycle of
 rotations reversed, so each variant takes each position and precedes each other one equally often).
@@ -63,14 +63,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.model_dirs import config_sha, decodable_ids, dummy_model_dir
-from bench.serve import baseline_table, roofline, run_env
-from bench.serve import host as serve_host
-from bench.serve import stats as serve_stats
-from bench.serve import verify
-from bench.serve.process import run_process
-from bench.serve.schedule import MIN_PROCESSES, WIDE_PROCESSES, more_rounds, plan, requests_at, warmup_count
-from bench.serve.servers import (ALL_VARIANTS, BASELINE, CPU_KV_CACHE_BYTES, FRONTEND, VARIANTS, WEIGHTS,
+from moe_serve.bench.model_dirs import config_sha, decodable_ids, dummy_model_dir
+from moe_serve.bench.serve import baseline_table, roofline, run_env
+from moe_serve.bench.serve import host as serve_host
+from moe_serve.bench.serve import stats as serve_stats
+from moe_serve.bench.serve import verify
+from moe_serve.bench.serve.process import run_process
+from moe_serve.bench.serve.schedule import MIN_PROCESSES, WIDE_PROCESSES, more_rounds, plan, requests_at, warmup_count
+from moe_serve.bench.serve.servers import (ALL_VARIANTS, BASELINE, CPU_KV_CACHE_BYTES, FRONTEND, VARIANTS, WEIGHTS,
                                  EngineFlags, routing_env)
 
 T0 = time.monotonic()
@@ -87,7 +87,7 @@ def model_setup(a: argparse.Namespace) -> tuple[Path, str, str | None]:
     if a.model_dir:
         return Path(a.model_dir).resolve(), Path(a.model_dir).name, None if a.load_format == "auto" else a.load_format
     if a.model == "embedded":
-        from service.embedded_model import ensure_embedded_model
+        from moe_serve.service.embedded_model import ensure_embedded_model
 
         return ensure_embedded_model(), "embedded", None
     return dummy_model_dir(a.model, a.out).resolve(), a.model, "dummy"
@@ -134,7 +134,7 @@ def host_meta(a: argparse.Namespace, host: str, work: dict[str, Any], cfg: dict[
     """What every process of this call records: machine, versions, commit, copy ceiling, workload,
     the MoE table vLLM will load (baseline_table.expected). Also gives every variant's server the
     environment moe-serve gives vLLM."""
-    from service.engine import default_engine_env
+    from moe_serve.service.engine import default_engine_env
 
     default_engine_env()
     probe = serve_host.probe()                  # in a subprocess: the GPU is free again after it
@@ -327,7 +327,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def report(argv: list[str]) -> int:
-    from bench.serve.render import results_table
+    from moe_serve.bench.serve.render import results_table
 
     p = argparse.ArgumentParser(prog="moe-serve bench serve report", description="pooled table of yardstick runs")
     p.add_argument("dirs", nargs="+", type=Path)

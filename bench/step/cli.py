@@ -6,13 +6,13 @@
                                                                           and the fused norm + GEMV's tables
     moe-serve bench step --dry-run --out DIR                              CPU: tiny shapes, torch fallbacks
 
-Kernel level (bench.step.kernel_level): every fused piece at M = 1, 2, 4, 8, 16 against the unfused
+Kernel level (moe_serve.bench.step.kernel_level): every fused piece at M = 1, 2, 4, 8, 16 against the unfused
 chain vLLM serves (and vLLM's own fused op where it has one), checked against float64 first, timed
 from CUDA graphs, with its byte floor and the us a step would save. Model level
-(bench.step.model_level): the yardstick's servers at c = 1, one profiled process per switch set,
+(moe_serve.bench.step.model_level): the yardstick's servers at c = 1, one profiled process per switch set,
 within --budget-s (run the same command again to resume). Files: OUT/kernels.json, OUT/model/ (the
 yardstick's run), OUT/step.md (both tables and the step budget), printed last. With --sweep
-(bench.step.sweep): the fused norm + GEMV's configs searched per token block, OUT/sweep.json and
+(moe_serve.bench.step.sweep): the fused norm + GEMV's configs searched per token block, OUT/sweep.json and
 its tuned tables in OUT/norm-gemv-tables/ (the buckets where it beat the chain).
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.step import kernel_level, model_level, pieces
-from bench.step.shapes import StepShapes, step_shapes
+from moe_serve.bench.step import kernel_level, model_level, pieces
+from moe_serve.bench.step.shapes import StepShapes, step_shapes
 
 if TYPE_CHECKING:
     import torch
@@ -63,7 +63,7 @@ def provenance(args: argparse.Namespace, argv: list[str]) -> dict:
     """What ran: commit, dirty flag and source digest, GPU, driver and library versions, argv."""
     import torch
 
-    from bench.serve import host
+    from moe_serve.bench.serve import host
 
     return {**host.commit(args.commit), "argv": argv,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -84,8 +84,8 @@ def target(args: argparse.Namespace) -> tuple[StepShapes, torch.dtype, str]:
 
 
 def kernels(args: argparse.Namespace, run: dict) -> list[dict]:
-    from bench.experts.dense_shapes import linear_format
-    from bench.experts.problem import copy_ceiling
+    from moe_serve.bench.experts.dense_shapes import linear_format
+    from moe_serve.bench.experts.problem import copy_ceiling
 
     shapes, dtype, device = target(args)
     fmt = None if args.dry_run else linear_format(json.loads((MODELS_DIR / args.model / "config.json").read_text()))
@@ -103,8 +103,8 @@ def kernels(args: argparse.Namespace, run: dict) -> list[dict]:
 
 
 def sweep_report(args: argparse.Namespace) -> list[str]:
-    """Run the fused norm + GEMV's config search (bench.step.sweep); its report lines."""
-    from bench.step import sweep
+    """Run the fused norm + GEMV's config search (moe_serve.bench.step.sweep); its report lines."""
+    from moe_serve.bench.step import sweep
 
     shapes, dtype, device = target(args)
     rows, paths = sweep.run(shapes, args.pieces, args.tokens, dtype, device, args.replays if not args.dry_run else 2,
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.sweep:
             report += sweep_report(args)
     if not (args.kernels_only or args.dry_run):
-        from bench.serve import render, yardstick
+        from moe_serve.bench.serve import render, yardstick
 
         extra = (["--vllm-tuned-config-folder", str(args.vllm_tuned_config_folder)]
                  if args.vllm_tuned_config_folder else []) + (["--commit", args.commit] if args.commit else [])

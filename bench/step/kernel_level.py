@@ -1,9 +1,9 @@
 """Kernel level: each fused piece against the unfused chain it replaces, timed from CUDA graphs.
 
-Per case (bench.step.pieces): first the check (fused against the chain on a fresh input set; a
+Per case (moe_serve.bench.step.pieces): first the check (fused against the chain on a fresh input set; a
 case whose error passes TOLERANCE, or is NaN, is reported failed and not timed), then the median
 us of one call of `fused`, `chain` and each `alt` baseline replayed from a CUDA graph over the rotated
-input sets (kernels.tuning.timing.time_graph), and the floor: the case's bytes over the measured
+input sets (moe_serve.kernels.tuning.timing.time_graph), and the floor: the case's bytes over the measured
 copy ceiling. The prediction a model-level run must confirm: per_step x (chain - fused) us a step.
 """
 from __future__ import annotations
@@ -12,14 +12,14 @@ import math
 import traceback
 from typing import Any
 
-from bench.step.pieces import Case
+from moe_serve.bench.step.pieces import Case
 
 TOLERANCE = 2e-2          # fused against the chain, both rounding to bf16 (each ~4e-3 from float64)
 
 
 def run_case(case: Case, ceiling_bytes_per_s: float, replays: int) -> dict[str, Any]:
     """One row: the check's errors, then fused / chain / alt us, floor us, predicted saving."""
-    from kernels.tuning.timing import time_graph
+    from moe_serve.kernels.tuning.timing import time_graph
 
     row: dict[str, Any] = {"piece": case.piece, "switch": case.switch, "shape": case.shape, "M": case.M,
                            "per_step": case.per_step, "floor_bytes": case.floor_bytes}

@@ -1,11 +1,11 @@
 """Model level: the decode step per switch set, one warm server process each, through the yardstick.
 
-Each switch set is a yardstick variant (bench.serve.servers: `moe-serve+<setting>` turns a decode
+Each switch set is a yardstick variant (moe_serve.bench.serve.servers: `moe-serve+<setting>` turns a decode
 path setting of the plugin's config on, `<server>+<tweak>` changes one vLLM attention setting), run
 at c = 1 as the weights route, one process per variant, profiled (vLLM's torch profiler: the step
 per kernel class and GPU idle). From its records: ITL p50 per variant, the ratio to `moe-serve` as
 shipped, launches per decode step (kernels and copies in the profile, long burst minus short over
-the token difference) and the step budget slice by slice (bench.serve.render.step_budget: measured
+the token difference) and the step budget slice by slice (moe_serve.bench.serve.render.step_budget: measured
 ms and the slice's byte floor).
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ def launches_per_step(profile_level: dict[str, Any]) -> float:
 def summary(out: Path) -> list[dict[str, Any]]:
     """Per variant: the median over its processes of ITL p50 ms at c = 1, its ratio to moe-serve as
     shipped, launches per step (from its profiled process), processes."""
-    from bench.serve import stats as serve_stats
+    from moe_serve.bench.serve import stats as serve_stats
 
     itl: dict[str, list[float]] = {}
     launches: dict[str, float] = {}

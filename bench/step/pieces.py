@@ -5,7 +5,7 @@ included, together past twice the L2, so no replay finds the last set's weights 
 the next layer has other weights). Its sides are callables of a set index: `fused` (our piece),
 `chain` (what moe-serve serves without the switch) and `alt` (a baseline by name: vLLM's own fused
 op where it has one, or our kernel's other operand rounding). The inputs and sides come from the
-pieces' own benchmark cases (kernels.fused.bench_cases; bench.experts.dense_fp8.fp8_bench_cases for
+pieces' own benchmark cases (moe_serve.kernels.fused.bench_cases; moe_serve.bench.experts.dense_fp8.fp8_bench_cases for
 the FP8 GEMV); `check` compares the sides' outputs on set 0 (and float64 where the case gives it).
 
 | piece | switch | per step | fused | chain |
@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from bench.experts.reference import rel_err
-from bench.step.shapes import StepShapes
+from moe_serve.bench.experts.reference import rel_err
+from moe_serve.bench.step.shapes import StepShapes
 
 L2_BYTES = 60 * 2 ** 20          # the H200's L2 (the H100's: 50 MiB): sets rotate past twice this
 MAX_SETS = 16
@@ -39,7 +39,7 @@ PIECES = ("norm_gemv/qkv", "norm_gemv/gate", "norm_gemv/lm_head", "qk_norm_rope"
 
 @dataclass
 class Case:
-    """One piece at one shape and M, ready to time (bench.step.kernel_level)."""
+    """One piece at one shape and M, ready to time (moe_serve.bench.step.kernel_level)."""
 
     piece: str
     switch: str
@@ -63,7 +63,7 @@ def n_sets(bytes_per_set: int, device: str = "cuda") -> int:
 
 def _rotated(piece: str, switch: str, shape: str, M: int, per_step: int, make: Callable[[int], Any],
              per_set_bytes: int, compare: Callable[[Any, Any], dict[str, float]], device: str) -> Case:
-    """A case over n_sets pairs of kernels.fused.bench_cases (one per seed)."""
+    """A case over n_sets pairs of moe_serve.kernels.fused.bench_cases (one per seed)."""
     pairs = [make(seed) for seed in range(n_sets(per_set_bytes, device))]
     names = sorted(set().union(*(p.others for p in pairs)))
 
@@ -91,7 +91,7 @@ def norm_gemv_shape(piece: str, s: StepShapes) -> tuple[int, int, bool]:
 
 
 def norm_gemv_case(piece: str, s: StepShapes, M: int, dtype: torch.dtype, device: str) -> Case:
-    from kernels.fused import bench_cases
+    from moe_serve.kernels.fused import bench_cases
 
     N, per_step, write_h = norm_gemv_shape(piece, s)
 
@@ -103,7 +103,7 @@ def norm_gemv_case(piece: str, s: StepShapes, M: int, dtype: torch.dtype, device
 
 
 def qk_norm_rope_case(s: StepShapes, M: int, with_cache: bool, dtype: torch.dtype, device: str) -> Case:
-    from kernels.fused import bench_cases
+    from moe_serve.kernels.fused import bench_cases
 
     def make(seed: int) -> Any:
         return bench_cases.qk_norm_rope(s.q_heads, s.kv_heads, s.head_dim, M, rot_dim=s.rot_dim,
@@ -117,7 +117,7 @@ def qk_norm_rope_case(s: StepShapes, M: int, with_cache: bool, dtype: torch.dtyp
 def fp8_gemv_case(piece: str, s: StepShapes, N: int, K: int, M: int, fmt: str) -> Case:
     """Our FP8 GEMV against vLLM's FP8 linear layer on the same stored weights (both checked
     against float64 by fp8_bench_cases before they are returned)."""
-    from bench.experts.dense_fp8 import fp8_bench_cases
+    from moe_serve.bench.experts.dense_fp8 import fp8_bench_cases
 
     ours, vllm = fp8_bench_cases((N, K), M, fmt)
     if vllm is None:
@@ -133,7 +133,7 @@ def fp8_gemv_case(piece: str, s: StepShapes, N: int, K: int, M: int, fmt: str) -
 def cases(s: StepShapes, Ms: tuple[int, ...], pieces: tuple[str, ...], dtype: torch.dtype, device: str,
           fp8_format: str | None = None) -> list[Case]:
     """Every (piece, M) asked for that the model has, in the order asked; fp8 pieces only for an
-    FP8 checkpoint (fp8_format: bench.experts.dense_fp8's format name)."""
+    FP8 checkpoint (fp8_format: moe_serve.bench.experts.dense_fp8's format name)."""
     build: dict[str, Callable[[int], Case]] = {
         **{p: (lambda M, p=p: norm_gemv_case(p, s, M, dtype, device))
            for p in ("norm_gemv/qkv", "norm_gemv/gate", "norm_gemv/lm_head")},

@@ -1,12 +1,12 @@
 """`moe-serve bench step --sweep`: the fused norm + GEMV's own config per token block.
 
-Per norm_gemv piece asked for (kernels.fused.norm_gemv at the model's shape) and token block M in
+Per norm_gemv piece asked for (moe_serve.kernels.fused.norm_gemv at the model's shape) and token block M in
 1, 2, 4, 8 (9..16 run two blocks of 8 with the 8-token config): the unfused chain is timed once,
-then a coordinate search (bench.experts.dense.coordinate_search, the dense GEMV's search keys and
+then a coordinate search (moe_serve.bench.experts.dense.coordinate_search, the dense GEMV's search keys and
 feasibility rules) times the fused kernel per config from CUDA graphs over input sets rotated
 past the L2, each config first checked against the chain on a fresh input set (a config off by
 more than kernel_level.TOLERANCE is not timed). The buckets where the best config beat the chain
-by kernels.dense.configs.WIN_MARGIN make the fused kernel's tuned table (kind "norm_gemv"), written
+by moe_serve.kernels.dense.configs.WIN_MARGIN make the fused kernel's tuned table (kind "norm_gemv"), written
 to OUT/norm-gemv-tables/: copy a file into kernels/dense/configs/ to ship it; the ops run the fused
 kernel only at the buckets a table lists.
 """
@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from bench.experts.reference import rel_err
-from bench.step.kernel_level import TOLERANCE
-from bench.step.pieces import n_sets, norm_gemv_shape
-from bench.step.shapes import StepShapes
-from kernels.dense import configs
+from moe_serve.bench.experts.reference import rel_err
+from moe_serve.bench.step.kernel_level import TOLERANCE
+from moe_serve.bench.step.pieces import n_sets, norm_gemv_shape
+from moe_serve.bench.step.shapes import StepShapes
+from moe_serve.kernels.dense import configs
 
 SWEEP_MS = (1, 2, 4, 8)                # the fused kernel's token blocks (TOKEN_BLOCK = 8)
 SMOKE_AXES = (("BLOCK_N", (2, 8)), ("SPLIT_K", (1, 2)))
@@ -32,10 +32,10 @@ def sweep_bucket(N: int, K: int, M: int, write_h: bool, dtype: torch.dtype, devi
                  axes: tuple, rounds: int) -> dict[str, Any]:
     """One (shape, M) row: chain_us, serving_us (the config serving would run), best_us and its
     config, how many configs were timed and how many failed their check."""
-    from bench.experts.dense import coordinate_search, feasible, prime_capture_workspace
-    from kernels.fused import bench_cases
-    from kernels.fused import norm_gemv as ng
-    from kernels.tuning.timing import time_graph
+    from moe_serve.bench.experts.dense import coordinate_search, feasible, prime_capture_workspace
+    from moe_serve.kernels.fused import bench_cases
+    from moe_serve.kernels.fused import norm_gemv as ng
+    from moe_serve.kernels.tuning.timing import time_graph
 
     dt = ng.DTYPES[dtype]
     count = n_sets(N * K * dtype.itemsize, device)
@@ -92,8 +92,8 @@ def tables(rows: list[dict[str, Any]]) -> dict[tuple[int, int, str], dict[int, d
 
 
 def write_tables(rows: list[dict[str, Any]], out: Path, device_name: str) -> list[Path]:
-    """The tables of `tables(rows)` as kernels.dense.configs files under out/; their paths."""
-    from kernels.moe.configs import running_triton_version
+    """The tables of `tables(rows)` as moe_serve.kernels.dense.configs files under out/; their paths."""
+    from moe_serve.kernels.moe.configs import running_triton_version
 
     out.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -122,8 +122,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 def run(s: StepShapes, pieces: tuple[str, ...], Ms: tuple[int, ...], dtype: torch.dtype, device: str,
         replays: int, out: Path, smoke: bool) -> tuple[list[dict[str, Any]], list[Path]]:
     """Sweep every norm_gemv piece asked for at the token blocks of Ms; (rows, table files)."""
-    from bench.experts.dense import AXES
-    from kernels.dense.gemv import device_facts
+    from moe_serve.bench.experts.dense import AXES
+    from moe_serve.kernels.dense.gemv import device_facts
 
     blocks = sorted({configs.bucket(min(M, SWEEP_MS[-1])) for M in Ms})
     rows = []

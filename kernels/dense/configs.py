@@ -1,4 +1,4 @@
-"""Configs of the dense decode GEMV (kernels.dense.gemv): the keys, their checks, the untuned
+"""Configs of the dense decode GEMV (moe_serve.kernels.dense.gemv): the keys, their checks, the untuned
 heuristic, and the tuned tables that override it.
 
 A config is a dict::
@@ -12,25 +12,25 @@ SPLIT_K programs per row block (a power of two <= MAX_SPLIT_K), ACC_PAIRS (per-t
 keep VEC / 2 lanes: one FMA per product, more registers) and PREFETCH (the next K tile's weights
 loaded before this tile's FMAs).
 
-Weight dtype keys: "bf16", "fp16", "fp32" (kernels.dense.gemv, 1..8 tokens) and the FP8 formats
-of kernels.dense.gemv_fp8 (1..16 tokens): "fp8_tensor", "fp8_channel" (one scale, one per output
+Weight dtype keys: "bf16", "fp16", "fp32" (moe_serve.kernels.dense.gemv, 1..8 tokens) and the FP8 formats
+of moe_serve.kernels.dense.gemv_fp8 (1..16 tokens): "fp8_tensor", "fp8_channel" (one scale, one per output
 row) and "fp8_block{bn}x{bk}" (a scale per [bn, bk] block), named by fp8_key. VEC, the elements
 of one 16-byte weight load, is 8 (bf16, fp16), 4 (fp32) and 16 (FP8).
 
 Tables: ``dense,N={N},K={K},dtype={dtype},device={device}.json``, keyed by BLOCK_M ("1", "2",
 "4", "8", and "16" for FP8: M rounded up to a power of two, one compiled variant each), with
 "triton_version";
-searched like the MoE tables (kernels.moe.configs.labelled_dirs: $MOE_SERVE_KERNEL_CONFIG_DIR,
+searched like the MoE tables (moe_serve.kernels.moe.configs.labelled_dirs: $MOE_SERVE_KERNEL_CONFIG_DIR,
 the tuner's cache) and then in kernels/dense/configs/; a table made under another Triton is
 refused with a warning. `moe-serve bench kernels --dense` writes such tables from its sweep,
 keeping only the buckets where its best config beat F.linear (cuBLAS; vLLM's FP8 linear for the
 FP8 keys) by at least WIN_MARGIN.
 
-The fused residual add + RMSNorm + GEMV (kernels.fused.norm_gemv) keeps its own tables in the
+The fused residual add + RMSNorm + GEMV (moe_serve.kernels.fused.norm_gemv) keeps its own tables in the
 same format and dirs under the kind "norm_gemv" (``norm_gemv,N=...``): the buckets where its best
 config beat the unfused chain (`moe-serve bench step --sweep`).
 
-Serving (kernels.dense.op) runs the GEMV only for a (shape, bucket) a table lists (tuned_config):
+Serving (moe_serve.kernels.dense.op) runs the GEMV only for a (shape, bucket) a table lists (tuned_config):
 every other call keeps F.linear. The heuristic (default_config) is the search's starting point
 and what a direct dense_gemv call without a table runs.
 """
@@ -42,7 +42,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from kernels.moe import configs as moe_configs
+from moe_serve.kernels.moe import configs as moe_configs
 
 Config = dict[str, Any]
 KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "ACC_PAIRS", "PREFETCH")

@@ -23,9 +23,9 @@ dense_gemv_kernel   grid (cdiv(N, BLOCK_N), SPLIT_K)
     buffered): Triton's num_stages pipelining does not apply to loads that feed no tl.dot, so
     this is how a warp keeps a tile's loads in flight while it computes.
     SPLIT_K > 1 adds the fp32 partial rows into a workspace [M, N] with atomics; the program
-    that arrives last at its n-block (kernels.moe.moe_tiles._arrive_last) reads them back while
+    that arrives last at its n-block (moe_serve.kernels.moe.moe_tiles._arrive_last) reads them back while
     zeroing them, adds the bias and stores y: one launch, and the workspace is zero after every
-    call (kernels.moe.moe_decode_launch.split_workspace, shared with the MoE decode path).
+    call (moe_serve.kernels.moe.moe_decode_launch.split_workspace, shared with the MoE decode path).
 """
 from __future__ import annotations
 
@@ -35,11 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dense.configs import DEFAULT_SMS, Config, bucket, config_for, max_m, validate, vec
-from kernels.moe.configs import device_file_name
-from kernels.moe.launch import jit, launch
-from kernels.moe.moe_decode_launch import split_workspace
-from kernels.moe.moe_tiles import _arrive_last, _split_range, _take_row
+from moe_serve.kernels.dense.configs import DEFAULT_SMS, Config, bucket, config_for, max_m, validate, vec
+from moe_serve.kernels.moe.configs import device_file_name
+from moe_serve.kernels.moe.launch import jit, launch
+from moe_serve.kernels.moe.moe_decode_launch import split_workspace
+from moe_serve.kernels.moe.moe_tiles import _arrive_last, _split_range, _take_row
 
 MAX_M = max_m("bf16")               # tokens one launch serves (one accumulator each)
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -250,7 +250,7 @@ def device_facts(device: torch.device) -> tuple[str, int]:
 def dense_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                cfg: Config | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ w[N, K]^T (+ bias [N]) in x's dtype, fp32 accumulation, for
-    1 <= M <= MAX_M (see unsupported); cfg: a kernels.dense.configs config (default: the tuned
+    1 <= M <= MAX_M (see unsupported); cfg: a moe_serve.kernels.dense.configs config (default: the tuned
     table's or the heuristic's for this shape, M and device); out: a contiguous [M, N] tensor of
     x's dtype to write into. One launch, no host sync, buffers sized from shapes only: CUDA-graph
     capturable."""

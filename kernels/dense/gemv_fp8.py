@@ -11,7 +11,7 @@ Scales (float32), read in the same pass as the weights:
              strides (vLLM's weight_scale_inv, DeepGEMM's MN-major copy of it included).
 
 dense_gemv_fp8_kernel   grid (cdiv(N, BLOCK_N), SPLIT_K)
-    The layout of kernels.dense.gemv: program (n-block, s) owns BLOCK_N weight rows and split
+    The layout of moe_serve.kernels.dense.gemv: program (n-block, s) owns BLOCK_N weight rows and split
     s's share of the K tiles; a K tile is [BLOCK_N, BLOCK_K // 16, 16]: one 16-byte vector (16
     fp8) per thread and row, threads and warps along K, the rows in each thread's registers
     (BLOCK_K a multiple of 16 x 32 x num_warps). A vector's 16 x values are 32 bytes of bf16 /
@@ -26,7 +26,7 @@ dense_gemv_fp8_kernel   grid (cdiv(N, BLOCK_N), SPLIT_K)
     BLOCK_N >= BLOCK_M (16 x BLOCK_M multiplies per vector) and to the weight vectors otherwise
     (16 x BLOCK_N). PREFETCH keeps the next tile's raw fp8 vectors in registers (4 words per row)
     while this tile's products run; SPLIT_K > 1 reduces through the self-clearing workspace, as
-    kernels.dense.gemv does. Token rows past M read row M - 1 and are never written.
+    moe_serve.kernels.dense.gemv does. Token rows past M read row M - 1 and are never written.
 
 What the GPU decides (bench/experts/dense.py times every bucket against vLLM's FP8 linear and
 writes a table only where ours won): up to which M W8A16 on CUDA cores keeps up with HBM. Each fp8
@@ -34,7 +34,7 @@ byte costs M FMAs, M / BLOCK_N widenings of x and ~1.5 conversions: the sm_90 SA
 configs' K loop holds ~6 instructions per weight byte at M = 1 and ~41 at M = 16, against an
 H100's ~10 per byte at its streaming rate (~30e12 thread instructions/s for ~3e12 bytes/s), so
 from M ~ 4 on the kernel is bound by instruction issue, not HBM; there the alternative is to
-quantize x inside the kernel and run fp8 MMAs (kernels.moe.moe_decode's Swap-AB form), which this
+quantize x inside the kernel and run fp8 MMAs (moe_serve.kernels.moe.moe_decode's Swap-AB form), which this
 module does not build. A static activation scale of the checkpoint is
 not applied (x is never quantized: the result is the dequantized weights' exact product, vLLM's
 within its activation rounding).
@@ -45,11 +45,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dense.configs import Config, bucket, config_for, fp8_key, validate
-from kernels.dense.gemv import DTYPES, _pairs, _store, device_facts
-from kernels.moe.launch import jit, launch
-from kernels.moe.moe_decode_launch import split_workspace
-from kernels.moe.moe_tiles import _arrive_last, _split_range
+from moe_serve.kernels.dense.configs import Config, bucket, config_for, fp8_key, validate
+from moe_serve.kernels.dense.gemv import DTYPES, _pairs, _store, device_facts
+from moe_serve.kernels.moe.launch import jit, launch
+from moe_serve.kernels.moe.moe_decode_launch import split_workspace
+from moe_serve.kernels.moe.moe_tiles import _arrive_last, _split_range
 
 FP8 = torch.float8_e4m3fn
 MAX_M = 16                          # tokens one launch serves (one accumulator each)
@@ -92,7 +92,7 @@ def _token(acc, wle, wlo, whe, who, x_ptrs, mask, s, HU: tl.constexpr, X_BF16: t
 def _store_rows(y_ptr, ws_ptr, bias, row_scale, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12,
                 a13, a14, a15, M, N, offs_n, ACC_PAIRS: tl.constexpr, SPLIT_K: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, FINAL: tl.constexpr):
-    """kernels.dense.gemv._store of the program's BLOCK_M (1, 2, 4, 8 or 16) tokens' rows."""
+    """moe_serve.kernels.dense.gemv._store of the program's BLOCK_M (1, 2, 4, 8 or 16) tokens' rows."""
     _store(y_ptr, ws_ptr, bias, a0, 0, M, N, offs_n, ACC_PAIRS, SPLIT_K, BLOCK_N, FINAL, row_scale)
     if BLOCK_M > 1:
         _store(y_ptr, ws_ptr, bias, a1, 1, M, N, offs_n, ACC_PAIRS, SPLIT_K, BLOCK_N, FINAL, row_scale)
@@ -296,7 +296,7 @@ def dense_gemv_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: 
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ (w [N, K] fp8 dequantized by `scale`)^T (+ bias [N]) in x's dtype,
     fp32 accumulation, for 1 <= M <= MAX_M (see unsupported); block: (bn, bk) of block scales
-    (None: per tensor or per channel, by the scale's size); cfg: a kernels.dense.configs config
+    (None: per tensor or per channel, by the scale's size); cfg: a moe_serve.kernels.dense.configs config
     (default: the tuned table's or the heuristic's for this shape, M and device); out: a
     contiguous [M, N] of x's dtype. One launch, no host sync, buffers sized from shapes only:
     CUDA-graph capturable."""

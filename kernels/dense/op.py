@@ -1,5 +1,5 @@
 """The dense decode GEMV as a torch custom op, ``torch.ops.moe_serve.dense_linear(x, weight,
-bias)``: F.linear's result for any input, computed by kernels.dense.gemv where M (the rows of x
+bias)``: F.linear's result for any input, computed by moe_serve.kernels.dense.gemv where M (the rows of x
 [..., K]) is 1..MAX_M on CUDA, the layout is one the kernel takes and a tuned table lists the
 weight's shape and M's bucket for this device (serving_config: measured
 faster than F.linear there), else by F.linear.
@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.dense.configs import Config, config_for, tuned_config
-from kernels.dense.gemv import DTYPES, MAX_M, dense_gemv, device_facts, unsupported
-from kernels.moe.launch import record_launches
+from moe_serve.kernels.dense.configs import Config, config_for, tuned_config
+from moe_serve.kernels.dense.gemv import DTYPES, MAX_M, dense_gemv, device_facts, unsupported
+from moe_serve.kernels.moe.launch import record_launches
 
 NAMESPACE, NAME = "moe_serve", "dense_linear"
 CPU_INTERPRETER = False     # test-only: our kernel on CPU tensors under TRITON_INTERPRET=1

@@ -12,7 +12,7 @@ layer's output for any M, taking the weight and its scale as vLLM stores them.
 
 At 1..MAX_M tokens on CUDA, where a tuned table (kernels/dense/configs/) lists the shape's format
 and M's bucket for the GPU (serving_config: measured faster than vLLM's FP8 linear there), the
-result is kernels.dense.gemv_fp8's (W8A16: x is not quantized); everywhere else the op calls
+result is moe_serve.kernels.dense.gemv_fp8's (W8A16: x is not quantized); everywhere else the op calls
 the layer's own vLLM apply registered under `fallback` (register_fallback; kernels/plugin/
 fp8_dense_hook.py registers each layer at load), and with no fallback (direct calls, the CPU) it
 is F.linear of x on the weights dequantized in fp32 (dequantize). As for
@@ -36,10 +36,10 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.dense.configs import Config, config_for, fp8_key, tuned_config
-from kernels.dense.gemv import DTYPES, device_facts
-from kernels.dense.gemv_fp8 import FP8, MAX_M, dense_gemv_fp8, unsupported
-from kernels.moe.launch import record_launches
+from moe_serve.kernels.dense.configs import Config, config_for, fp8_key, tuned_config
+from moe_serve.kernels.dense.gemv import DTYPES, device_facts
+from moe_serve.kernels.dense.gemv_fp8 import FP8, MAX_M, dense_gemv_fp8, unsupported
+from moe_serve.kernels.moe.launch import record_launches
 
 NAMESPACE, NAME = "moe_serve", "fp8_dense_linear"
 CPU_INTERPRETER = False     # test-only: our kernel on CPU tensors under TRITON_INTERPRET=1

@@ -5,7 +5,7 @@ harness (`moe-serve bench step`). Every callable returns its outputs, so a harne
 check the pair against each other before timing.
 
 The unfused chains are what a decode step runs without the switch: the torch composition with
-vLLM's semantics (kernels.fused.reference) compiled by Inductor, as vLLM's compiled graph
+vLLM's semantics (moe_serve.kernels.fused.reference) compiled by Inductor, as vLLM's compiled graph
 compiles RMSNorm / RotaryEmbedding.forward_native between its custom ops, then
 ``torch.ops.moe_serve.dense_linear`` for the GEMM (our GEMV where a tuned table lists the shape,
 cuBLAS otherwise: what moe-serve serves today). `compile_unfused=False` runs the composition
@@ -25,10 +25,10 @@ from typing import Any, Callable
 
 import torch
 
-from kernels.dense.op import dense_linear
-from kernels.fused import norm_gemv as ng
-from kernels.fused import qk_norm_rope as qk
-from kernels.fused import reference
+from moe_serve.kernels.dense.op import dense_linear
+from moe_serve.kernels.fused import norm_gemv as ng
+from moe_serve.kernels.fused import qk_norm_rope as qk
+from moe_serve.kernels.fused import reference
 
 Fn = Callable[[], Any]
 QWEN3_30B_A3B = {  # the decode step's fused pieces on Qwen3-30B-A3B (TP 1), bf16

@@ -14,7 +14,7 @@ norm; the router's gate after the post-attention norm, where WRITE_H also stores
 the experts).
 
 norm_gemv_kernel   grid (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M))
-    kernels.dense.gemv's split-K GEMV (16-byte loads, the weight rows in registers, register
+    moe_serve.kernels.dense.gemv's split-K GEMV (16-byte loads, the weight rows in registers, register
     prefetch of the next K tile, the self-clearing split workspace; see its doc), with a
     prologue and a different x operand. Program (n-block, split, token block) holds BLOCK_M
     (1, 2, 4, 8) tokens; M in 9..16 runs two token blocks of 8 (each reads the weight: the GEMV's
@@ -46,8 +46,8 @@ redoes the norm on its columns of every token, amortised over its BLOCK_N weight
 plain GEMV's configs (what serving_config takes) hold 2 rows at M = 8, where that K loop runs
 ~1050 instructions per thread for 2 weight vectors: issue-bound below HBM's rate by a rough
 count, so the fused kernel likely wants more rows per program as M grows. Its own tables
-(kernels.dense.configs, kind "norm_gemv", written by `moe-serve bench step --sweep`) list the
-buckets where its best config beat the unfused chain; the ops (kernels.fused.ops) run it only
+(moe_serve.kernels.dense.configs, kind "norm_gemv", written by `moe-serve bench step --sweep`) list the
+buckets where its best config beat the unfused chain; the ops (moe_serve.kernels.fused.ops) run it only
 there.
 """
 from __future__ import annotations
@@ -56,11 +56,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dense.configs import NORM_GEMV, Config, bucket, config_for, load_table, validate, vec
-from kernels.dense.gemv import DTYPES, _pairs, _store_rows, device_facts
-from kernels.moe.launch import jit, launch
-from kernels.moe.moe_decode_launch import split_workspace
-from kernels.moe.moe_tiles import _arrive_last, _split_range
+from moe_serve.kernels.dense.configs import NORM_GEMV, Config, bucket, config_for, load_table, validate, vec
+from moe_serve.kernels.dense.gemv import DTYPES, _pairs, _store_rows, device_facts
+from moe_serve.kernels.moe.launch import jit, launch
+from moe_serve.kernels.moe.moe_decode_launch import split_workspace
+from moe_serve.kernels.moe.moe_tiles import _arrive_last, _split_range
 
 MAX_M = 16                          # tokens one launch serves
 SERVED_EXACT_H = True               # the ops' operand: h as vLLM rounds it (bench_cases times both)

@@ -4,21 +4,21 @@ and CUDA graphs capture its launch; the implementation decides per call (at capt
 captured batch size):
 
 ``fused_norm_linear(x, residual?, norm_weight, eps, weight, bias?, write_h) -> (y, residual_out, h)``
-    residual add + RMSNorm + F.linear (kernels.fused.norm_gemv at 1..SERVED_MAX_M (16) tokens on
+    residual add + RMSNorm + F.linear (moe_serve.kernels.fused.norm_gemv at 1..SERVED_MAX_M (16) tokens on
     CUDA where its tuned table lists the token block: measured faster than the chain; else the
-    row-norm kernel kernels.fused.rms_norm, then the GEMM the unfused layer runs: dense_linear, our
+    row-norm kernel moe_serve.kernels.fused.rms_norm, then the GEMM the unfused layer runs: dense_linear, our
     GEMV where its table lists the shape, under the dense_gemv setting; else F.linear).
     residual_out is empty without a residual (the caller keeps x, as vLLM's layer does), h empty
     unless write_h.
 ``fused_qk_norm_rope(qkv, positions, q_norm_weight, k_norm_weight, eps, cos_sin_cache,
 num_q_heads, num_kv_heads, head_dim, rot_dim, neox) -> qk``
-    the q | k heads [T, (Hq + Hkv) * D] of qkv normalised and rotated (kernels.fused.qk_norm_rope
+    the q | k heads [T, (Hq + Hkv) * D] of qkv normalised and rotated (moe_serve.kernels.fused.qk_norm_rope
     on CUDA, any T); qkv is not written.
 ``fused_qk_norm_rope_cache(..., key_cache!, value_cache!, slot_mapping) -> qk``
     the same, also writing K and V into the paged cache (mutates the two caches).
 
 Everywhere our kernels do not run (the CPU engine; layouts a kernel refuses) each op computes
-the unfused composition in torch with vLLM's semantics (kernels.fused.reference), so a model
+the unfused composition in torch with vLLM's semantics (moe_serve.kernels.fused.reference), so a model
 calling them runs on vLLM's CPU engine unchanged. CPU_INTERPRETER (tests only, under
 TRITON_INTERPRET=1) runs the kernels on CPU tensors instead.
 """
@@ -29,12 +29,12 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kernels.config import current
-from kernels.dense.configs import Config
-from kernels.dense.op import dense_linear
-from kernels.fused import norm_gemv as ng
-from kernels.fused import qk_norm_rope as qk
-from kernels.fused import reference, rms_norm
+from moe_serve.kernels.config import current
+from moe_serve.kernels.dense.configs import Config
+from moe_serve.kernels.dense.op import dense_linear
+from moe_serve.kernels.fused import norm_gemv as ng
+from moe_serve.kernels.fused import qk_norm_rope as qk
+from moe_serve.kernels.fused import reference, rms_norm
 
 NAMESPACE = "moe_serve"
 CPU_INTERPRETER = False     # test-only: our kernels on CPU tensors under TRITON_INTERPRET=1
@@ -195,7 +195,7 @@ torch.library.register_fake(f"{NAMESPACE}::fused_qk_norm_rope_cache", _qk_cache_
 
 def seen_norm_linear() -> dict[NormKey, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """(weight, norm weight, bias) of every fused_norm_linear call kind our kernels ran or could
-    run, by its key, in the order first seen (for the warm-up, kernels.fused.warmup)."""
+    run, by its key, in the order first seen (for the warm-up, moe_serve.kernels.fused.warmup)."""
     return dict(_seen_norm)
 
 

@@ -12,7 +12,7 @@ rope is vLLM's RotaryEmbedding: cos, sin = cos_sin_cache[pos] (the [max_pos, rot
 cos | sin halves, cast to the activation dtype as vLLM casts it), pairs (x1, x2) of the first
 and second half of the rotary columns (neox) or of even and odd columns (GPT-J), o1 = x1 cos -
 x2 sin, o2 = x2 cos + x1 sin. rnd rounds to the activation dtype; the norm rounds as vLLM's
-rms_norm (kernels.fused.reference) and the normalised head is rounded before the rotation, as
+rms_norm (moe_serve.kernels.fused.reference) and the normalised head is rounded before the rotation, as
 vLLM stores it between its two ops; the rotation itself is fp32 with one rounding (vLLM's native
 path rounds after each product in bf16 / fp16: within an ulp of this).
 
@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fused.norm_gemv import TL_DTYPES
-from kernels.moe.launch import jit, launch
+from moe_serve.kernels.fused.norm_gemv import TL_DTYPES
+from moe_serve.kernels.moe.launch import jit, launch
 
 KVCache = tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # key_cache, value_cache, slot_mapping
 

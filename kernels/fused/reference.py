@@ -1,5 +1,5 @@
 """The unfused compositions the fused kernels replace, in torch, with vLLM's semantics: what the
-custom ops (kernels.fused.ops) compute on devices our kernels do not run on (the CPU engine).
+custom ops (moe_serve.kernels.fused.ops) compute on devices our kernels do not run on (the CPU engine).
 
 - add_rms_norm: vllm.ir.ops.layernorm's fused_add_rms_norm / rms_norm (RMSNorm.forward_native).
 - qk_norm_rope: Qwen3's per-head q_norm / k_norm (those ops on [.., heads, D]), then

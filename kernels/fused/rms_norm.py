@@ -1,6 +1,6 @@
 """Residual add + RMSNorm over rows, one launch: the unfused half of the fused norm ops where the
 GEMV prologue does not serve (more than norm_gemv.MAX_M tokens: prefill), in vLLM's semantics
-(kernels.fused.norm_gemv's module doc; vllm.ir.ops.layernorm):
+(moe_serve.kernels.fused.norm_gemv's module doc; vllm.ir.ops.layernorm):
 
     s = x + residual (fp32); residual_out = s in x's dtype; h = rnd(rnd(s * rstd) * w)
 
@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fused.norm_gemv import TL_DTYPES
-from kernels.moe.launch import jit, launch
+from moe_serve.kernels.fused.norm_gemv import TL_DTYPES
+from moe_serve.kernels.moe.launch import jit, launch
 
 BLOCK = 1024                        # columns per step
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from kernels.fused import norm_gemv as ng
-from kernels.fused import ops
-from kernels.fused import qk_norm_rope as qk
-from kernels.moe.launch import record_launches
+from moe_serve.kernels.fused import norm_gemv as ng
+from moe_serve.kernels.fused import ops
+from moe_serve.kernels.fused import qk_norm_rope as qk
+from moe_serve.kernels.moe.launch import record_launches
 
 _warmed: set[Any] = set()
 

@@ -5,7 +5,7 @@ A layer runs the piece where `norm_gemv_fits`: the switch is on, no LoRA, the ba
 invariant (vLLM's VLLM_BATCH_INVARIANT: our kernels reduce in their own order), the QKV projection is
 vLLM's unquantized QKVParallelLinear (its bias added, not returned), and the input norm is vLLM's
 plain RMSNorm. Then `attention_block` computes the residual add + norm + QKV GEMV as one op
-(kernels.fused.ops.fused_norm_linear) and hands qkv to the attention's `attend`; else it runs
+(moe_serve.kernels.fused.ops.fused_norm_linear) and hands qkv to the attention's `attend`; else it runs
 vLLM's code (the norm, then the attention module on the normalised states).
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ from vllm import envs
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import QKVParallelLinear
 
-from kernels.config import PluginConfig
-from kernels.fused.ops import fused_norm_linear
+from moe_serve.kernels.config import PluginConfig
+from moe_serve.kernels.fused.ops import fused_norm_linear
 
 UNQUANTIZED = "UnquantizedLinearMethod"
 

@@ -1,8 +1,8 @@
 """Mixtral as moe-serve serves it: vLLM's MixtralForCausalLM with, under the fused_router setting,
-each MoE block's gate moved into its runner (kernels.models.runner_gate: our router serves it), and
+each MoE block's gate moved into its runner (moe_serve.kernels.models.runner_gate: our router serves it), and
 with the fused input norm + QKV piece (fuse_norm_gemv) decoder layers that compute the residual
-add + RMSNorm + QKV projection as one op (kernels.models.common), the rest vLLM's (as
-kernels.models.qwen3_moe describes for Qwen3-MoE). Mixtral has no Q/K norm, so fuse_qk_norm_rope
+add + RMSNorm + QKV projection as one op (moe_serve.kernels.models.common), the rest vLLM's (as
+moe_serve.kernels.models.qwen3_moe describes for Qwen3-MoE). Mixtral has no Q/K norm, so fuse_qk_norm_rope
 does not apply. vLLM 0.26 and 0.32 build these modules alike.
 """
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from vllm.model_executor.models.mixtral import MixtralAttention, MixtralDecoderLayer, MixtralForCausalLM
 
-from kernels.config import current
-from kernels.models.common import attention_block, fuse_layers, fused_layer_counts
-from kernels.models.runner_gate import move_gate
+from moe_serve.kernels.config import current
+from moe_serve.kernels.models.common import attention_block, fuse_layers, fused_layer_counts
+from moe_serve.kernels.models.runner_gate import move_gate
 
 
 class FusedMixtralAttention(MixtralAttention):

@@ -1,9 +1,9 @@
 """Qwen3-MoE with the fused decode pieces: vLLM's Qwen3MoeForCausalLM whose decoder layers call
-kernels.fused's custom ops, each behind its PluginConfig switch (kernels.config.current() when
+moe_serve.kernels.fused's custom ops, each behind its PluginConfig switch (moe_serve.kernels.config.current() when
 the model is built):
 
 - fuse_norm_gemv: the input norm (residual add + RMSNorm) and the QKV projection as one op,
-  ``moe_serve.fused_norm_linear`` (kernels.models.common);
+  ``moe_serve.fused_norm_linear`` (moe_serve.kernels.models.common);
 - fuse_qk_norm_rope: q_norm, k_norm and the rotary embedding as one op,
   ``moe_serve.fused_qk_norm_rope`` (in place of the per-head norms and ``rotary_emb``).
 
@@ -24,9 +24,9 @@ from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from vllm.model_executor.models.qwen3_moe import (Qwen3MoeAttention, Qwen3MoeDecoderLayer,
                                                   Qwen3MoeForCausalLM)
 
-from kernels.config import PluginConfig, current
-from kernels.fused.ops import fused_qk_norm_rope
-from kernels.models.common import attention_block, fuse_layers, fused_layer_counts, plain_norm
+from moe_serve.kernels.config import PluginConfig, current
+from moe_serve.kernels.fused.ops import fused_qk_norm_rope
+from moe_serve.kernels.models.common import attention_block, fuse_layers, fused_layer_counts, plain_norm
 
 
 def qk_fits(layer: Qwen3MoeDecoderLayer, config: PluginConfig) -> dict[str, bool]:

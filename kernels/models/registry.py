@@ -11,8 +11,8 @@ known); vLLM imports the class by name only then.
 from __future__ import annotations
 
 MODEL_CLASSES = {  # architecture -> "module:class" of ours
-    "Qwen3MoeForCausalLM": "kernels.models.qwen3_moe:FusedQwen3MoeForCausalLM",
-    "MixtralForCausalLM": "kernels.models.mixtral:FusedMixtralForCausalLM",
+    "Qwen3MoeForCausalLM": "moe_serve.kernels.models.qwen3_moe:FusedQwen3MoeForCausalLM",
+    "MixtralForCausalLM": "moe_serve.kernels.models.mixtral:FusedMixtralForCausalLM",
 }
 GATED = ("MixtralForCausalLM",)   # architectures whose MoE blocks compute their gate in the model
 

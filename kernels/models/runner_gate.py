@@ -11,7 +11,7 @@ block having registered them first) and makes the block a subclass whose forward
 hidden states in place of the logits, as vLLM's own Qwen3-MoE block does: the runner computes
 the gate itself, inside vLLM's opaque MoE op, where the router hook can replace it. A block
 whose runner already holds a gate, or whose parts are not a gate module and a runner, is left
-as vLLM built it. service.engine keys vLLM's compile cache on it, since the traced graph changes.
+as vLLM built it. moe_serve.service.engine keys vLLM's compile cache on it, since the traced graph changes.
 """
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe import vllm_kernels
-from kernels.moe.launch import jit, launch
+from moe_serve.kernels.moe import vllm_kernels
+from moe_serve.kernels.moe.launch import jit, launch
 
 
 def max_padded_len(num_slots: int, num_experts: int, block_m: int) -> int:

@@ -98,12 +98,12 @@ def mma_kind(sass_text: str) -> str:
 
 def compile_launches(launches: list, arch: int = 90,
                      cache: dict[str, Any] | None = None) -> list[tuple[str, Any]]:
-    """Compile recorded launches (kernels.moe.launch.record_launches) for sm_<arch> on any host.
+    """Compile recorded launches (moe_serve.kernels.moe.launch.record_launches) for sm_<arch> on any host.
     `cache` keeps the JITFunctions (and their in-memory kernel caches) across calls.
     Returns [(kernel name, CompiledKernel)] in launch order."""
     from triton.runtime.jit import JITFunction
 
-    from kernels.moe.launch import JIT_OPTIONS, kernel_name
+    from moe_serve.kernels.moe.launch import JIT_OPTIONS, kernel_name
 
     real: dict[str, Any] = {} if cache is None else cache
     out = []

@@ -13,12 +13,12 @@ GEMM1's input quantized once by its own launch, and on the aligned path a dynami
 GEMM1's epilogue cannot quantize (per token; block groups wider than its tile) by another, instead
 of in every program's K loop; default true on the aligned path, false on the decode path, whose
 activations are few rows; kept in the dict only where it differs), "DECODE" (the two-launch
-small-batch path of kernels.moe.moe_decode: BLOCK_M >= M * topk rows; SPLIT_K splits the up
+small-batch path of moe_serve.kernels.moe.moe_decode: BLOCK_M >= M * topk rows; SPLIT_K splits the up
 kernel's K loop, DOWN's SPLIT_K the down kernel's slot x N loop, both reduced in-kernel by the
 tile's last program), "PDL" (decode only: the down kernel is a programmatic dependent launch),
 "PREFETCH" (decode only, not GEMV: 0 none, the default, kept in the dict only where nonzero; the up
 kernel prefetches the hit experts' down weights into L2, 1 as it starts, 2 after its K loop) and
-"GEMV" (decode only: the CUDA-core kernels of kernels.moe.moe_gemv, one slot per program; BLOCK_N
+"GEMV" (decode only: the CUDA-core kernels of moe_serve.kernels.moe.moe_gemv, one slot per program; BLOCK_N
 (>= 1) weight rows of BLOCK_K columns per step in registers, num_warps / num_stages / SPLIT_K per
 kernel, SWAP_AB false; block FP8 takes any multiple of the activation group as BLOCK_K).
 """

@@ -1,7 +1,7 @@
 """The kernel config tables, and the default config for a shape that has none.
 
-Tables: ``E={E},N={N},K={K},dtype={dtype},device={device}.json`` (schema: kernels.moe.config_schema;
-dtype: the layer's kernels.moe.quant_format key, e.g. ``dtype=fp8_w8a8,block_shape=[128,128]``),
+Tables: ``E={E},N={N},K={K},dtype={dtype},device={device}.json`` (schema: moe_serve.kernels.moe.config_schema;
+dtype: the layer's moe_serve.kernels.moe.quant_format key, e.g. ``dtype=fp8_w8a8,block_shape=[128,128]``),
 keyed by M bucket; M maps to the smallest bucket >= M (else the largest), so the set of
 configs, hence of compiled variants, is finite. Searched in order: the kernel_config_dir setting
 ("env dir"; kernels/config.py, env $MOE_SERVE_KERNEL_CONFIG_DIR), the tuner's cache (the cache
@@ -14,9 +14,9 @@ table runs the default configs until it is re-tuned with `moe-serve tune`. A tab
 
 Default for a shape with no table: the decode path while tokens per expert are few
 (heuristics.use_decode_path), else the aligned path with vLLM's own config for the shape
-when vLLM is importable on a GPU (kernels.moe.vllm_kernels), else heuristics.aligned_config.
+when vLLM is importable on a GPU (moe_serve.kernels.moe.vllm_kernels), else heuristics.aligned_config.
 Which of these serves an M, after the shared-memory fit (fit: block-FP8 configs also get
-BLOCK_K = the activation group), is kernels.moe.selection's decision.
+BLOCK_K = the activation group), is moe_serve.kernels.moe.selection's decision.
 """
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernels.config import current
-from kernels.moe import heuristics, quant_format, smem, vllm_kernels
-from kernels.moe.config_schema import (KEYS, Config, block_k_fits, block_k_of, down_config, validate,
+from moe_serve.kernels.config import current
+from moe_serve.kernels.moe import heuristics, quant_format, smem, vllm_kernels
+from moe_serve.kernels.moe.config_schema import (KEYS, Config, block_k_fits, block_k_of, down_config, validate,
                                        with_block_k)
 
 M_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)

@@ -17,7 +17,7 @@ counted in out_of_range [1] (int64) where one is given, never in counts.
 count_experts_kernel   grid (cdiv(M * topk, BLOCK),)
     One program per BLOCK routing slots: masked loads, one atomic add per counted slot, one per
     program for the out-of-range ones. No host sync: recorded by CUDA-graph capture, it adds on
-    every replay. Where our router serves a call (kernels.moe.router_topk with `counts`), the router
+    every replay. Where our router serves a call (moe_serve.kernels.moe.router_topk with `counts`), the router
     kernel adds the same counts itself and this launch is not needed.
 
 On CPU (vLLM's CPU engine, where torch.compile traces the MoE layer) the same sums are one
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe.launch import jit, launch
+from moe_serve.kernels.moe.launch import jit, launch
 
 BLOCK = 1024
 

@@ -1,7 +1,7 @@
 """FP8 W8A8 scales of one fused-MoE call: their layouts, the kernels' modes for them (A_MODE,
-W_SCALE, C_QUANT of kernels.moe.moe_gemm) and the quantize-once launch.
+W_SCALE, C_QUANT of moe_serve.kernels.moe.moe_gemm) and the quantize-once launch.
 
-Three formats (kernels.moe.quant_format names them for the config tables and routing):
+Three formats (moe_serve.kernels.moe.quant_format names them for the config tables and routing):
     per-tensor / per-channel weights, static per-tensor activation scale (or none: dynamic);
     per_token_act: the same weights with dynamic per-token activations (FP8-dynamic);
     block_shape (bn, bk): weights scaled per [bn, bk] block, activations per token per bk
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kernels.moe import quant_format
-from kernels.moe.launch import launch
-from kernels.moe.moe_gemm import quant_fp8_kernel
+from moe_serve.kernels.moe import quant_format
+from moe_serve.kernels.moe.launch import launch
+from moe_serve.kernels.moe.moe_gemm import quant_fp8_kernel
 
 FP8 = torch.float8_e4m3fn
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # see moe_tiles._quant_fp8

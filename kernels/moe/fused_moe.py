@@ -1,7 +1,7 @@
 """Launcher of the fused MoE: align -> GEMM1 (+SiLU-and-mul) -> GEMM2 (+routed weight) -> top-k sum,
-or, for few tokens (a DECODE config), kernels.moe.moe_decode's two launches (split-K or not:
-kernels.moe.moe_decode_launch), or their CUDA-core GEMV form (a GEMV config:
-kernels.moe.moe_gemv_launch).
+or, for few tokens (a DECODE config), moe_serve.kernels.moe.moe_decode's two launches (split-K or not:
+moe_serve.kernels.moe.moe_decode_launch), or their CUDA-core GEMV form (a GEMV config:
+moe_serve.kernels.moe.moe_gemv_launch).
 
 Fused path (SPLIT_K 1, FUSE_GU): four launches (three when topk == 1).
 Split / un-fused path (decode: more programs streaming weights):
@@ -12,7 +12,7 @@ Split / un-fused path (decode: more programs streaming weights):
     top-k sum / fp32 -> out dtype conversion.  = 5 launches at most.
 FP8 with float hidden states and A_PREQUANT (this path's default) adds one quantize-once launch
 before GEMM1, and one before GEMM2 for a dynamic act that GEMM1's epilogue cannot quantize
-(per token; block groups wider than its tile): kernels.moe.fp8_scales.
+(per token; block groups wider than its tile): moe_serve.kernels.moe.fp8_scales.
 No host sync, every buffer sized from shapes only: CUDA-graph capturable.
 """
 from __future__ import annotations
@@ -23,14 +23,14 @@ from typing import Any
 import torch
 import triton
 
-from kernels.moe import configs, fp8_scales, selection, smem
-from kernels.moe.align import max_padded_len, moe_align
-from kernels.moe.config_schema import block_k_fits, block_k_of, prequant
-from kernels.moe.fp8_scales import FP8, INTERPRET, Fp8Scales, block_stride, scale_strides
-from kernels.moe.launch import launch
-from kernels.moe.moe_decode_launch import fused_moe_decode
-from kernels.moe.moe_gemv_launch import fused_moe_gemv
-from kernels.moe.moe_gemm import moe_gemm_kernel, topk_sum_kernel
+from moe_serve.kernels.moe import configs, fp8_scales, selection, smem
+from moe_serve.kernels.moe.align import max_padded_len, moe_align
+from moe_serve.kernels.moe.config_schema import block_k_fits, block_k_of, prequant
+from moe_serve.kernels.moe.fp8_scales import FP8, INTERPRET, Fp8Scales, block_stride, scale_strides
+from moe_serve.kernels.moe.launch import launch
+from moe_serve.kernels.moe.moe_decode_launch import fused_moe_decode
+from moe_serve.kernels.moe.moe_gemv_launch import fused_moe_gemv
+from moe_serve.kernels.moe.moe_gemm import moe_gemm_kernel, topk_sum_kernel
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", FP8: "fp8"}
 
@@ -43,13 +43,13 @@ def dtype_name(w_dtype: torch.dtype) -> str:
 
 
 def format_of(w_dtype: torch.dtype, fp8: Fp8Scales | None) -> str:
-    """The kernels.moe.quant_format key of a call (config tables, routing)."""
+    """The moe_serve.kernels.moe.quant_format key of a call (config tables, routing)."""
     return fp8.format if fp8 is not None else dtype_name(w_dtype)
 
 
 @dataclass(frozen=True)
 class _Operand:
-    """One GEMM's A operand and scales as the kernel takes them (kernels.moe.moe_gemm modes)."""
+    """One GEMM's A operand and scales as the kernel takes them (moe_serve.kernels.moe.moe_gemm modes)."""
 
     a: torch.Tensor
     a_scale: torch.Tensor | None
@@ -99,7 +99,7 @@ def _launch_gemm(op: _Operand, w: torch.Tensor, c: torch.Tensor, n_out: int, k_i
                             w.element_size(), gate_up, a_silu)
         raise KernelConfigError(
             f"moe_gemm_kernel config {({k: cfg[k] for k in cfg if k != 'DOWN'})} (A {op.a.dtype}, "
-            f"W {w.dtype} {tuple(w.shape)}) cannot launch: {exc} (kernels.moe.smem estimate {est} B, "
+            f"W {w.dtype} {tuple(w.shape)}) cannot launch: {exc} (moe_serve.kernels.moe.smem estimate {est} B, "
             f"limit {smem.SMEM_LIMIT} B). The MoE output is NOT valid; lower num_stages / "
             f"BLOCK_K in the config file or pass a smaller config.") from exc
 
@@ -130,7 +130,7 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     hidden_states [M, K] bf16/fp16/fp32 (or fp8 with its fp8.a1_scale); w1 [E, 2N, K] (gate rows
     0..N-1, up rows N..2N-1); w2 [E, K, N]; topk_weights [M, topk] float32; topk_ids [M, topk]
     int32/int64 (the decode path also takes -1: an expert not on this rank, contributing
-    nothing). FP8 formats: kernels.moe.fp8_scales.Fp8Scales.
+    nothing). FP8 formats: moe_serve.kernels.moe.fp8_scales.Fp8Scales.
     Returns [M, K] in hidden_states' dtype (bf16 for fp8 input). `config` overrides the
     table/heuristic choice (tuner, tests).
     """

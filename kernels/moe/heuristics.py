@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kernels.moe import quant_format
-from kernels.moe.config_schema import MAX_SPLIT_K, Config, validate
+from moe_serve.kernels.moe import quant_format
+from moe_serve.kernels.moe.config_schema import MAX_SPLIT_K, Config, validate
 
 NUM_SMS_DEFAULT = 132  # H100/H200 SXM
 DECODE_MAX_SLOTS = 32
@@ -45,7 +45,7 @@ def _pow2_at_most(limit: int, cap: int) -> int:
 
 def decode_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
                   split: bool = False) -> Config:
-    """Decode-path config for bucket M (kernels.moe.moe_decode), all M * topk slots in one tile.
+    """Decode-path config for bucket M (moe_serve.kernels.moe.moe_decode), all M * topk slots in one tile.
 
     Up kernel: 32-row weight tiles without swap (mma.sync, BLOCK_K 256) while they give
     fewer than ~160 programs (hit experts x N / 32), else swapped 64-row tiles (wgmma;
@@ -92,7 +92,7 @@ def decode_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
 
 def gemv_config(M: int, E: int, N: int, K: int, topk: int, dtype: str,
                 num_sms: int = NUM_SMS_DEFAULT) -> Config:
-    """Starting config of the CUDA-core decode path (kernels.moe.moe_gemv) for bucket M: the
+    """Starting config of the CUDA-core decode path (moe_serve.kernels.moe.moe_gemv) for bucket M: the
     tuner's seed, never an untuned default. Up: 16 gate + 16 up rows x 512 columns per step
     (1 KB of each row in fp8: 1024), down: 8 output rows x 256 columns (fp8: 512), 4 warps;
     each kernel split until it has ~4 programs per SM (light programs, several resident per

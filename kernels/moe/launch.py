@@ -1,5 +1,5 @@
 """Kernel launch indirection: launch normally, or record launches (no execution) so the
-exact same arguments can be compiled ahead of time (kernels.moe.aot) or counted (warmup)."""
+exact same arguments can be compiled ahead of time (moe_serve.kernels.moe.aot) or counted (warmup)."""
 from __future__ import annotations
 
 import contextlib
@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterator
 
 import triton
 
-from kernels.config import current, env_name
+from moe_serve.kernels.config import current, env_name
 
 JIT_OPTIONS: dict[str, dict[str, Any]] = {}  # kernel name -> triton.jit keyword options
 _recorder: list[tuple[Any, tuple, tuple, dict]] | None = None

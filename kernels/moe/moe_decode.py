@@ -9,7 +9,7 @@ moe_decode_up_kernel    grid (T, cdiv(N, BLOCK_N))
     masked to the slots routed to e:
         h[s', n] = sum_k x[s' // topk, k] * w1[e, n, k]          (gate rows n, up rows N + n)
         act[s', n] = silu(gate) * up   in act's dtype (bf16 / fp32), or fp8 quantized once, here,
-                                       for GEMM2 (C_QUANT as in kernels.moe.moe_gemm: the static a2
+                                       for GEMM2 (C_QUANT as in moe_serve.kernels.moe.moe_gemm: the static a2
                                        scale, or dynamic per slot and GROUP_K columns)
 
 moe_decode_down_kernel  grid (M * cdiv(K, BLOCK_N),)   (token fastest: tokens that share an
@@ -19,7 +19,7 @@ moe_decode_down_kernel  grid (M * cdiv(K, BLOCK_N),)   (token fastest: tokens th
     fp32 accumulation in registers, one store of the output dtype: the routed weight and the
     top-k reduction ride in the epilogue.
 
-A_MODE (activations) as in kernels.moe.moe_gemm: 0 float; 1 fp8 input with a static scale;
+A_MODE (activations) as in moe_serve.kernels.moe.moe_gemm: 0 float; 1 fp8 input with a static scale;
 2 static scale, quantized on load; 3 dynamic per-row scale (absmax / 448, one pre-pass);
 4 fp8 input, per-row scale; 5 fp8 input, per-row-and-group scales; 6 dynamic per row and group,
 quantized on load (BLOCK_K == GROUP_K). The down kernel takes 0-3, 5 and 6.
@@ -30,7 +30,7 @@ USE_PDL (sm_90+): the down kernel is a programmatic dependent launch, released b
 first thing (gdc_launch_dependents); it waits (gdc_wait) for the up kernel only before its first
 act load. It reads expert ids before that wait: they are final, since the up kernel itself
 started only after whatever wrote them had finished, either launched plainly or, with PDL_WAIT
-(the block chained, kernels.moe.launch.block_pdl), launched early but waiting (gdc_wait) for the
+(the block chained, moe_serve.kernels.moe.launch.block_pdl), launched early but waiting (gdc_wait) for the
 kernel before it before it releases the down kernel.
 
 PREFETCH (sm_90+; 0 off): each up program owning expert e also prefetches its share of e's
@@ -43,15 +43,15 @@ the split axis s reduces its share of the reduction (up: K tiles; down: the flat
 loop) and adds its fp32 partial into a workspace with atomics; the program that finishes a
 tile last (a per-tile arrival counter, acq_rel) reads the sums back while zeroing them
 (atomic exchange), resets the counter, and runs the epilogue. Workspace and counters are
-therefore zero again after every call (see kernels.moe.moe_decode_launch.split_workspace): no memset
+therefore zero again after every call (see moe_serve.kernels.moe.moe_decode_launch.split_workspace): no memset
 launch, and the path stays two launches under CUDA graphs.
 """
 from __future__ import annotations
 
 import triton.language as tl
 
-from kernels.moe.launch import jit
-from kernels.moe.moe_tiles import (_a_scale, _arrive_last, _dequant, _group_quant_cols, _mma,
+from moe_serve.kernels.moe.launch import jit
+from moe_serve.kernels.moe.moe_tiles import (_a_scale, _arrive_last, _dequant, _group_quant_cols, _mma,
                                    _mma_scaled, _prefetch_l2, _quant_a, _quant_fp8, _split_range,
                                    _take, _take_row, _token_scale)
 

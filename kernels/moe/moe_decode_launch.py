@@ -1,13 +1,13 @@
-"""Launcher of the two-launch small-batch (decode) path, kernels.moe.moe_decode: GEMM1 + SiLU into
+"""Launcher of the two-launch small-batch (decode) path, moe_serve.kernels.moe.moe_decode: GEMM1 + SiLU into
 act [T, N], then GEMM2 + routed weight + top-k sum into out, either split-K or not (the split's
 fp32 workspace and arrival counters: split_workspace). With fp8 hidden states in floats and
 A_PREQUANT, one quantize-once launch comes first; act is quantized in the up kernel's epilogue
 where a tile holds what its scale needs (fp8_scales.gemm2_plan), else by the down kernel on load.
 With the config's PDL (sm_90+), the down kernel is a programmatic dependent launch: it waits for
 the up kernel (gdc_wait) only before its first act load, so its launch overlaps the up kernel;
-with kernels.moe.launch.block_pdl the up kernel is one too, waiting for the kernel before it.
+with moe_serve.kernels.moe.launch.block_pdl the up kernel is one too, waiting for the kernel before it.
 With the config's PREFETCH (sm_90+, a contiguous w2), the up kernel prefetches the hit experts'
-down weights into L2 (kernels.moe.moe_decode).
+down weights into L2 (moe_serve.kernels.moe.moe_decode).
 No host sync, buffers sized from shapes only: CUDA-graph capturable."""
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from typing import Any
 import torch
 import triton
 
-from kernels.moe import configs, fp8_scales
-from kernels.moe.config_schema import prequant
-from kernels.moe.fp8_scales import FP8, INTERPRET, Fp8Scales, block_stride, scale_strides
-from kernels.moe.launch import block_pdl, launch, pdl_supported
-from kernels.moe.moe_decode import moe_decode_down_kernel, moe_decode_up_kernel
+from moe_serve.kernels.moe import configs, fp8_scales
+from moe_serve.kernels.moe.config_schema import prequant
+from moe_serve.kernels.moe.fp8_scales import FP8, INTERPRET, Fp8Scales, block_stride, scale_strides
+from moe_serve.kernels.moe.launch import block_pdl, launch, pdl_supported
+from moe_serve.kernels.moe.moe_decode import moe_decode_down_kernel, moe_decode_up_kernel
 
 
 _SPLIT_WS: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -84,7 +84,7 @@ def prefetch_mode(cfg: dict[str, Any], w2: torch.Tensor, expert_bytes: int) -> i
 def fused_moe_decode(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, tw: torch.Tensor,
                      ids: torch.Tensor, fp8: Fp8Scales | None, on_input: bool, out: torch.Tensor,
                      cfg: dict[str, Any]) -> torch.Tensor:
-    """The decode path for x [M, K] (kernels.moe.fused_moe.fused_moe checked the shapes)."""
+    """The decode path for x [M, K] (moe_serve.kernels.moe.fused_moe.fused_moe checked the shapes)."""
     M, K = x.shape
     E, N = w1.shape[0], w1.shape[1] // 2
     topk = ids.shape[1]

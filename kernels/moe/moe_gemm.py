@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import triton.language as tl
 
-from kernels.moe.launch import jit
-from kernels.moe.moe_tiles import (_a_scale, _dequant, _group_quant, _group_quant_cols, _load_a,
+from moe_serve.kernels.moe.launch import jit
+from moe_serve.kernels.moe.moe_tiles import (_a_scale, _dequant, _group_quant, _group_quant_cols, _load_a,
                                _mma, _mma_scaled, _quant_a, _quant_fp8, _token_scale)
 
 

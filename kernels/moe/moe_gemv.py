@@ -2,7 +2,7 @@
 products, one token slot per program, no tensor cores, no shared-memory pipeline.
 
 At one to a few tokens an expert GEMM is a GEMV: every weight element is used once per slot, so
-the work is streaming the weights. The tensor-core decode kernels (kernels.moe.moe_decode) need
+the work is streaming the weights. The tensor-core decode kernels (moe_serve.kernels.moe.moe_decode) need
 [64, BK] wgmma tiles in a multi-stage shared-memory pipeline (150-190 KB per program, one program
 per SM); these keep a [BLOCK_N, BLOCK_K] weight tile in registers and reduce it against the
 token's activations with tl.sum, so small programs run several per SM and keep more bytes in
@@ -20,13 +20,13 @@ Weights: 16/32-bit floats, or fp8 with W_SCALE 1 (per tensor [E]), 2 (per channe
 their float dtype (W8A16), so the activations are never quantized (an FP8 checkpoint's static
 activation scales are not needed and not applied; the result is the dequantized weights' exact
 product). Hidden states that arrive in fp8 are dequantized on load: A_MODE 1 a static scalar
-scale, 4 per token, 5 per token and GROUP_K columns (kernels.moe.moe_gemm's modes).
+scale, 4 per token, 5 per token and GROUP_K columns (moe_serve.kernels.moe.moe_gemm's modes).
 Block scales (W_SCALE 3) and per-group activation scales (A_MODE 5) apply per GROUP_K columns:
 each BLOCK_K step then reduces BLOCK_K // GROUP_K sub-tiles, each scaled by its group's scale.
 
 SPLIT_K > 1 splits each program's reduction (up: K tiles; down: its flat slot x N-chunk loop) and
 reduces the fp32 partials in a workspace that is zero again after every call, as in
-kernels.moe.moe_decode (the tile's last arrival reads and clears it). USE_PDL / PDL_WAIT as there:
+moe_serve.kernels.moe.moe_decode (the tile's last arrival reads and clears it). USE_PDL / PDL_WAIT as there:
 the down kernel is a programmatic dependent launch waiting for the up kernel before its first act
 load; with PDL_WAIT the up kernel also waits for the kernel before it.
 """
@@ -35,8 +35,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.moe.launch import jit
-from kernels.moe.moe_tiles import _arrive_last, _split_range, _take_row
+from moe_serve.kernels.moe.launch import jit
+from moe_serve.kernels.moe.moe_tiles import _arrive_last, _split_range, _take_row
 
 
 @triton.jit

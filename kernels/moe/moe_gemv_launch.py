@@ -1,8 +1,8 @@
-"""Launcher of the CUDA-core decode path, kernels.moe.moe_gemv (a DECODE config with GEMV): the up
+"""Launcher of the CUDA-core decode path, moe_serve.kernels.moe.moe_gemv (a DECODE config with GEMV): the up
 GEMV + SiLU into act [T, N] in the output dtype, then the down GEMV + routed weight + top-k sum
 into out; split-K in either kernel reduces in the decode path's self-clearing workspace
-(kernels.moe.moe_decode_launch.split_workspace). With the config's PDL (sm_90+) the down kernel is
-a programmatic dependent launch (with kernels.moe.launch.block_pdl the up kernel too). Two
+(moe_serve.kernels.moe.moe_decode_launch.split_workspace). With the config's PDL (sm_90+) the down kernel is
+a programmatic dependent launch (with moe_serve.kernels.moe.launch.block_pdl the up kernel too). Two
 launches, no host sync, buffers sized from shapes only: CUDA-graph capturable."""
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from typing import Any
 import torch
 import triton
 
-from kernels.moe import fp8_scales
-from kernels.moe.config_schema import down_config
-from kernels.moe.fp8_scales import FP8, Fp8Scales, block_stride, scale_strides
-from kernels.moe.launch import block_pdl, launch, pdl_supported
-from kernels.moe.moe_decode_launch import split_buffers
-from kernels.moe.moe_gemv import moe_gemv_down_kernel, moe_gemv_up_kernel
+from moe_serve.kernels.moe import fp8_scales
+from moe_serve.kernels.moe.config_schema import down_config
+from moe_serve.kernels.moe.fp8_scales import FP8, Fp8Scales, block_stride, scale_strides
+from moe_serve.kernels.moe.launch import block_pdl, launch, pdl_supported
+from moe_serve.kernels.moe.moe_decode_launch import split_buffers
+from moe_serve.kernels.moe.moe_gemv import moe_gemv_down_kernel, moe_gemv_up_kernel
 
 
 def input_mode(x: torch.Tensor, fp8: Fp8Scales | None) -> tuple[torch.Tensor | None, int]:
@@ -47,7 +47,7 @@ def sub_k(block_k: int, fp8: Fp8Scales | None, what: str) -> int:
 def fused_moe_gemv(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, tw: torch.Tensor,
                    ids: torch.Tensor, fp8: Fp8Scales | None, on_input: bool, out: torch.Tensor,
                    cfg: dict[str, Any]) -> torch.Tensor:
-    """The GEMV decode path for x [M, K] (kernels.moe.fused_moe.fused_moe checked the shapes)."""
+    """The GEMV decode path for x [M, K] (moe_serve.kernels.moe.fused_moe.fused_moe checked the shapes)."""
     M, K = x.shape
     E, N = w1.shape[0], w1.shape[1] // 2
     topk = ids.shape[1]

@@ -1,8 +1,8 @@
-"""Tile-level Triton helpers the MoE kernel families share (kernels.moe.moe_gemm, kernels.moe.moe_decode,
-kernels.moe.moe_gemv): the MMA step (plain, swapped, block-scaled), the A tile load (optionally
+"""Tile-level Triton helpers the MoE kernel families share (moe_serve.kernels.moe.moe_gemm, moe_serve.kernels.moe.moe_decode,
+moe_serve.kernels.moe.moe_gemv): the MMA step (plain, swapped, block-scaled), the A tile load (optionally
 SiLU-and-mul of an fp32 pre-activation), FP8 quantization (static, per token, per token group),
 the dequantizing epilogue, the in-kernel split-K reduction (arrival counter, self-clearing
-workspace), and an L2 prefetch of a byte range (sm_90 bulk prefetch). A_MODE / W_SCALE are kernels.moe.moe_gemm's."""
+workspace), and an L2 prefetch of a byte range (sm_90 bulk prefetch). A_MODE / W_SCALE are moe_serve.kernels.moe.moe_gemm's."""
 from __future__ import annotations
 
 import triton

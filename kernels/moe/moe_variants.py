@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from kernels.moe import configs, quant_format, selection
-from kernels.moe.aot import compile_launches
-from kernels.moe.fused_moe import FP8, Fp8Scales, dtype_name, fused_moe
-from kernels.moe.launch import kernel_name, record_launches
+from moe_serve.kernels.moe import configs, quant_format, selection
+from moe_serve.kernels.moe.aot import compile_launches
+from moe_serve.kernels.moe.fused_moe import FP8, Fp8Scales, dtype_name, fused_moe
+from moe_serve.kernels.moe.launch import kernel_name, record_launches
 
 
 def _variant_key(kernel: Any, args: tuple, kwargs: dict) -> tuple:
@@ -65,7 +65,7 @@ def warm_moe_variants(E: int, N: int, K: int, topk: int, dtype: torch.dtype, max
     their scales); fp8: None | 'per_tensor' | 'per_channel' | 'block' (W8A8 weights; with
     block_shape (bn, bk) the block format); activations static if static_act, dynamic per
     token if per_token_act (FP8-dynamic), else dynamic (per token group for block).
-    compile_only: record the launches and compile them for sm_90 via kernels.moe.aot (no GPU
+    compile_only: record the launches and compile them for sm_90 via moe_serve.kernels.moe.aot (no GPU
     needed) instead of running them. Returns the number of distinct variants.
     """
     device = str(device)

@@ -11,15 +11,15 @@ router_topk_kernel   grid (M, cdiv(E, BLOCK_E), SPLIT_K)
     Program (m, e-block, s) reduces its share of K for BLOCK_E experts. With one program per
     token (BLOCK_E covers E, SPLIT_K 1) it goes straight to the top-k. Else it adds its fp32
     partial logits into a workspace row with atomics, and the program that arrives last at the
-    token (kernels.moe.moe_decode's arrival counter) reads the row back while zeroing it and
+    token (moe_serve.kernels.moe.moe_decode's arrival counter) reads the row back while zeroing it and
     runs the top-k: the workspace is zero again after every call, so no memset launch, and the
     one launch replaces vLLM's gate GEMM and top-k kernels under CUDA graphs.
-    With kernels.moe.launch.block_pdl it is a programmatic dependent launch (USE_PDL): it waits
+    With moe_serve.kernels.moe.launch.block_pdl it is a programmatic dependent launch (USE_PDL): it waits
     for the kernel before it before touching memory and lets the next kernel (our decode path's
     up kernel, itself a dependent launch that waits for us) launch during its tail.
 
 With `counts` (a layer's expert load, int64 [E]) the program that picks a token's experts also
-adds them there (kernels.moe.expert_count's sum, tokens m < num_tokens only): the expert load is
+adds them there (moe_serve.kernels.moe.expert_count's sum, tokens m < num_tokens only): the expert load is
 counted inside this launch, at no extra launch at decode.
 
 Top-k (`method`): "rounds", TOPK rounds of argmax over the E_P2 scores (each a reduction across
@@ -34,17 +34,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe.aot import compile_launches
-from kernels.moe.launch import block_pdl, jit, launch, record_launches
-from kernels.moe.moe_tiles import _arrive_last, _take_row
-from kernels.moe.moe_decode_launch import split_workspace
+from moe_serve.kernels.moe.aot import compile_launches
+from moe_serve.kernels.moe.launch import block_pdl, jit, launch, record_launches
+from moe_serve.kernels.moe.moe_tiles import _arrive_last, _take_row
+from moe_serve.kernels.moe.moe_decode_launch import split_workspace
 
 SOFTMAX, SIGMOID = 0, 1
 SCORING = {"softmax": SOFTMAX, "sigmoid": SIGMOID}
 MAX_EXPERTS = 1024          # E_P2 scores live in one program's registers
 TARGET_PROGRAMS = 128       # per call at small M: enough loads in flight to stream the gate
 TILE = 4096                 # gate elements a program loads per K step (BLOCK_E x BLOCK_K)
-MAX_M = 16                  # the serving path's largest M (kernels.plugin.router_hook)
+MAX_M = 16                  # the serving path's largest M (moe_serve.kernels.plugin.router_hook)
 MAX_WORK = 1 << 21          # gate multiply-adds (M * E * K) up to which one launch beats vLLM's two
 TOPK_METHODS = ("rounds", "sort")
 SERVED_TOPK_METHOD = "rounds"   # what serving launches; `moe-serve bench kernels --router` times both
@@ -211,7 +211,7 @@ def warm_router_variants(gate_w: torch.Tensor, topk: int, scoring: str, has_bias
                          max_m: int = MAX_M, compile_only: bool = False, count: bool = False) -> int:
     """Compile every variant router_topk launches for this gate at M = 1..max_m: run it on zero
     hidden states (or, compile_only, record the launches and compile them for sm_90 with
-    kernels.moe.aot, no GPU needed); count: the variants that add the expert load (into scratch
+    moe_serve.kernels.moe.aot, no GPU needed); count: the variants that add the expert load (into scratch
     counts, num_tokens 0). Returns the number of distinct variants."""
     E, K = gate_w.shape
     dev = gate_w.device

@@ -12,13 +12,13 @@ measured points (vLLM's time / ours) with the reason for each point's route::
                        {"m_min": 257, "m_max": null, "backend": "vllm"}],
             "measured": {"1": {"speedup": 1.26, "route": "ours", "why": "..."}, ...}}}}
 
-Tables are merged over the config dirs (kernels.moe.configs.labelled_dirs: the env override,
+Tables are merged over the config dirs (moe_serve.kernels.moe.configs.labelled_dirs: the env override,
 the tuner's cache, the shipped tables), the first file that names a shape wins for that shape.
 A file that records another ``triton_version`` than the running Triton's is refused with a
 warning, as kernel config tables are. Shapes no table names route by the default rule
 (default_ranges): ours for the M buckets the decode path serves by default
 (heuristics.use_decode_path: few tokens per expert, where that path beat the aligned one in
-every measured cell), vLLM above. Which backend serves an M is kernels.moe.selection's decision.
+every measured cell), vLLM above. Which backend serves an M is moe_serve.kernels.moe.selection's decision.
 
 The setting ``moe_routing`` (kernels/config.py; env ``MOE_SERVE_MOE_ROUTING``): ``table``
 (default), ``ours`` (always ours where supported: A/B benchmarks, the CPU tests), ``vllm`` (never
@@ -32,8 +32,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from kernels.config import current, env_name
-from kernels.moe import configs, heuristics
+from moe_serve.kernels.config import current, env_name
+from moe_serve.kernels.moe import configs, heuristics
 
 ROUTING_ENV = env_name("moe_routing")
 OURS, VLLM = "ours", "vllm"

@@ -5,13 +5,13 @@ and the reports; fused_moe asks it directly only when called without a config (b
 For a shape (E experts, N per-rank intermediate, K hidden, topk, dtype key) and M:
 
 - route, ours or vLLM: the moe_routing setting ``ours|vllm`` forces it (kernels/config.py). Else the routing table's
-  range holding M (kernels.moe.routing), with the measured ratio behind it (vLLM's time / ours
+  range holding M (moe_serve.kernels.moe.routing), with the measured ratio behind it (vLLM's time / ours
   at the measured M of that range nearest to M) and the table's reason for that point. A
   shape whose tuned config table was refused ignores its routing entry too (it was measured
   with the refused configs). A shape no table names takes the default rule when topk is known,
   else vLLM.
 - config ours runs: the tuned table's entry for M's bucket (env dir, tuner cache or shipped
-  table: kernels.moe.configs), else the default rule's (decode-path heuristic, vLLM's config
+  table: moe_serve.kernels.moe.configs), else the default rule's (decode-path heuristic, vLLM's config
   for the shape, or the aligned heuristic); then fitted into Hopper's shared memory
   (configs.fit: smem.fit, and block FP8's BLOCK_K), every shrink recorded and logged once.
 - path: 'ours decode' or 'ours aligned' (the config's DECODE flag) where routed to ours and
@@ -27,8 +27,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kernels.moe import configs, heuristics, routing
-from kernels.moe.config_schema import Config, label
+from moe_serve.kernels.moe import configs, heuristics, routing
+from moe_serve.kernels.moe.config_schema import Config, label
 
 OURS_DECODE, OURS_ALIGNED, VLLM = "ours decode", "ours aligned", "vllm"
 DEFAULT_RULE = "default rule"
@@ -106,7 +106,7 @@ FP8_GEMV = "fp8_moe_gemv setting"
 @functools.lru_cache(maxsize=None)
 def fp8_gemv_choice(bucket: int, E: int, N: int, K: int, topk: int, dtype: str, device: str,
                     act_bytes: int, triton_version: str | None) -> ConfigChoice:
-    """The config of the FP8 weight-streaming decode path (kernels.moe.moe_gemv: FP8 weights
+    """The config of the FP8 weight-streaming decode path (moe_serve.kernels.moe.moe_gemv: FP8 weights
     dequantized in registers) for a bucket of FP8_GEMV_BUCKETS: the tuned table's entry where it
     is a GEMV config, else the GEMV's seed (heuristics.gemv_config); fitted like every config."""
     found = configs.find_table(E, N, K, dtype, device, triton_version)

@@ -12,21 +12,21 @@ and up rows). The extra operand tile covers the register -> shared copy of A aft
 conversion (fp8 quantization, SiLU, transpose for swap-AB). The epilogue's layout conversions
 reuse the (dead) pipeline buffers.
 
-The decode path (kernels.moe.moe_decode) keeps, per stage, the [BLOCK_M, BK] A tile plus two
-(up kernel) or one (down kernel) weight tiles; its GEMV form (kernels.moe.moe_gemv) keeps its
+The decode path (moe_serve.kernels.moe.moe_decode) keeps, per stage, the [BLOCK_M, BK] A tile plus two
+(up kernel) or one (down kernel) weight tiles; its GEMV form (moe_serve.kernels.moe.moe_gemv) keeps its
 tiles in registers and needs shared memory only for reductions (gemv_estimate).
 
 The estimates are checked to be upper bounds of Triton's own figure (CompiledKernel
 metadata.shared) by compiling configs for sm_90 on the CPU (tests/kernels/test_smem_fit.py).
 `fit()` lowers num_stages (to 2), then BLOCK_K (to 32), then BLOCK_N, until a config fits;
-kernels.moe.selection applies it to every config it chooses (tuned file or heuristic) and
+moe_serve.kernels.moe.selection applies it to every config it chooses (tuned file or heuristic) and
 records what it changed.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from kernels.moe.config_schema import down_config, validate
+from moe_serve.kernels.moe.config_schema import down_config, validate
 
 SMEM_LIMIT = 232448  # bytes per CTA on sm_90 (227 KB), cudaDevAttrMaxSharedMemoryPerBlockOptin
 MIN_STAGES = 2
@@ -78,7 +78,7 @@ def gemm_estimates(cfg: dict[str, Any], dtype: str, act_bytes: int = 2,
 
 
 def gemv_estimate(c: dict[str, Any]) -> int:
-    """Upper bound of one GEMV program's shared memory (kernels.moe.moe_gemv): no pipeline, the
+    """Upper bound of one GEMV program's shared memory (moe_serve.kernels.moe.moe_gemv): no pipeline, the
     weight tile lives in registers; only tl.sum's cross-warp reduction of [BLOCK_N] fp32 partial
     sums (two: gate and up) and the layout change of the [BLOCK_K] activation chunk use it."""
     return 2 * c["BLOCK_N"] * c["num_warps"] * 4 + c["BLOCK_K"] * 4

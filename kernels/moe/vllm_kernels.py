@@ -1,7 +1,7 @@
 """vLLM's kernel-side pieces our kernels reuse, when vLLM is importable: its fused_moe config
 for a shape, its CUDA alignment op and its fused_experts (the baseline the tuner and the
 benchmarks time). Each returns None without vLLM. The locations below are vLLM internals;
-kernels.plugin.vllm_compat pins them (pin_kernel_baselines) on every supported vLLM version."""
+moe_serve.kernels.plugin.vllm_compat pins them (pin_kernel_baselines) on every supported vLLM version."""
 from __future__ import annotations
 
 import functools
@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from kernels.moe import quant_format
+from moe_serve.kernels.moe import quant_format
 
 _FUSED_MOE = "vllm.model_executor.layers.fused_moe"
 CONFIG_LOOKUP = (f"{_FUSED_MOE}.fused_moe", "try_get_optimal_moe_config")
@@ -29,7 +29,7 @@ def load(where: tuple[str, str]) -> Any | None:
 
 
 def vllm_dtype(fmt: str) -> tuple[str | None, list[int] | None]:
-    """vLLM's (config dtype, block_shape) for a kernels.moe.quant_format key."""
+    """vLLM's (config dtype, block_shape) for a moe_serve.kernels.moe.quant_format key."""
     bs = quant_format.block_shape(fmt)
     return ("fp8_w8a8" if quant_format.is_fp8(fmt) else None), (list(bs) if bs else None)
 
@@ -51,7 +51,7 @@ def moe_config(M: int, E: int, N: int, K: int, topk: int, dtype: str) -> dict[st
 @functools.lru_cache(maxsize=None)
 def align_op() -> Callable | None:
     """vLLM's moe_align_block_size(topk_ids, block_size, num_experts) -> (sorted_ids,
-    expert_ids, num_tokens_post_pad), the same outputs as kernels.moe.align: a CUDA kernel,
+    expert_ids, num_tokens_post_pad), the same outputs as moe_serve.kernels.moe.align: a CUDA kernel,
     so None without a GPU."""
     return load(ALIGN_OP) if torch.cuda.is_available() else None
 

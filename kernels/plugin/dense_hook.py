@@ -33,9 +33,9 @@ from typing import Any, Callable
 
 import torch
 
-from kernels.dense import op
-from kernels.plugin import vllm_compat as vc
-from kernels.plugin.plugin_host import PluginHost
+from moe_serve.kernels.dense import op
+from moe_serve.kernels.plugin import vllm_compat as vc
+from moe_serve.kernels.plugin.plugin_host import PluginHost
 
 class DenseHook:
     """The apply wrappers, and the weights warmed so far, for one plugin."""

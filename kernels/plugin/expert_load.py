@@ -3,7 +3,7 @@ in every forward pass of a worker and read off the decode path.
 
 Where: vLLM's ``FusedMoERouter.select_experts`` (the entry of every router class, 0.26 and 0.32)
 returns each MoE call's topk_ids; wrapped here, it adds them into the layer's row of the worker's
-load [L, E] (kernels.moe.expert_count: one Triton launch on CUDA, inside vLLM's opaque MoE op,
+load [L, E] (moe_serve.kernels.moe.expert_count: one Triton launch on CUDA, inside vLLM's opaque MoE op,
 recorded by CUDA-graph capture and replayed with the graph; on vLLM's CPU engine, where
 torch.compile traces the MoE layer, an in-place ``index_add_`` the compiled graph performs).
 Where our router serves the call (kernels/plugin/router_hook.py), its kernel adds them itself
@@ -20,7 +20,7 @@ layer, every forward counted once.
 Logical experts: with vLLM's expert-parallel load balancer (EPLB) a router returns physical expert
 slots (a logical expert may have replicas); the count maps each slot to its logical expert through
 the router's own EPLB state (``eplb_state.logical_to_physical_map``, which vLLM updates in place
-when it rearranges), on the device at every call (kernels.moe.expert_count.physical_to_logical).
+when it rearranges), on the device at every call (moe_serve.kernels.moe.expert_count.physical_to_logical).
 Ids that name no logical expert are counted in the row's column E (its out-of-range count), not
 dropped. Our router kernel picks logical experts itself.
 
@@ -46,11 +46,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from kernels.moe.expert_count import count_experts, physical_to_logical
-from kernels.plugin import vllm_compat as vc
-from kernels.plugin import expert_snapshot as kes
-from kernels.plugin.expert_snapshot import LayerInfo, SnapshotWriter, window_from_env
-from kernels.plugin.plugin_host import PluginHost
+from moe_serve.kernels.moe.expert_count import count_experts, physical_to_logical
+from moe_serve.kernels.plugin import vllm_compat as vc
+from moe_serve.kernels.plugin import expert_snapshot as kes
+from moe_serve.kernels.plugin.expert_snapshot import LayerInfo, SnapshotWriter, window_from_env
+from moe_serve.kernels.plugin.plugin_host import PluginHost
 
 SLOT_ATTR = "_moe_serve_expert_load"   # on vLLM's router objects
 ROW_ALIGN = 16   # load rows padded to 16 int64 (128 B): every row's pointer has the same Triton specialization

@@ -37,11 +37,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kernels.config import current
+from moe_serve.kernels.config import current
 
 INTERVAL_S = 1.0            # seconds between a worker's snapshots
 DEFAULT_WINDOW_S = 60.0     # the sliding window's length
-LOGGER = "vllm.moe_serve_plugin"   # the plugin's logger (kernels.plugin.vllm_plugin.MoePlugin)
+LOGGER = "vllm.moe_serve_plugin"   # the plugin's logger (moe_serve.kernels.plugin.vllm_plugin.MoePlugin)
 PREFIX = "expert-load-"
 SNAPSHOT_RPC = "moe_serve_expert_load_now"   # a worker method: collective_rpc(SNAPSHOT_RPC) -> as_report's data
 SUFFIX = ".npz"

@@ -40,12 +40,12 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from kernels.config import PluginConfig
-from kernels.dense import op_fp8
-from kernels.dense.configs import fp8_key, load_table
-from kernels.dense.gemv import DTYPES, device_facts
-from kernels.dense.gemv_fp8 import FP8, SCALE_CHANNEL, VEC, scale_layout
-from kernels.plugin import vllm_compat as vc
+from moe_serve.kernels.config import PluginConfig
+from moe_serve.kernels.dense import op_fp8
+from moe_serve.kernels.dense.configs import fp8_key, load_table
+from moe_serve.kernels.dense.gemv import DTYPES, device_facts
+from moe_serve.kernels.dense.gemv_fp8 import FP8, SCALE_CHANNEL, VEC, scale_layout
+from moe_serve.kernels.plugin import vllm_compat as vc
 
 FP8_LINEAR = ("vllm.model_executor.layers.quantization.fp8", "Fp8LinearMethod")
 CT_FP8 = ("vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w8a8_fp8",
@@ -65,7 +65,7 @@ class Fp8Layout(NamedTuple):
     block_n: int                 # block scales' [block_n, block_k]; 0 for per tensor / channel
     block_k: int
     scale_attr: str              # weight_scale | weight_scale_inv
-    fmt: str                     # kernels.dense.configs.fp8_key of the scales
+    fmt: str                     # moe_serve.kernels.dense.configs.fp8_key of the scales
     fallback: str                # the op's name for the layer's own vLLM apply
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import inspect
 from typing import Callable
 
-from kernels.plugin.fp8_dense_hook import CT_FP8, FP8_LINEAR, LOAD, METHODS
-from kernels.plugin.vllm_compat import load
+from moe_serve.kernels.plugin.fp8_dense_hook import CT_FP8, FP8_LINEAR, LOAD, METHODS
+from moe_serve.kernels.plugin.vllm_compat import load
 
 APPLY_PARAMS = ("self", "layer", "x", "bias")
 BLOCK_KERNELS = "vllm.model_executor.kernels.linear.scaled_mm"

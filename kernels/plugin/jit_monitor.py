@@ -7,7 +7,7 @@ loaded from the on-disk cache. We tell them apart with ``knobs.compilation.liste
 (a disk-cache load takes milliseconds, a compile hundreds).
 
 In interpreter mode (TRITON_INTERPRET=1) nothing is compiled and no hook fires: counts stay 0.
-Compiles for sm_90 can still happen on CPU through ``kernels.moe.aot`` (fake CUDA driver).
+Compiles for sm_90 can still happen on CPU through ``moe_serve.kernels.moe.aot`` (fake CUDA driver).
 
 Triton's hooks are process-wide, so this module is the process's one monitor.
 API: install(), set_phase(phase), snapshot() -> {(kernel, phase, kind): count},

@@ -22,10 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kernels.config import PluginConfig
-from kernels.moe import configs, quant_format, routing, selection
-from kernels.moe.config_schema import Config, down_config, label
-from kernels.moe.router_topk import max_tokens
+from moe_serve.kernels.config import PluginConfig
+from moe_serve.kernels.moe import configs, quant_format, routing, selection
+from moe_serve.kernels.moe.config_schema import Config, down_config, label
+from moe_serve.kernels.moe.router_topk import max_tokens
 
 BATCH_INVARIANT = ("VLLM_BATCH_INVARIANT is set: our kernels sum in fp32 atomics and split-K, whose order "
                    "follows the batch")
@@ -62,7 +62,7 @@ class LayerFacts:
     N: int                      # intermediate size per rank (w1 is [E, 2N, K])
     K: int                      # hidden size
     topk: int
-    fmt: str                    # kernels.moe.quant_format key ('bf16', 'fp8', 'fp8_w8a8,per_token', ...)
+    fmt: str                    # moe_serve.kernels.moe.quant_format key ('bf16', 'fp8', 'fp8_w8a8,per_token', ...)
     act_bytes: int = 2          # itemsize of the hidden states the experts get (fp8: 1)
     experts_unsupported: str | None = None   # why ours cannot run these experts at all, else None
     router: RouterSpec | str | None = None   # its router's spec, why ours cannot run it, or None: not seen

@@ -1,7 +1,7 @@
 """The plugin's per-layer warm-up: for every MoE layer shape a worker has seen, compile before
 serving every kernel variant serving can hit, ours and vLLM's.
 
-Ours: kernels.moe.moe_variants.warm_moe_variants (all M buckets up to max_num_batched_tokens) when
+Ours: moe_serve.kernels.moe.moe_variants.warm_moe_variants (all M buckets up to max_num_batched_tokens) when
 the layer's plan (kernels/plugin/layer_plan.py) sends any M of the shape to ours. vLLM's: its
 original TritonExperts.apply, with the layer's real weights and quant config, at every decode M
 (1..max_num_seqs) and one M per specialization class of vLLM's kernel up to
@@ -16,13 +16,13 @@ from typing import Any, Callable
 
 import torch
 
-from kernels.config import current
-from kernels.moe import quant_format, routing
-from kernels.moe.fused_moe import dtype_name
-from kernels.moe.moe_variants import warm_moe_variants
-from kernels.plugin.layer_plan import LayerPlan
-from kernels.plugin.plugin_host import PluginHost
-from kernels.plugin.vllm_compat import ApplyCall, call_apply, vllm_config_chooser
+from moe_serve.kernels.config import current
+from moe_serve.kernels.moe import quant_format, routing
+from moe_serve.kernels.moe.fused_moe import dtype_name
+from moe_serve.kernels.moe.moe_variants import warm_moe_variants
+from moe_serve.kernels.plugin.layer_plan import LayerPlan
+from moe_serve.kernels.plugin.plugin_host import PluginHost
+from moe_serve.kernels.plugin.vllm_compat import ApplyCall, call_apply, vllm_config_chooser
 
 DEFAULT_MAX_TOKENS, DEFAULT_MAX_SEQS = 8192, 256  # when the worker's scheduler config is unknown
 
@@ -46,7 +46,7 @@ class LayerShape:
 
     @property
     def route_dtype(self) -> str:
-        """Routing/config key: the FP8 format's (kernels.moe.quant_format), else the activation
+        """Routing/config key: the FP8 format's (moe_serve.kernels.moe.quant_format), else the activation
         dtype's."""
         if self.block_shape:
             return quant_format.block_key(*self.block_shape)

@@ -4,7 +4,7 @@ to ours, with the plan's config for that M.
 
 Supported: gated SiLU, no expert_map / LoRA / bias / clamp, GEMM2 finished by TritonExperts' own
 top-k sum (vllm_compat.custom_finish); bf16/fp16/fp32, or FP8 W8A8 in
-the three formats of kernels.moe.quant_format: per-tensor or per-channel weight scales with a
+the three formats of moe_serve.kernels.moe.quant_format: per-tensor or per-channel weight scales with a
 per-tensor activation scale, or with dynamic per-token activations (FP8-dynamic), and block
 scales ([bn, bk] weight blocks, activations per token per bk columns; bk a power of two >= 16:
 it is the K loop's tile), read from the experts as vLLM's Triton experts read them
@@ -22,13 +22,13 @@ from typing import Any, Callable
 
 import torch
 
-from kernels.moe import routing
-from kernels.moe.config_schema import Config
-from kernels.moe.fused_moe import FP8, Fp8Scales, fused_moe
-from kernels.plugin.layer_plan import LayerFacts, LayerPlan
-from kernels.plugin.layer_warmup import LayerShape, LayerWarmup, VllmCallTemplate
-from kernels.plugin.plugin_host import PluginHost
-from kernels.plugin.vllm_compat import OUTPUT_WRITTEN, ApplyCall, call_apply, custom_finish, fp8_layout
+from moe_serve.kernels.moe import routing
+from moe_serve.kernels.moe.config_schema import Config
+from moe_serve.kernels.moe.fused_moe import FP8, Fp8Scales, fused_moe
+from moe_serve.kernels.plugin.layer_plan import LayerFacts, LayerPlan
+from moe_serve.kernels.plugin.layer_warmup import LayerShape, LayerWarmup, VllmCallTemplate
+from moe_serve.kernels.plugin.plugin_host import PluginHost
+from moe_serve.kernels.plugin.vllm_compat import OUTPUT_WRITTEN, ApplyCall, call_apply, custom_finish, fp8_layout
 
 
 def unsupported_reason(experts: Any, call: ApplyCall, require_cuda: bool = True,

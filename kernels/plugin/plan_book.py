@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable
 
-from kernels.moe import configs
-from kernels.plugin import layer_plan
-from kernels.plugin import vllm_compat as vc
-from kernels.plugin.layer_plan import LayerFacts, LayerPlan, PlanContext, RouterPlan, RouterSpec
+from moe_serve.kernels.moe import configs
+from moe_serve.kernels.plugin import layer_plan
+from moe_serve.kernels.plugin import vllm_compat as vc
+from moe_serve.kernels.plugin.layer_plan import LayerFacts, LayerPlan, PlanContext, RouterPlan, RouterSpec
 
 
 class PlanBook:

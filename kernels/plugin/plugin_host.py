@@ -1,13 +1,13 @@
 """What the plugin's parts (kernels/plugin/moe_hook.py, kernels/plugin/layer_warmup.py,
 kernels/plugin/router_hook.py, kernels/plugin/expert_load.py) need from the plugin
-object (kernels.plugin.vllm_plugin.MoePlugin), as a Protocol: the parts import nothing above them."""
+object (moe_serve.kernels.plugin.vllm_plugin.MoePlugin), as a Protocol: the parts import nothing above them."""
 from __future__ import annotations
 
 import logging
 from typing import Any, Protocol
 
-from kernels.plugin.layer_plan import LayerFacts, LayerPlan, RouterPlan, RouterSpec
-from kernels.plugin.vllm_compat import WorkerFacts
+from moe_serve.kernels.plugin.layer_plan import LayerFacts, LayerPlan, RouterPlan, RouterSpec
+from moe_serve.kernels.plugin.vllm_compat import WorkerFacts
 
 
 class PluginHost(Protocol):

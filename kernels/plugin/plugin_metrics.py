@@ -27,7 +27,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, values
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from kernels.plugin import expert_snapshot
+from moe_serve.kernels.plugin import expert_snapshot
 
 RUNTIME_DIR_ENV = "MOE_SERVE_RUNTIME_DIR"
 SERVER_ID_FILE = "server-id"  # in the runtime dir: the id of the API process that reads it
@@ -52,7 +52,7 @@ WORKER_INFO_LABELS = ("rank", "mode", "phase", "moe_hook", "jit_monitor")  # + p
 LAUNCH_PATHS = ("optimized", "routed_to_vllm", "fallback")
 GAUGE_MODES = {KERNEL_INFO: "max", ROUTING_INFO: "max", PLAN_INFO: "max", WORKER_INFO: "all", WORKERS_REPORTING: "sum",
                WARMUP_SECONDS: "all", WARMUP_SHAPES: "all", PINS_FAILED: "max"}  # how each gauge combines over workers
-JIT_FAMILIES = {  # Triton event kind (kernels.plugin.jit_monitor) -> (family, help)
+JIT_FAMILIES = {  # Triton event kind (moe_serve.kernels.plugin.jit_monitor) -> (family, help)
     "compile": (JIT_COMPILES, "Triton JIT compilations in the vLLM workers, per kernel, phase "
                 "(warmup|serving) and TP rank (sum over rank for the server)"),
     "cache_load": (JIT_CACHE_LOADS, "Triton kernels loaded from the on-disk cache in the vLLM "

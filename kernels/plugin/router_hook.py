@@ -1,5 +1,5 @@
 """The plugin's router hook: at decode, the gate GEMM and the top-k of a MoE layer become one
-launch of ours (kernels.moe.router_topk) where vLLM's runner holds the gate.
+launch of ours (moe_serve.kernels.moe.router_topk) where vLLM's runner holds the gate.
 
 vLLM's MoERunner._forward_impl computes ``router_logits, _ = self.gate(hidden_states)`` and
 later, through ``router.select_experts``, calls the router's ``_compute_routing(hidden_states,
@@ -34,9 +34,9 @@ from typing import Any, Callable
 
 import torch
 
-from kernels.moe.router_topk import max_tokens, router_topk, warm_router_variants
-from kernels.plugin.layer_plan import RouterPlan, RouterSpec
-from kernels.plugin.plugin_host import PluginHost
+from moe_serve.kernels.moe.router_topk import max_tokens, router_topk, warm_router_variants
+from moe_serve.kernels.plugin.layer_plan import RouterPlan, RouterSpec
+from moe_serve.kernels.plugin.plugin_host import PluginHost
 
 BIAS_ROUTER = "FusedTopKBiasRouter"
 __all__ = ["RouterHook", "RouterSpec", "eligibility", "router_spec"]

@@ -1,10 +1,10 @@
 """Where the plugin touches vLLM internals (vLLM 0.26 on the GPU host, 0.32 here, 0.33), and the pins of
-the kernel-side pieces kernels.moe.vllm_kernels loads.
+the kernel-side pieces moe_serve.kernels.moe.vllm_kernels loads.
 
 Every point below is checked by a pin (kernels/plugin/vllm_pins.py); tests/test_vllm_compat.py runs them on the CPU
 (0.32), bench/check_vllm_pins.py on the GPU host (0.26). 0.33's were run on its wheel's source
 without a GPU: ``pip download vllm==0.33.0 --no-deps``, its ``vllm/*.py`` unzipped into DIR, then
-``VLLM_TARGET_DEVICE=cpu PYTHONPATH=DIR:. pytest tests/test_vllm_compat.py
+``VLLM_TARGET_DEVICE=cpu PYTHONPATH=DIR pytest tests/test_vllm_compat.py
 tests/test_service_vllm_compat.py`` in this venv: all passed (2026-12-06). The plugin runs the pins
 too (``vllm_pins.check_pins``) before it patches anything: where one fails it installs no kernel hook, and
 vLLM's kernels serve. Where the versions differ, the difference is dispatched here on
@@ -51,7 +51,7 @@ from typing import Any, Callable
 
 import vllm
 
-from kernels.moe import vllm_kernels as vk
+from moe_serve.kernels.moe import vllm_kernels as vk
 
 EXPERTS = ("vllm.model_executor.layers.fused_moe.experts.triton_moe", "TritonExperts")
 MODULAR = ("vllm.model_executor.layers.fused_moe.modular_kernel", "FusedMoEExpertsModular")

@@ -26,8 +26,8 @@ import torch
 import vllm
 from vllm.config import KernelConfig, ParallelConfig, SchedulerConfig, VllmConfig
 
-from kernels.moe import vllm_kernels as vk
-from kernels.plugin.vllm_compat import (APPLY_PARAMS, APPLY_RETURNS, COMPUTE_ROUTING_PARAMS, DENSE_APPLY_PARAMS,
+from moe_serve.kernels.moe import vllm_kernels as vk
+from moe_serve.kernels.plugin.vllm_compat import (APPLY_PARAMS, APPLY_RETURNS, COMPUTE_ROUTING_PARAMS, DENSE_APPLY_PARAMS,
                                         DENSE_METHODS, EXPERTS, LAYER_UTILS, LOGITS_PROCESSOR,
                                         FORWARD_IMPL_PARAMS, GATED_BLOCKS, GPU_WORKER, MODULAR, MOE_RUNNER,
                                         ROUTER_BASE, ROUTER_FACTORY, ROUTERS, SCHEDULER_OUTPUT,
@@ -71,7 +71,7 @@ def pin_finish_points() -> str:
 
 
 def pin_router() -> str:
-    """What kernels.plugin.router_hook wraps and reads: the runner's entry point and the two
+    """What moe_serve.kernels.plugin.router_hook wraps and reads: the runner's entry point and the two
     routers' routing step, with the attributes router_spec reads."""
     assert _params(load(MOE_RUNNER)._forward_impl) == FORWARD_IMPL_PARAMS
     src = inspect.getsource(inspect.unwrap(load(MOE_RUNNER)._forward_impl))
@@ -87,7 +87,7 @@ def pin_router() -> str:
 
 
 def pin_expert_load() -> str:
-    """What kernels.plugin.expert_load wraps and reads: the routers' common entry (no router class
+    """What moe_serve.kernels.plugin.expert_load wraps and reads: the routers' common entry (no router class
     of vLLM's overrides it), the runners' registration and the worker's per-step entry."""
     base = load(ROUTER_BASE)
     assert _params(base.select_experts) == SELECT_EXPERTS_PARAMS
@@ -113,7 +113,7 @@ def pin_expert_load() -> str:
 
 
 def pin_runner_gate() -> str:
-    """What kernels.models.runner_gate's gated_forward replaces: each gated block's forward computes the gate in
+    """What moe_serve.kernels.models.runner_gate's gated_forward replaces: each gated block's forward computes the gate in
     the block and hands the logits to its runner, exactly as the replacement assumes, and its
     __init__ registers the gate before the runner (so the gate keeps its checkpoint name)."""
     for where in GATED_BLOCKS:
@@ -129,7 +129,7 @@ def pin_runner_gate() -> str:
 
 
 def pin_dense_linear() -> str:
-    """What kernels.plugin.dense_hook wraps: both methods' apply(self, layer, x, bias) computes
+    """What moe_serve.kernels.plugin.dense_hook wraps: both methods' apply(self, layer, x, bias) computes
     the GEMM of layer.weight and bias (or, with VLLM_BATCH_INVARIANT, the batch-invariant one),
     whose CUDA default is F.linear; the logits processor runs the lm_head through its method's
     apply. Read on 0.26.0 (wheel source): the same lines, with dispatch_unquantized_gemm() per
@@ -210,7 +210,7 @@ def pin_workspace_views() -> str:
 
 
 def pin_kernel_baselines() -> str:
-    """The vLLM pieces kernels.moe.vllm_kernels loads (it returns None where one is missing)."""
+    """The vLLM pieces moe_serve.kernels.moe.vllm_kernels loads (it returns None where one is missing)."""
     assert _params(load(vk.ALIGN_OP))[:3] == ("topk_ids", "block_size", "num_experts")
     fx, qcfg = load(vk.FUSED_EXPERTS), load(vk.FP8_QUANT_CONFIG)
     assert _params(fx)[:5] == ("hidden_states", "w1", "w2", "topk_weights", "topk_ids")
@@ -242,7 +242,7 @@ def pin_fp8_layout() -> str:
 def pin_fp8_dense() -> str:
     """kernels/plugin/fp8_dense_pins.py's pins (vLLM's FP8 linear methods and their stored layouts),
     imported here only when the pins run."""
-    from kernels.plugin import fp8_dense_pins
+    from moe_serve.kernels.plugin import fp8_dense_pins
 
     return "; ".join(pin() for pin in fp8_dense_pins.PINS)
 

@@ -45,17 +45,17 @@ import os
 import threading
 from typing import Any, Callable
 
-from kernels.config import PluginConfig, PluginConfigError, configure
-from kernels.plugin import expert_load, jit_monitor
-from kernels.plugin import vllm_compat as vc
-from kernels.plugin import vllm_pins
-from kernels.plugin.dense_hook import DenseHook
-from kernels.plugin.layer_plan import HookPlan, LayerFacts, LayerPlan, RouterPlan, RouterSpec
-from kernels.plugin.layer_warmup import LayerWarmup
-from kernels.plugin.moe_hook import MoeHook
-from kernels.plugin.plan_book import PlanBook
-from kernels.plugin.router_hook import RouterHook
-from kernels.plugin.plugin_metrics import (REPORT_METHOD, RUNTIME_DIR_ENV, PluginMetrics, enable_multiprocess,
+from moe_serve.kernels.config import PluginConfig, PluginConfigError, configure
+from moe_serve.kernels.plugin import expert_load, jit_monitor
+from moe_serve.kernels.plugin import vllm_compat as vc
+from moe_serve.kernels.plugin import vllm_pins
+from moe_serve.kernels.plugin.dense_hook import DenseHook
+from moe_serve.kernels.plugin.layer_plan import HookPlan, LayerFacts, LayerPlan, RouterPlan, RouterSpec
+from moe_serve.kernels.plugin.layer_warmup import LayerWarmup
+from moe_serve.kernels.plugin.moe_hook import MoeHook
+from moe_serve.kernels.plugin.plan_book import PlanBook
+from moe_serve.kernels.plugin.router_hook import RouterHook
+from moe_serve.kernels.plugin.plugin_metrics import (REPORT_METHOD, RUNTIME_DIR_ENV, PluginMetrics, enable_multiprocess,
                                            ensure_runtime_dir, worker_report)
 
 ENABLE_ENV = "MOE_SERVE_VLLM_PLUGIN"  # "1": patch this vLLM process (set by moe-serve; opt-in for vllm serve)
@@ -166,14 +166,14 @@ class MoePlugin:
         self.hooks.append("triton.knobs.runtime.jit_post_compile_hook")
 
     def _register_model_classes(self, fused: bool, router: bool) -> None:
-        from kernels.fused import warmup
-        from kernels.models.registry import register_model_classes
+        from moe_serve.kernels.fused import warmup
+        from moe_serve.kernels.models.registry import register_model_classes
         self.hooks.extend(f"ModelRegistry[{arch}]" for arch in register_model_classes(fused, router))
         if fused:
             self.warmups.append(("fused pieces", lambda: warmup.warm_pending()))
 
     def _install_fp8_dense_hook(self) -> None:
-        from kernels.plugin import fp8_dense_hook
+        from moe_serve.kernels.plugin import fp8_dense_hook
         self.hooks.extend(fp8_dense_hook.install(self.config, self.logger))
         self.warmups.append(("FP8 dense GEMV", lambda: fp8_dense_hook.warm_pending()))
 
@@ -244,7 +244,7 @@ class MoePlugin:
                          self.mode, self.hooks)
 
     def configure(self, config: PluginConfig) -> None:
-        """Make `config` this process's (kernels.config.current) and set the mode from it."""
+        """Make `config` this process's (moe_serve.kernels.config.current) and set the mode from it."""
         self.config = config
         configure(config)
         self.mode = "vllm" if self.pins_failed else config.mode

@@ -1,11 +1,11 @@
 """The search's candidate configs: each phase's generator (one dimension, or a joint grid, around
 the current best of a family: aligned, decode, gemv) and the static pruning every candidate passes
 before it is compiled or timed (tl.dot dims >= 16, swapped tiles 64-row, shared memory <= 227 KB,
-GEMV tiles no larger than the padded dims; kernels.tuning.tune runs them)."""
+GEMV tiles no larger than the padded dims; moe_serve.kernels.tuning.tune runs them)."""
 from __future__ import annotations
 
-from kernels.moe import configs, quant_format, smem
-from kernels.moe.config_schema import PREFETCH_MODES, Config, prequant, validate, with_block_k
+from moe_serve.kernels.moe import configs, quant_format, smem
+from moe_serve.kernels.moe.config_schema import PREFETCH_MODES, Config, prequant, validate, with_block_k
 
 
 def _k_tiles(K: int, bk: int) -> int:

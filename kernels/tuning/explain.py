@@ -23,11 +23,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from kernels.config import PluginConfigError, current
-from kernels.moe import configs, routing
-from kernels.plugin import backend_policy, layer_plan
-from kernels.plugin.layer_plan import LayerFacts, LayerPlan, PlanContext
-from kernels.tuning.model_shapes import NESTED, ModelConfigError, MoEShape, model_parser, moe_shapes, read_config
+from moe_serve.kernels.config import PluginConfigError, current
+from moe_serve.kernels.moe import configs, routing
+from moe_serve.kernels.plugin import backend_policy, layer_plan
+from moe_serve.kernels.plugin.layer_plan import LayerFacts, LayerPlan, PlanContext
+from moe_serve.kernels.tuning.model_shapes import NESTED, ModelConfigError, MoEShape, model_parser, moe_shapes, read_config
 
 # the hook's unsupported_reason for every layer of a quantization scheme ours cannot run at all
 # (none: per-tensor, per-channel/per-token and block FP8 all run on ours; test_explain pins it)
@@ -73,7 +73,7 @@ def router_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def plans(cfg: dict[str, Any], shapes: list[MoEShape], ctx: PlanContext, unsupported: str | None) -> list[LayerPlan]:
-    """Each shape's layer plan, its router read from config.json (kernels.plugin.layer_plan.config_router)."""
+    """Each shape's layer plan, its router read from config.json (moe_serve.kernels.plugin.layer_plan.config_router)."""
     keys = router_config(cfg)
     return [layer_plan.build(LayerFacts(s.E, s.N, s.K, s.topk, s.dtype, experts_unsupported=unsupported,
                                         router=layer_plan.config_router(keys, s.E, s.K, s.topk),

@@ -2,7 +2,7 @@
 the routing tables `moe-serve tune` writes (their measured points; a later tune of a shape
 replaces every earlier point of that shape, since its tables changed).
 
-    python -m kernels.tuning.make_routing bench/results/2026-12-02/.../bench_results.json \
+    python -m moe_serve.kernels.tuning.make_routing bench/results/2026-12-02/.../bench_results.json \
         .../tuned/routing_mixtral-8x7b.json --device NVIDIA_H200 --triton-version 3.6.0
 
 Per shape and measured M, s = vLLM's time / ours (> 1: ours faster). A run-to-run spread d
@@ -26,8 +26,8 @@ Per shape and measured M, s = vLLM's time / ours (> 1: ours faster). A run-to-ru
   ran (its failure is the shape's, not the M's), and likewise between two such points.
 
 Repeated readings of a cell with the config of its last file are averaged (geometric mean).
-Bench rows whose shape kernels.tuning.named_shapes does not name are skipped; shapes never measured
-are absent (they take the default rule: kernels.moe.routing.default_ranges). Each point keeps
+Bench rows whose shape moe_serve.kernels.tuning.named_shapes does not name are skipped; shapes never measured
+are absent (they take the default rule: moe_serve.kernels.moe.routing.default_ranges). Each point keeps
 its measured config string (a test checks the configs routed to ours are still the measured
 ones), its route and the reason for it.
 """
@@ -40,7 +40,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kernels.tuning.named_shapes import TUNED, UNTUNED
+from moe_serve.kernels.tuning.named_shapes import TUNED, UNTUNED
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_SPREAD = 0.03
@@ -127,7 +127,7 @@ def measured_spread(cells: dict[tuple, list[float]]) -> tuple[float, str]:
 def _readings(results: list[dict[str, Any]]) -> tuple[dict[str, dict], dict[str, dict[int, list[dict]]]]:
     """({shape key: {name, topk}}, {shape key: {M: readings in file order}}) of bench results
     and tune routing tables (a tune table's shape drops the shape's earlier readings)."""
-    from kernels.moe.routing import shape_key
+    from moe_serve.kernels.moe.routing import shape_key
 
     shapes = {**TUNED, **UNTUNED}
     info: dict[str, dict] = {}
@@ -185,7 +185,7 @@ def _speedup(row: dict[str, Any]) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kernels.moe import configs, routing
+    from moe_serve.kernels.moe import configs, routing
 
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

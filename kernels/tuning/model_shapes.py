@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kernels.moe import quant_format
+from moe_serve.kernels.moe import quant_format
 
 EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 INTERMEDIATE = ("moe_intermediate_size", "intermediate_size", "ffn_hidden_size")
@@ -39,7 +39,7 @@ class MoEShape:
     N: int
     K: int
     topk: int
-    dtype: str                         # kernels.moe.quant_format key: 'bf16' | 'fp16' | 'fp8' | ...
+    dtype: str                         # moe_serve.kernels.moe.quant_format key: 'bf16' | 'fp16' | 'fp8' | ...
     layers: int
 
     @property

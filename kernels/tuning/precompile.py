@@ -14,11 +14,11 @@ from typing import Callable
 
 import torch
 
-from kernels.moe import aot, quant_format
-from kernels.moe.fp8_scales import FP8, unit_scales
-from kernels.moe.fused_moe import fused_moe
-from kernels.moe.launch import kernel_name, record_launches
-from kernels.moe.smem import SMEM_LIMIT
+from moe_serve.kernels.moe import aot, quant_format
+from moe_serve.kernels.moe.fp8_scales import FP8, unit_scales
+from moe_serve.kernels.moe.fused_moe import fused_moe
+from moe_serve.kernels.moe.launch import kernel_name, record_launches
+from moe_serve.kernels.moe.smem import SMEM_LIMIT
 
 _POOL = None
 
@@ -49,7 +49,7 @@ _WORKER_CACHE: dict = {}
 
 def _record(E: int, N: int, K: int, topk: int, dtype: str, M: int, cfg: dict,
             ids: torch.Tensor | None = None) -> None:
-    """fused_moe on empty CPU tensors of format `dtype` (a kernels.moe.quant_format key; bf16
+    """fused_moe on empty CPU tensors of format `dtype` (a moe_serve.kernels.moe.quant_format key; bf16
     hidden states, as the tuner times them) inside the caller's record_launches()."""
     wdt = FP8 if quant_format.is_fp8(dtype) else torch.bfloat16
     fused_moe(torch.empty(M, K, dtype=torch.bfloat16), torch.empty(E, 2 * N, K, dtype=wdt),

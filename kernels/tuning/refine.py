@@ -1,9 +1,9 @@
 """Refine a tuned table: walk each bucket's config through named search phases only.
 
 A new kernel dimension (e.g. the decode path's L2 prefetch) is tried on a table that a full
-search (kernels.tuning.tune) already made, in a minute instead of that search's budget: per
+search (moe_serve.kernels.tuning.tune) already made, in a minute instead of that search's budget: per
 bucket, the table's config is timed, then each named phase of its family builds candidates from
-the best so far (kernels.tuning.tune.PHASES), and a candidate replaces it only when faster by
+the best so far (moe_serve.kernels.tuning.tune.PHASES), and a candidate replaces it only when faster by
 more than MIN_GAIN. A config never gets slower than the table's by more than the timing spread.
 """
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from kernels.moe import configs
-from kernels.moe.config_schema import Config, label
-from kernels.tuning import candidates, precompile, tune
-from kernels.tuning.timing import make_problem
+from moe_serve.kernels.moe import configs
+from moe_serve.kernels.moe.config_schema import Config, label
+from moe_serve.kernels.tuning import candidates, precompile, tune
+from moe_serve.kernels.tuning.timing import make_problem
 
 MIN_GAIN = 0.01             # a candidate must beat the current config by more than this share
 

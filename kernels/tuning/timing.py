@@ -12,9 +12,9 @@ from typing import Any, Callable
 
 import torch
 
-from kernels.moe import quant_format
-from kernels.moe.fp8_scales import Fp8Scales, quantize_weights
-from kernels.moe.fused_moe import fused_moe
+from moe_serve.kernels.moe import quant_format
+from moe_serve.kernels.moe.fp8_scales import Fp8Scales, quantize_weights
+from moe_serve.kernels.moe.fused_moe import fused_moe
 
 
 def time_graph(fn: Callable[[int], Any], n_sets: int, replays: int = 20, flush_l2: bool = False) -> float:
@@ -78,7 +78,7 @@ def replay_median_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
 def make_problem(E: int, N: int, K: int, topk: int, M: int, dtype: str, n_sets: int,
                  device: str, seed: int = 0, weights: tuple | None = None) -> dict[str, Any]:
     """Random never-zero inputs, n_sets routings (softmax of random logits, top-k). dtype: a
-    kernels.moe.quant_format key ('bf16'; fp8: per-tensor weights with static activation scales,
+    moe_serve.kernels.moe.quant_format key ('bf16'; fp8: per-tensor weights with static activation scales,
     per-channel with per-token ones, or block scales with per-group ones)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     fp8 = quant_format.is_fp8(dtype)
@@ -120,7 +120,7 @@ def time_ours(prob: dict[str, Any], cfg: dict | None, replays: int = 20) -> floa
 
 def time_vllm(prob: dict[str, Any], replays: int = 20) -> float | None:
     """vLLM's fused_experts on the same problem (None when vLLM is absent)."""
-    from kernels.moe import vllm_kernels
+    from moe_serve.kernels.moe import vllm_kernels
 
     fx = vllm_kernels.fused_experts()
     if fx is None:
@@ -166,8 +166,8 @@ def vllm_runner(prob: dict[str, Any], config: dict | None,
     """call(i) -> vLLM's fused_experts on input set i of prob ([M, K] out), with `config` forced
     through vLLM's override_config (None: the config vLLM picks itself). `experts` stands in for
     fused_experts (same signature; the CPU tests)."""
-    from kernels.moe import vllm_kernels
-    from kernels.tuning.vllm_space import OVERRIDE_CONFIG
+    from moe_serve.kernels.moe import vllm_kernels
+    from moe_serve.kernels.tuning.vllm_space import OVERRIDE_CONFIG
 
     fx, override = vllm_kernels.fused_experts(), vllm_kernels.load(OVERRIDE_CONFIG)
     if fx is None or override is None:

@@ -2,20 +2,20 @@
 
 Per M bucket two families compete, each starting from its default and walked one dimension
 at a time (phases), every phase's new candidates compiled for sm_90 on the host CPU first
-(kernels.tuning.precompile), then timed:
-  decode (buckets with M * topk <= 64, kernels.moe.moe_decode): up tile, up BLOCK_K, up stages,
+(moe_serve.kernels.tuning.precompile), then timed:
+  decode (buckets with M * topk <= 64, moe_serve.kernels.moe.moe_decode): up tile, up BLOCK_K, up stages,
       down tile, down stages, up split-K, down split-K, PDL, the down weights' L2 prefetch
       (fp8: and A_PREQUANT); after the aligned phases, two joint grids (up: split-K x stages x
       BLOCK_K; down: tile x BLOCK_K x split-K x stages), where single-dimension walks cannot
       trade programs for occupancy;
-  gemv (buckets with M * topk <= 32, kernels.moe.moe_gemv: the decode path on CUDA cores): up
+  gemv (buckets with M * topk <= 32, moe_serve.kernels.moe.moe_gemv: the decode path on CUDA cores): up
       tile (rows x K step), up warps x split-K, down tile, down warps x split-K, stages, PDL;
   aligned (every bucket): A GEMM1 split/fuse, B GEMM1 tiles (fp8: and A_PREQUANT), C GEMM2;
   then D: each bucket tries its neighbours' winners (one-dimension walks stop at local
   optima). The fastest family wins the bucket.
-`dtype` is the layer's kernels.moe.quant_format key: each format is tuned on its own (block FP8
+`dtype` is the layer's moe_serve.kernels.moe.quant_format key: each format is tuned on its own (block FP8
 candidates keep BLOCK_K = the activation group, so its BLOCK_K walks collapse).
-Candidates (kernels.tuning.candidates) are pruned statically first (tl.dot dims >= 16, swapped
+Candidates (moe_serve.kernels.tuning.candidates) are pruned statically first (tl.dot dims >= 16, swapped
 tiles 64-row, shared memory <= 227 KB; GEMV tiles no larger than the padded dims). A time budget stops the search and keeps the best so far; `state` (a
 dict the caller may persist) lets an interrupted search resume after its last phase.
 """
@@ -28,15 +28,15 @@ from typing import Any, Callable
 
 import torch
 
-from kernels.moe import configs, heuristics, quant_format
-from kernels.moe.config_schema import Config, prequant
-from kernels.tuning import precompile
-from kernels.tuning.candidates import (aligned_a, aligned_b, aligned_c, decode_down_occupancy,
+from moe_serve.kernels.moe import configs, heuristics, quant_format
+from moe_serve.kernels.moe.config_schema import Config, prequant
+from moe_serve.kernels.tuning import precompile
+from moe_serve.kernels.tuning.candidates import (aligned_a, aligned_b, aligned_c, decode_down_occupancy,
                                        decode_down_tiles, decode_prefetch, decode_up_occupancy,
                                        decode_up_tiles, gemv_down_occupancy, gemv_down_tiles,
                                        gemv_stages, gemv_up_occupancy, gemv_up_tiles, legal_unique,
                                        vary)
-from kernels.tuning.timing import make_problem, time_ours
+from moe_serve.kernels.tuning.timing import make_problem, time_ours
 
 DECODE_TUNE_MAX_SLOTS = 64
 GEMV_TUNE_MAX_SLOTS = 32

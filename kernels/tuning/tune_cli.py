@@ -5,18 +5,18 @@
 
 Reads DIR/config.json (no weights), derives the shapes one rank runs and their format (its
 quantization_config as vLLM reads it, --quantization overriding the method: per-tensor 'fp8',
-block 'fp8_w8a8,block_shape=[128,128]', per-token 'fp8_w8a8,per_token': kernels.moe.quant_format;
+block 'fp8_w8a8,block_shape=[128,128]', per-token 'fp8_w8a8,per_token': moe_serve.kernels.moe.quant_format;
 each format is tuned and routed on its own), searches configs for
-every M bucket (kernels.tuning.tune) within the budget, then times ours against vLLM's
+every M bucket (moe_serve.kernels.tuning.tune) within the budget, then times ours against vLLM's
 fused_experts at M = 1..4096 and writes the configs and the routing table (ours only where
-measured faster beyond the run-to-run spread: kernels.tuning.make_routing) into the cache the
+measured faster beyond the run-to-run spread: moe_serve.kernels.tuning.make_routing) into the cache the
 server reads first ($MOE_SERVE_CACHE/kernels/<device>/triton-<version>, or --out).
 Interrupted runs resume after their last finished phase; a shape already tuned is skipped
 unless --force. --refine "decode prefetch[,...]" runs only those search phases on each shape's
-table in use (kernels.tuning.refine), writes the refined table to the cache (or --out), and
+table in use (moe_serve.kernels.tuning.refine), writes the refined table to the cache (or --out), and
 keeps the routing as it is: a refined config is never slower than the one routed.
 `--for-vllm` tunes vLLM's own fused-MoE kernel instead, for plain `vllm serve`
-(kernels.tuning.vllm_tune; `moe-serve tune --for-vllm --help`).
+(moe_serve.kernels.tuning.vllm_tune; `moe-serve tune --for-vllm --help`).
 Exit codes: 0 done, 2 no GPU / bad model / no table to refine / unknown phase.
 On a CPU with TRITON_INTERPRET=1 the whole pipeline runs (for tests), timed by wall clock.
 """
@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 
-from kernels.moe import configs, routing, selection, vllm_kernels
-from kernels.tuning import make_routing, precompile, refine, tune
-from kernels.moe.config_schema import label
-from kernels.tuning.model_shapes import ModelConfigError, MoEShape, model_parser, moe_shapes, read_config
-from kernels.tuning.timing import make_problem, time_ours, time_vllm
+from moe_serve.kernels.moe import configs, routing, selection, vllm_kernels
+from moe_serve.kernels.tuning import make_routing, precompile, refine, tune
+from moe_serve.kernels.moe.config_schema import label
+from moe_serve.kernels.tuning.model_shapes import ModelConfigError, MoEShape, model_parser, moe_shapes, read_config
+from moe_serve.kernels.tuning.timing import make_problem, time_ours, time_vllm
 
 ROUTE_MS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024,
             2048, 4096)
@@ -191,7 +191,7 @@ def _refine(shapes: list[MoEShape], phases: list[str], out: Path, device: str,
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--for-vllm" in argv:
-        from kernels.tuning import vllm_tune
+        from moe_serve.kernels.tuning import vllm_tune
 
         return vllm_tune.main([a for a in argv if a != "--for-vllm"])
     args = parse_args(argv)

@@ -1,9 +1,9 @@
-"""vLLM's own fused-MoE kernel on one layer shape and format, as kernels.tuning.vllm_search times
+"""vLLM's own fused-MoE kernel on one layer shape and format, as moe_serve.kernels.tuning.vllm_search times
 and checks it (its `Bench`).
 
 Timing: vLLM's fused_experts with the config forced through its override_config, CUDA-graph
 replay of rotating input sets (8 routings at decode M keys, 4 above, 1 on CPU: each call's
-experts mostly miss the L2 left by the last; kernels.tuning.timing). Check: each M key has inputs of its own;
+experts mostly miss the L2 left by the last; moe_serve.kernels.tuning.timing). Check: each M key has inputs of its own;
 the baseline's output on them (what vLLM runs without a table) is checked against float64 and
 kept as the reference, and a candidate's output must match it (relative L2 error) before it can
 win. Before each checked call the allocator's free blocks of vLLM's buffer sizes are filled with
@@ -17,10 +17,10 @@ from typing import Any, Callable
 
 import torch
 
-from kernels.moe import quant_format, vllm_kernels
-from kernels.tuning import vllm_space as space
-from kernels.tuning.timing import make_vllm_problem, time_graph, vllm_runner
-from kernels.tuning.vllm_space import Config
+from moe_serve.kernels.moe import quant_format, vllm_kernels
+from moe_serve.kernels.tuning import vllm_space as space
+from moe_serve.kernels.tuning.timing import make_vllm_problem, time_graph, vllm_runner
+from moe_serve.kernels.tuning.vllm_space import Config
 
 GATE_TOL = {False: 0.02, True: 0.05}        # vs the baseline's output (fp8: requantized SiLU)
 F64_TOL = {False: 0.03, True: 0.15}         # baseline vs float64 (fp8: activations rounded)

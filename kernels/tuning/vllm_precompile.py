@@ -3,7 +3,7 @@
 Worker processes on the same GPU each run vLLM's fused_experts once per (config, M key) with the
 config forced (override_config), so Triton's JIT compiles exactly the variants the timing
 process launches (same arguments, same integer specializations) into Triton's disk cache, where
-the timing process then finds them. kernels.tuning.precompile compiles for sm_90 on the host CPU
+the timing process then finds them. moe_serve.kernels.tuning.precompile compiles for sm_90 on the host CPU
 from launches our launcher records; vLLM's launcher picks its Swap-AB tile from the live device
 and sizes its grid from its alignment op's output, so its exact launches exist only on the GPU.
 A config whose compile fails for lack of resources (shared memory, registers) or with a compile
@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 import torch
 
-from kernels.tuning.timing import make_vllm_problem, vllm_runner
-from kernels.tuning.vllm_space import Config
+from moe_serve.kernels.tuning.timing import make_vllm_problem, vllm_runner
+from moe_serve.kernels.tuning.vllm_space import Config
 
 _STATE: dict[str, Any] = {}
 GPU_SHARE = 0.5             # of the free GPU memory the workers' weights may take

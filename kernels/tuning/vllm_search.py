@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from kernels.tuning import vllm_space as space
-from kernels.tuning.vllm_space import Config
+from moe_serve.kernels.tuning import vllm_space as space
+from moe_serve.kernels.tuning.vllm_space import Config
 
 DECODE_SHARE = 0.75
 LARGE_SHARE = 0.9
@@ -30,7 +30,7 @@ ROUND_CAP = 24              # configs a key proposes per round (rounds end near 
 
 
 class Bench(Protocol):
-    """vLLM's kernel on one shape and format (kernels.tuning.vllm_bench on the GPU)."""
+    """vLLM's kernel on one shape and format (moe_serve.kernels.tuning.vllm_bench on the GPU)."""
 
     gate_tol: float
 

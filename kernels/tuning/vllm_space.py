@@ -21,8 +21,8 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
-from kernels.moe import quant_format, vllm_kernels
-from kernels.moe.smem import SMEM_LIMIT
+from moe_serve.kernels.moe import quant_format, vllm_kernels
+from moe_serve.kernels.moe.smem import SMEM_LIMIT
 
 Config = dict[str, int]
 KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
@@ -52,7 +52,7 @@ def canonical(cfg: dict[str, Any]) -> Config | None:
 
 
 def vllm_format(fmt: str) -> tuple[str | None, list[int] | None]:
-    """vLLM's (config dtype, block_shape) of a kernels.moe.quant_format key."""
+    """vLLM's (config dtype, block_shape) of a moe_serve.kernels.moe.quant_format key."""
     return vllm_kernels.vllm_dtype(fmt)
 
 

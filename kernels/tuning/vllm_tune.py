@@ -7,7 +7,7 @@ on this GPU, for plain `vllm serve`.
 
 Reads DIR/config.json (no weights) for the shapes one rank runs and their format (bf16 / fp16,
 per-tensor FP8 W8A8, block FP8), searches vLLM's kernel configs for every M key vLLM's own tuner
-writes (1 .. 4096; kernels.tuning.vllm_search: vLLM's search space, every table vLLM ships for the
+writes (1 .. 4096; moe_serve.kernels.tuning.vllm_search: vLLM's search space, every table vLLM ships for the
 same E and N, its default) within the budget, each candidate's output checked against vLLM's
 baseline before it can win, and writes each table under vLLM's own file name and format
 (`E=128,N=768,device_name=NVIDIA_H100_80GB_HBM3.json`, M keys as strings, triton_version) into
@@ -32,11 +32,11 @@ from typing import Any, Callable
 
 import torch
 
-from kernels.moe import quant_format, vllm_kernels
-from kernels.tuning import vllm_precompile, vllm_search, vllm_space as space
-from kernels.tuning.model_shapes import ModelConfigError, MoEShape, model_parser, moe_shapes, read_config
-from kernels.tuning.vllm_bench import BaselineMismatch, VllmBench
-from kernels.tuning.vllm_space import Config
+from moe_serve.kernels.moe import quant_format, vllm_kernels
+from moe_serve.kernels.tuning import vllm_precompile, vllm_search, vllm_space as space
+from moe_serve.kernels.tuning.model_shapes import ModelConfigError, MoEShape, model_parser, moe_shapes, read_config
+from moe_serve.kernels.tuning.vllm_bench import BaselineMismatch, VllmBench
+from moe_serve.kernels.tuning.vllm_space import Config
 
 FORMATS = ("bf16", "fp16", quant_format.FP8)   # and every block FP8 key
 

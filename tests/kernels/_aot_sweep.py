@@ -6,14 +6,14 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from kernels.moe import aot  # noqa: E402
-from kernels.plugin import jit_monitor  # noqa: E402
-from kernels.moe.fused_moe import Fp8Scales, fused_moe  # noqa: E402
-from kernels.moe.launch import record_launches  # noqa: E402
+from moe_serve.kernels.moe import aot  # noqa: E402
+from moe_serve.kernels.plugin import jit_monitor  # noqa: E402
+from moe_serve.kernels.moe.fused_moe import Fp8Scales, fused_moe  # noqa: E402
+from moe_serve.kernels.moe.launch import record_launches  # noqa: E402
 
 
 def run(M: int, fmt: str) -> None:

@@ -1,8 +1,8 @@
-"""Subprocess helper (TRITON_INTERPRET=0): compile the dense GEMV (kernels.dense.gemv) for sm_90 on
-CPU (kernels.moe.aot) -- the default config's variant at M = 1..8 for real decode shapes, and each
+"""Subprocess helper (TRITON_INTERPRET=0): compile the dense GEMV (moe_serve.kernels.dense.gemv) for sm_90 on
+CPU (moe_serve.kernels.moe.aot) -- the default config's variant at M = 1..8 for real decode shapes, and each
 config family -- and print one JSON line per compiled kernel with what its SASS shows of the K
 loop (the innermost backward branch): its instructions by kind, and spills anywhere. With the
-argument fp8: the FP8 GEMV (kernels.dense.gemv_fp8) at its default configs instead, Qwen3-30B's
+argument fp8: the FP8 GEMV (moe_serve.kernels.dense.gemv_fp8) at its default configs instead, Qwen3-30B's
 QKV block-FP8 at each bucket M = 1..16 with bf16 x, and a per-channel O with fp16 x."""
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from kernels.dense.gemv import MAX_M, dense_gemv  # noqa: E402
-from kernels.dense.gemv_fp8 import FP8, dense_gemv_fp8  # noqa: E402
-from kernels.moe import aot  # noqa: E402
-from kernels.moe.launch import record_launches  # noqa: E402
+from moe_serve.kernels.dense.gemv import MAX_M, dense_gemv  # noqa: E402
+from moe_serve.kernels.dense.gemv_fp8 import FP8, dense_gemv_fp8  # noqa: E402
+from moe_serve.kernels.moe import aot  # noqa: E402
+from moe_serve.kernels.moe.launch import record_launches  # noqa: E402
 
 SHAPES = {"qwen3-qkv": (5120, 2048), "qwen3-o": (2048, 4096), "o-tp8": (2048, 512)}  # [N, K] bf16
 FAMILIES = {  # name: (dtype, M, N, K, config)

@@ -1,5 +1,5 @@
 """Subprocess helper (TRITON_INTERPRET=0): compile the block-FP8 and per-token FP8 variants of
-both paths for sm_90 on CPU (kernels.moe.aot) and print one JSON line per compiled kernel: the
+both paths for sm_90 on CPU (moe_serve.kernels.moe.aot) and print one JSON line per compiled kernel: the
 variant, kernel, its MMA instruction (SASS), shared memory, constexpr modes and PDL use. A
 variant named *-chained is launched with the block chained (MOE_SERVE_BLOCK_PDL=1)."""
 from __future__ import annotations
@@ -10,13 +10,13 @@ import sys
 from pathlib import Path
 from unittest import mock
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from kernels.moe import aot  # noqa: E402
-from kernels.moe.fused_moe import Fp8Scales, fused_moe  # noqa: E402
-from kernels.moe.launch import BLOCK_PDL_ENV, record_launches  # noqa: E402
+from moe_serve.kernels.moe import aot  # noqa: E402
+from moe_serve.kernels.moe.fused_moe import Fp8Scales, fused_moe  # noqa: E402
+from moe_serve.kernels.moe.launch import BLOCK_PDL_ENV, record_launches  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 E, N, K, TOPK, M = 8, 256, 512, 8, 4

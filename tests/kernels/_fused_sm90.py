@@ -1,5 +1,5 @@
-"""Subprocess helper (TRITON_INTERPRET=0): compile the fused kernels (kernels.fused) for sm_90 on
-CPU (kernels.moe.aot) and print one JSON line per compiled kernel: register spills, and for the
+"""Subprocess helper (TRITON_INTERPRET=0): compile the fused kernels (moe_serve.kernels.fused) for sm_90 on
+CPU (moe_serve.kernels.moe.aot) and print one JSON line per compiled kernel: register spills, and for the
 norm GEMV what its innermost loop (the K loop) holds. Variants: Qwen3-30B-A3B's QKV at its
 serving configs for M = 1, 2, 8, 16 (bf16; with and without a residual), its router gate
 with h written, fp16 / fp32 with split K; the row norm; Q/K norm + RoPE with and without the
@@ -12,15 +12,15 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from kernels.fused.norm_gemv import norm_gemv  # noqa: E402
-from kernels.fused.qk_norm_rope import qk_norm_rope  # noqa: E402
-from kernels.fused.rms_norm import add_rms_norm  # noqa: E402
-from kernels.moe import aot  # noqa: E402
-from kernels.moe.launch import record_launches  # noqa: E402
+from moe_serve.kernels.fused.norm_gemv import norm_gemv  # noqa: E402
+from moe_serve.kernels.fused.qk_norm_rope import qk_norm_rope  # noqa: E402
+from moe_serve.kernels.fused.rms_norm import add_rms_norm  # noqa: E402
+from moe_serve.kernels.moe import aot  # noqa: E402
+from moe_serve.kernels.moe.launch import record_launches  # noqa: E402
 from tests.kernels._dense_sm90 import INSTR  # noqa: E402
 
 BF16 = torch.bfloat16

@@ -7,13 +7,13 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels.moe import aot  # noqa: E402
-from kernels.plugin import jit_monitor  # noqa: E402
+from moe_serve.kernels.moe import aot  # noqa: E402
+from moe_serve.kernels.plugin import jit_monitor  # noqa: E402
 
 
 def _copy_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):

@@ -1,5 +1,5 @@
 """Subprocess helper (TRITON_INTERPRET=0): compile the decode path's up kernel for sm_90 on CPU
-(kernels.moe.aot) with each PREFETCH mode, bf16 and block FP8, and print one JSON line per
+(moe_serve.kernels.moe.aot) with each PREFETCH mode, bf16 and block FP8, and print one JSON line per
 variant: the bulk L2 prefetches in its PTX and whether the first one comes before the first MMA."""
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from kernels.moe import aot  # noqa: E402
-from kernels.moe.fused_moe import Fp8Scales, fused_moe  # noqa: E402
-from kernels.moe.launch import record_launches  # noqa: E402
+from moe_serve.kernels.moe import aot  # noqa: E402
+from moe_serve.kernels.moe.fused_moe import Fp8Scales, fused_moe  # noqa: E402
+from moe_serve.kernels.moe.launch import record_launches  # noqa: E402
 
 E, N, K, TOPK, M = 8, 256, 512, 8, 1
 PREFETCH = "cp.async.bulk.prefetch.L2.global"

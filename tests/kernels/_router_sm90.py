@@ -1,6 +1,6 @@
-"""Subprocess helper (TRITON_INTERPRET=0): compile the router's variants (kernels.moe.router_topk),
-two of them adding the expert load (one with the sort top-k), and the expert count kernel (kernels.moe.expert_count) for
-sm_90 on CPU (kernels.moe.aot) and print one JSON line per compiled kernel."""
+"""Subprocess helper (TRITON_INTERPRET=0): compile the router's variants (moe_serve.kernels.moe.router_topk),
+two of them adding the expert load (one with the sort top-k), and the expert count kernel (moe_serve.kernels.moe.expert_count) for
+sm_90 on CPU (moe_serve.kernels.moe.aot) and print one JSON line per compiled kernel."""
 from __future__ import annotations
 
 import json
@@ -8,14 +8,14 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from kernels.moe import aot  # noqa: E402
-from kernels.moe.launch import record_launches  # noqa: E402
-from kernels.moe.expert_count import count_experts_triton  # noqa: E402
-from kernels.moe.router_topk import router_topk  # noqa: E402
+from moe_serve.kernels.moe import aot  # noqa: E402
+from moe_serve.kernels.moe.launch import record_launches  # noqa: E402
+from moe_serve.kernels.moe.expert_count import count_experts_triton  # noqa: E402
+from moe_serve.kernels.moe.router_topk import router_topk  # noqa: E402
 
 VARIANTS = {  # name: (M, E, K, topk, scoring, bias, count, top-k method)
     "qwen3-decode-split": (1, 128, 2048, 8, "softmax", False, False, "rounds"),

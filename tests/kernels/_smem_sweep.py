@@ -3,7 +3,7 @@ shapes (tuned + untuned, bf16 + fp8) and M up to 16384 must fit sm_90's shared m
 
 Prints one JSON line: {"configs": n distinct, "max_estimate": ..., "over_estimate": [...],
 "compiled": [{"est", "shared", ...}] } for the `argv[1]` configs closest to the limit plus
-`argv[2]` random others, compiled for sm_90 with kernels.moe.aot (real Triton metadata.shared)."""
+`argv[2]` random others, compiled for sm_90 with moe_serve.kernels.moe.aot (real Triton metadata.shared)."""
 from __future__ import annotations
 
 import json
@@ -13,16 +13,16 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.experts.shapes import TUNED, UNTUNED  # noqa: E402
-from kernels.moe import aot, configs, selection, smem  # noqa: E402
-from kernels.moe.align import moe_align_kernel  # noqa: E402
-from kernels.moe.fused_moe import Fp8Scales, fused_moe  # noqa: E402
-from kernels.moe.launch import record_launches  # noqa: E402
-from kernels.moe.moe_gemm import topk_sum_kernel  # noqa: E402
+from moe_serve.bench.experts.shapes import TUNED, UNTUNED  # noqa: E402
+from moe_serve.kernels.moe import aot, configs, selection, smem  # noqa: E402
+from moe_serve.kernels.moe.align import moe_align_kernel  # noqa: E402
+from moe_serve.kernels.moe.fused_moe import Fp8Scales, fused_moe  # noqa: E402
+from moe_serve.kernels.moe.launch import record_launches  # noqa: E402
+from moe_serve.kernels.moe.moe_gemm import topk_sum_kernel  # noqa: E402
 
 # the Triton the shipped H200 tables were tuned with (they are refused under another)
 SHIPPED_TRITON = json.loads(next(configs.CONFIG_DIR.glob("E=*.json")).read_text())["triton_version"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe.align import max_padded_len, moe_align
+from moe_serve.kernels.moe.align import max_padded_len, moe_align
 
 
 @pytest.mark.parametrize("M,topk,E,bm", [(1, 1, 2, 16), (1, 8, 256, 16), (7, 8, 64, 16),

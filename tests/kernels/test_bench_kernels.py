@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _bench(*args: str, interpret: bool = True) -> subprocess.CompletedProcess:
     env = {**os.environ, "TRITON_INTERPRET": "1" if interpret else "0"}
-    return subprocess.run([sys.executable, "-m", "service", "bench", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "moe_serve.service", "bench", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.experts.router import RouterShape, _choice_keys, check_reference, router_shape
-from kernels.moe.router_topk import TOPK_METHODS, router_topk
+from moe_serve.bench.experts.router import RouterShape, _choice_keys, check_reference, router_shape
+from moe_serve.kernels.moe.router_topk import TOPK_METHODS, router_topk
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "bench" / "models"
@@ -52,7 +52,7 @@ def test_the_reference_check_fails_on_wrong_experts_or_weights() -> None:
 
 def test_the_router_part_on_cpu_checks_and_times_every_method(tmp_path: Path) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, "-m", "service", "bench", "kernels", "--router", "--smoke", "--sets", "2",
+    res = subprocess.run([sys.executable, "-m", "moe_serve.service", "bench", "kernels", "--router", "--smoke", "--sets", "2",
                           "--replays", "5", "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-3000:]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.step import cli, model_level
+from moe_serve.bench.step import cli, model_level
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 PROFILED = RESULTS / "serve-qwen3-30b-a3b-bf16-h200-2026-12-04" / "2026-12-03-155b92d"
@@ -65,8 +65,8 @@ def test_sweep_dry_run_checks_every_config_and_tables_only_winning_buckets(tmp_p
 
 
 def test_sweep_tables_keep_the_buckets_that_beat_the_chain(tmp_path: Path) -> None:
-    from bench.step import sweep
-    from kernels.dense import configs
+    from moe_serve.bench.step import sweep
+    from moe_serve.kernels.dense import configs
 
     cfg = configs.default_config(1, 64, 256, "bf16")
     rows = [{"N": 64, "K": 256, "dtype": "bf16", "M": M, "chain_us": 10.0, "best_us": best, "best": cfg}

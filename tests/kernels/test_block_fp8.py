@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe import heuristics
-from kernels.moe.fused_moe import Fp8Scales, fused_moe
-from kernels.moe.launch import kernel_name, record_launches
-from bench.experts.reference import (as_kernel_bf16, moe_reference, quant_act_groups, quant_fp8, quant_fp8_block, rel_err,
+from moe_serve.kernels.moe import heuristics
+from moe_serve.kernels.moe.fused_moe import Fp8Scales, fused_moe
+from moe_serve.kernels.moe.launch import kernel_name, record_launches
+from moe_serve.bench.experts.reference import (as_kernel_bf16, moe_reference, quant_act_groups, quant_fp8, quant_fp8_block, rel_err,
                        routing)
 
 FP8 = torch.float8_e4m3fn
@@ -174,7 +174,7 @@ def test_block_needs_block_k_equal_to_the_group():
 def test_block_default_configs():
     """No config: the format's table/default (decode for few tokens per expert, aligned above)
     with BLOCK_K = the group, through both paths."""
-    from kernels.moe import configs, quant_format, selection
+    from moe_serve.kernels.moe import configs, quant_format, selection
 
     key = quant_format.block_key(32, 32)
     assert selection.get_config(1, 8, 32, 64, 2, key, device="cpu").get("DECODE")

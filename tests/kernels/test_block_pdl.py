@@ -1,15 +1,15 @@
-"""kernels.moe.launch.block_pdl: the switch that chains the MoE block at decode by programmatic
+"""moe_serve.kernels.moe.launch.block_pdl: the switch that chains the MoE block at decode by programmatic
 dependent launch, and what the decode path launches with it off (the default) and on."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.config import PluginConfig, configure
-from kernels.moe import launch as launch_mod
-from kernels.moe import moe_decode_launch
-from kernels.moe.fused_moe import fused_moe
-from kernels.moe.launch import BLOCK_PDL_ENV, block_pdl, record_launches
+from moe_serve.kernels.config import PluginConfig, configure
+from moe_serve.kernels.moe import launch as launch_mod
+from moe_serve.kernels.moe import moe_decode_launch
+from moe_serve.kernels.moe.fused_moe import fused_moe
+from moe_serve.kernels.moe.launch import BLOCK_PDL_ENV, block_pdl, record_launches
 
 E, N, K, TOPK, M = 8, 64, 64, 2, 1
 CFG = {"DECODE": True, "PDL": True, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.moe import configs, selection
+from moe_serve.kernels.moe import configs, selection
 
 
 @pytest.mark.parametrize("shape", [(8, 1792, 4096, 2), (128, 96, 2048, 8), (256, 256, 7168, 8),
@@ -100,9 +100,9 @@ def test_a_prequant_defaults_per_path_and_is_kept_only_where_it_differs():
     """Quantize-once is the aligned path's default, in-loop the decode path's; a config keeps
     the key (and its label a mark) only when it departs from its path's default, so the shipped
     tables' aligned configs now quantize once."""
-    from kernels.moe.config_schema import label, prequant
-    from kernels.tuning.candidates import aligned_b
-    from kernels.tuning.tune import PHASES
+    from moe_serve.kernels.moe.config_schema import label, prequant
+    from moe_serve.kernels.tuning.candidates import aligned_b
+    from moe_serve.kernels.tuning.tune import PHASES
 
     base = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=16, num_warps=4, num_stages=4,
                 SWAP_AB=False)
@@ -125,7 +125,7 @@ def test_a_prequant_defaults_per_path_and_is_kept_only_where_it_differs():
 def test_format_keys_name_tables_as_vllm_does():
     """Block FP8 tables are named with vLLM's dtype/block_shape spelling and get BLOCK_K = the
     group; per-token and per-tensor keys are apart; smem fitting uses the weight dtype."""
-    from kernels.moe import quant_format
+    from moe_serve.kernels.moe import quant_format
 
     key = quant_format.block_key(128, 128)
     assert configs.config_file_name(256, 256, 7168, key, "NVIDIA_H200") == \
@@ -141,7 +141,7 @@ def test_format_keys_name_tables_as_vllm_does():
 
 
 def test_format_of_checkpoints():
-    from kernels.moe.quant_format import FP8, PER_TOKEN, FormatError, block_key, of_checkpoint
+    from moe_serve.kernels.moe.quant_format import FP8, PER_TOKEN, FormatError, block_key, of_checkpoint
 
     assert of_checkpoint(None) is None
     assert of_checkpoint({"quant_method": "fp8", "activation_scheme": "dynamic",
@@ -166,7 +166,7 @@ def test_format_of_checkpoints():
 def test_decode_split_fills_the_sms():
     """Split-K (when asked for) brings a decode kernel's programs up to ~one per SM, keeps each
     split's share of the loop, and never splits a kernel that already fills the GPU."""
-    from kernels.moe.heuristics import decode_config, decode_split
+    from moe_serve.kernels.moe.heuristics import decode_config, decode_split
 
     assert decode_split(32, 24, 2) == 8            # 32 programs -> 256 ~ two per SM
     assert decode_split(64, 112, 2) == 4           # 64 -> 256
@@ -183,8 +183,8 @@ def test_decode_split_fills_the_sms():
 
 
 def test_from_vllm_config_swaps_only_per_tensor_and_per_token_fp8_at_block_m_32():
-    from kernels.moe import quant_format
-    from kernels.moe.heuristics import from_vllm_config
+    from moe_serve.kernels.moe import quant_format
+    from moe_serve.kernels.moe.heuristics import from_vllm_config
 
     tile = {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
             "num_warps": 4, "num_stages": 3}

@@ -1,13 +1,13 @@
-"""The two-launch decode path (kernels.moe.moe_decode) against the float64 reference, under
+"""The two-launch decode path (moe_serve.kernels.moe.moe_decode) against the float64 reference, under
 TRITON_INTERPRET=1: every variant, into NaN-poisoned outputs, on fresh random inputs."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.moe import heuristics
-from kernels.moe.fused_moe import Fp8Scales, fused_moe
-from bench.experts.reference import act_amax, moe_reference, quant_fp8, rel_err, routing
+from moe_serve.kernels.moe import heuristics
+from moe_serve.kernels.moe.fused_moe import Fp8Scales, fused_moe
+from moe_serve.bench.experts.reference import act_amax, moe_reference, quant_fp8, rel_err, routing
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
 
@@ -77,7 +77,7 @@ SPLITS = [(2, 1), (1, 2), (4, 8), (8, 4)]  # (up, down): more splits than tiles 
 
 
 def _split_ws_zero() -> bool:
-    from kernels.moe import moe_decode_launch as fm
+    from moe_serve.kernels.moe import moe_decode_launch as fm
     return all(not (f.any() or c.any()) for f, c in fm._SPLIT_WS.values())
 
 
@@ -156,7 +156,7 @@ def test_decode_block_m_must_hold_all_slots():
 
 def test_default_path_choice():
     """Untuned shapes: decode while M * topk <= min(32, E), else the aligned path."""
-    from kernels.moe import configs, selection
+    from moe_serve.kernels.moe import configs, selection
 
     assert configs.default_config(1, 8, 1792, 4096, 2, "bf16").get("DECODE")
     assert configs.default_config(4, 8, 1792, 4096, 2, "bf16").get("DECODE")

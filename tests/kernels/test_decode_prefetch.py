@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.moe import moe_decode_launch
-from kernels.moe.config_schema import label, validate
-from kernels.moe.fused_moe import fused_moe
-from kernels.moe.launch import record_launches
+from moe_serve.kernels.moe import moe_decode_launch
+from moe_serve.kernels.moe.config_schema import label, validate
+from moe_serve.kernels.moe.fused_moe import fused_moe
+from moe_serve.kernels.moe.launch import record_launches
 
 TOPK = 2
 DECODE = {"DECODE": True, "PDL": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1,

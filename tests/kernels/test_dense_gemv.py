@@ -1,4 +1,4 @@
-"""The dense decode GEMV (kernels.dense.gemv) against a float64 reference under TRITON_INTERPRET=1:
+"""The dense decode GEMV (moe_serve.kernels.dense.gemv) against a float64 reference under TRITON_INTERPRET=1:
 every token count 1..8, every config family (accumulator pairs or reduced, with and without the
 register prefetch, plain and split K), shapes not divisible by the blocks, with and without bias,
 fresh random inputs written into NaN-poisoned outputs. fp16 and fp32; bf16 too, whose path loads
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.experts.reference import rel_err
-from kernels.dense import configs
-from kernels.dense.gemv import dense_gemv, unsupported
-from kernels.moe import moe_decode_launch
+from moe_serve.bench.experts.reference import rel_err
+from moe_serve.kernels.dense import configs
+from moe_serve.kernels.dense.gemv import dense_gemv, unsupported
+from moe_serve.kernels.moe import moe_decode_launch
 from tests.kernels.test_dense_gemv_fp8 import _check as check_fp8
 
 TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}

@@ -1,4 +1,4 @@
-"""The FP8 dense decode GEMV (kernels.dense.gemv_fp8) under TRITON_INTERPRET=1, on fresh random
+"""The FP8 dense decode GEMV (moe_serve.kernels.dense.gemv_fp8) under TRITON_INTERPRET=1, on fresh random
 inputs into NaN-poisoned outputs: every token count 1..16 at the default config, each scale
 format (per tensor, per channel [N, 1], block [128, 128] and smaller blocks, partial blocks at
 odd N and K not a multiple of 128), fp16 / fp32 / bf16 activations, the config families (split K,
@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.experts.dense_fp8 import BLOCK, CHANNEL, TENSOR, quantize
-from bench.experts.reference import rel_err
-from kernels.dense import configs, op_fp8
-from kernels.dense.gemv_fp8 import FP8, dense_gemv_fp8, unsupported
-from kernels.moe import moe_decode_launch
+from moe_serve.bench.experts.dense_fp8 import BLOCK, CHANNEL, TENSOR, quantize
+from moe_serve.bench.experts.reference import rel_err
+from moe_serve.kernels.dense import configs, op_fp8
+from moe_serve.kernels.dense.gemv_fp8 import FP8, dense_gemv_fp8, unsupported
+from moe_serve.kernels.moe import moe_decode_launch
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 

@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels.dense import op
-from kernels.plugin import vllm_compat as vc
-from kernels.config import KEY, PluginConfig
-from kernels.plugin.dense_hook import DenseHook
-from kernels.plugin.vllm_plugin import MoePlugin
+from moe_serve.kernels.dense import op
+from moe_serve.kernels.plugin import vllm_compat as vc
+from moe_serve.kernels.config import KEY, PluginConfig
+from moe_serve.kernels.plugin.dense_hook import DenseHook
+from moe_serve.kernels.plugin.vllm_plugin import MoePlugin
 
 
 @pytest.fixture()

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.dense import configs, op
-from kernels.moe import configs as moe_configs
+from moe_serve.kernels.dense import configs, op
+from moe_serve.kernels.moe import configs as moe_configs
 
 
 @pytest.fixture()

@@ -1,4 +1,4 @@
-"""Expert load counting (kernels.moe.expert_count, and router_topk's counts) against an integer
+"""Expert load counting (moe_serve.kernels.moe.expert_count, and router_topk's counts) against an integer
 reference, on fresh random routing added into random (poisoned) counts, under Triton's interpreter;
 the torch path also as torch.compile traces it on vLLM's CPU engine. Under EPLB (physical expert
 slots mapped to logical experts) and for ids out of range, against the same reference."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe.expert_count import count_experts, count_experts_torch, count_experts_triton, physical_to_logical
-from kernels.moe.router_topk import router_topk
+from moe_serve.kernels.moe.expert_count import count_experts, count_experts_torch, count_experts_triton, physical_to_logical
+from moe_serve.kernels.moe.router_topk import router_topk
 
 
 def _routing(M: int, E: int, topk: int, dtype: torch.dtype) -> torch.Tensor:

@@ -14,13 +14,13 @@ import logging
 import pytest
 import torch
 
-from bench.experts.dense_fp8 import BLOCK, CHANNEL, TENSOR, fp8_bench_cases, quantize, vllm_apply, vllm_layer
-from bench.experts.reference import rel_err
-from kernels.config import PluginConfig
-from kernels.dense import op_fp8
-from kernels.plugin import fp8_dense_hook as hk
-from kernels.plugin import vllm_compat as vc
-from kernels.plugin.fp8_dense_pins import PINS
+from moe_serve.bench.experts.dense_fp8 import BLOCK, CHANNEL, TENSOR, fp8_bench_cases, quantize, vllm_apply, vllm_layer
+from moe_serve.bench.experts.reference import rel_err
+from moe_serve.kernels.config import PluginConfig
+from moe_serve.kernels.dense import op_fp8
+from moe_serve.kernels.plugin import fp8_dense_hook as hk
+from moe_serve.kernels.plugin import vllm_compat as vc
+from moe_serve.kernels.plugin.fp8_dense_pins import PINS
 
 LOG = logging.getLogger("test.fp8_dense")
 

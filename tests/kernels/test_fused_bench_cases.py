@@ -1,4 +1,4 @@
-"""The kernel-level benchmark cases (kernels.fused.bench_cases) on CPU (their dry run): each
+"""The kernel-level benchmark cases (moe_serve.kernels.fused.bench_cases) on CPU (their dry run): each
 pair's fused launch (under the interpreter) and unfused chain compute the same outputs, so a
 timing harness compares like with like."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from bench.experts.reference import rel_err
-from kernels.fused import bench_cases
+from moe_serve.bench.experts.reference import rel_err
+from moe_serve.kernels.fused import bench_cases
 
 
 def test_norm_gemv_pair_computes_one_answer() -> None:

@@ -1,7 +1,7 @@
 """The fused model classes (kernels/models/) in vLLM's real CPU engine: a tiny fp32 Qwen3-MoE and a
 tiny Mixtral with dummy weights, each served in this process by vllm.LLM with our classes
 registered (kernels/models/registry.py) and the switches on, the fused ops running our Triton
-kernels under the interpreter (kernels.fused.ops.CPU_INTERPRETER). The same prompts' greedy
+kernels under the interpreter (moe_serve.kernels.fused.ops.CPU_INTERPRETER). The same prompts' greedy
 tokens, their log-probabilities and the prompt's log-probabilities (top 5 at each position) come
 out the same with the pieces fused (our kernels), with Qwen3's norm + QKV piece alone (the op's
 CPU path: vLLM's semantics in torch), and with vLLM's own layer classes swapped back in.
@@ -44,7 +44,7 @@ def _restore_vllm_classes() -> None:
     from vllm import ModelRegistry
     from vllm.model_executor.models.registry import _VLLM_MODELS
 
-    from kernels.models.registry import MODEL_CLASSES
+    from moe_serve.kernels.models.registry import MODEL_CLASSES
 
     for arch in MODEL_CLASSES:
         module, cls = _VLLM_MODELS[arch]
@@ -56,10 +56,10 @@ def llm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     import triton
     from vllm import LLM
 
-    from kernels import config as plugin_config
-    from kernels.dense import configs as dense_configs
-    from kernels.fused import ops
-    from kernels.models.registry import MODEL_CLASSES, register_model_classes
+    from moe_serve.kernels import config as plugin_config
+    from moe_serve.kernels.dense import configs as dense_configs
+    from moe_serve.kernels.fused import ops
+    from moe_serve.kernels.models.registry import MODEL_CLASSES, register_model_classes
 
     name = request.param
     tmp = tmp_path_factory.mktemp(f"fused-{name}")
@@ -131,7 +131,7 @@ def _set(model: Any, qk: bool | None = None, vllm_classes: bool = False) -> dict
 
 def test_logprobs_with_the_switches_on_and_off_match_vllms_layers(llm: tuple[str, Any],
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels.fused import norm_gemv, ops, qk_norm_rope, reference
+    from moe_serve.kernels.fused import norm_gemv, ops, qk_norm_rope, reference
 
     name, engine = llm
     calls: dict[str, int] = {}

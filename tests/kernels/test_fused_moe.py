@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe.fused_moe import Fp8Scales, fused_moe
-from bench.experts.reference import act_amax, moe_reference, quant_fp8, rel_err, routing
+from moe_serve.kernels.moe.fused_moe import Fp8Scales, fused_moe
+from moe_serve.bench.experts.reference import act_amax, moe_reference, quant_fp8, rel_err, routing
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
 FP8_TOL_EXACT = 0.12     # vs. exact-activation reference (fp8 activation rounding ~4% rms)
@@ -189,8 +189,8 @@ def test_split_k_router_weight_on_input(fp8):
 def test_aligned_heuristic_splits_at_small_m():
     """The aligned path's own heuristic fills >= ~1 wave (split-K / un-fused gate+up) at
     small M and never splits at large M."""
-    from kernels.moe import heuristics
-    from kernels.moe.fused_moe import num_programs
+    from moe_serve.kernels.moe import heuristics
+    from moe_serve.kernels.moe.fused_moe import num_programs
 
     for E, N, K, topk in [(8, 1792, 4096, 2), (256, 256, 7168, 8), (128, 96, 2048, 8)]:
         for dt in ("bf16", "fp8"):
@@ -217,7 +217,7 @@ def test_aligned_path_quantizes_activations_once_by_default(case):
     after a fused GEMM1 (a static one is quantized in GEMM1's epilogue); the K-loop variant
     (A_PREQUANT false) launches no quant kernel. Both round alike (same fp8 values) and match
     the float64 reference."""
-    from kernels.moe.launch import kernel_name, record_launches
+    from moe_serve.kernels.moe.launch import kernel_name, record_launches
 
     M, E, N, K, topk, cfg = case
     x, w1, w2, tw, ids = _problem(M, E, N, K, topk, seed=M + 5 * E)
@@ -253,7 +253,7 @@ def test_fp8_config_from_vllms_block_m_32_tile(per_channel, static):
     """The untuned FP8 aligned config mapped from vLLM's BLOCK_SIZE_M = 32 tile (both GEMMs
     swapped, 64-row weight tiles): per-tensor static and per-channel weights with per-token
     dynamic activations, against the float64 reference."""
-    from kernels.moe.heuristics import from_vllm_config
+    from moe_serve.kernels.moe.heuristics import from_vllm_config
 
     cfg = from_vllm_config(VLLM_BM32_TILE, "fp8")
     assert cfg["SWAP_AB"] and cfg["DOWN"]["SWAP_AB"] and cfg["BLOCK_N"] == 64

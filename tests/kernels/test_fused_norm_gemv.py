@@ -1,5 +1,5 @@
-"""Residual add + RMSNorm fused into the decode GEMV (kernels.fused.norm_gemv) and the row-norm
-kernel of its unfused side (kernels.fused.rms_norm), under TRITON_INTERPRET=1, fp16 and fp32,
+"""Residual add + RMSNorm fused into the decode GEMV (moe_serve.kernels.fused.norm_gemv) and the row-norm
+kernel of its unfused side (moe_serve.kernels.fused.rms_norm), under TRITON_INTERPRET=1, fp16 and fp32,
 fresh random inputs, outputs poisoned with NaN (the launcher allocates them: poisoned through
 torch.empty's allocator below), against a float64 reference and against vLLM's own
 RMSNorm.forward_native followed by the linear layer."""
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.experts.reference import rel_err
-from kernels.fused import norm_gemv as ng
-from kernels.fused import rms_norm
-from kernels.moe import moe_decode_launch
+from moe_serve.bench.experts.reference import rel_err
+from moe_serve.kernels.fused import norm_gemv as ng
+from moe_serve.kernels.fused import rms_norm
+from moe_serve.kernels.moe import moe_decode_launch
 from tests.kernels._fused_vllm import TOL, close, generator, vllm_config, vllm_rms_norm
 
 EPS = 1e-6
@@ -130,7 +130,7 @@ def test_the_launcher_refuses_what_the_kernel_cannot_do() -> None:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("residual", [True, False])
 def test_row_norm_kernel_matches_vllm_past_the_gemv_token_limit(dtype: torch.dtype, residual: bool) -> None:
-    """kernels.fused.rms_norm (the ops' norm where the GEMV prologue does not serve), 20 tokens,
+    """moe_serve.kernels.fused.rms_norm (the ops' norm where the GEMV prologue does not serve), 20 tokens,
     K 1100 (a partial step)."""
     x, r, nw, _, _ = _inputs(20, 1, 1100, dtype, residual, False)
     h, res_out = rms_norm.add_rms_norm(x, r, nw, EPS)

@@ -1,4 +1,4 @@
-"""The fused custom ops (kernels.fused.ops): on CPU tensors exactly vLLM's layers (RMSNorm and
+"""The fused custom ops (moe_serve.kernels.fused.ops): on CPU tensors exactly vLLM's layers (RMSNorm and
 get_rope forward_native, the linear layer, reshape_and_cache_flash's write); with the kernels
 run under the interpreter (ops.CPU_INTERPRETER) the same within the kernels' tolerance, the
 GEMV's token limit taken by the row-norm kernel; traced by torch.compile as one node each, with
@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import config as plugin_config
-from kernels.dense import configs as dense_configs
-from kernels.fused import ops, reference
-from kernels.moe.launch import kernel_name, record_launches
+from moe_serve.kernels import config as plugin_config
+from moe_serve.kernels.dense import configs as dense_configs
+from moe_serve.kernels.fused import ops, reference
+from moe_serve.kernels.moe.launch import kernel_name, record_launches
 from tests.kernels._fused_vllm import close, generator, vllm_config, vllm_rms_norm, vllm_rope
 
 EPS = 1e-6
@@ -141,7 +141,7 @@ def test_warm_up_runs_each_variant_of_each_call_kind_seen_once(monkeypatch: pyte
     """The op records each call kind (at any M: vLLM's profile run is a prefill); warm_pending
     then runs each distinct norm GEMV variant of the M its table lists (buckets 1 and 4 here: M =
     1, 3, 4) and the Q/K kernel once, and nothing again on a second call."""
-    from kernels.fused import warmup
+    from moe_serve.kernels.fused import warmup
 
     monkeypatch.setattr(ops, "CPU_INTERPRETER", True)
     monkeypatch.setattr(ops, "_seen_norm", {})

@@ -1,17 +1,17 @@
-"""Q/K RMSNorm + RoPE (+ the KV-cache write) in one launch (kernels.fused.qk_norm_rope) under
+"""Q/K RMSNorm + RoPE (+ the KV-cache write) in one launch (moe_serve.kernels.fused.qk_norm_rope) under
 TRITON_INTERPRET=1, fp16 and fp32, fresh random inputs, poisoned outputs and caches, against a
 float64 reference and against vLLM's own layers: RMSNorm.forward_native per head (Qwen3's
 q_norm / k_norm), then get_rope(...).forward_native; the cache write against
-reshape_and_cache_flash's semantics (kernels.fused.reference.write_kv_cache: vLLM's CUDA and
+reshape_and_cache_flash's semantics (moe_serve.kernels.fused.reference.write_kv_cache: vLLM's CUDA and
 Triton kernels do not run on this CPU build)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bench.experts.reference import rel_err
-from kernels.fused import reference
-from kernels.fused.qk_norm_rope import qk_norm_rope, unsupported
+from moe_serve.bench.experts.reference import rel_err
+from moe_serve.kernels.fused import reference
+from moe_serve.kernels.fused.qk_norm_rope import qk_norm_rope, unsupported
 from tests.kernels._fused_vllm import TOL, close, generator, vllm_config, vllm_rms_norm, vllm_rope
 
 EPS = 1e-6

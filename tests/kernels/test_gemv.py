@@ -1,4 +1,4 @@
-"""The CUDA-core decode path (kernels.moe.moe_gemv, a GEMV config) against the float64 reference,
+"""The CUDA-core decode path (moe_serve.kernels.moe.moe_gemv, a GEMV config) against the float64 reference,
 under TRITON_INTERPRET=1: every weight format and split, into NaN-poisoned outputs, on fresh
 random inputs. FP8 weights are dequantized and the activations kept in their float dtype (W8A16),
 so the reference is the dequantized weights' exact product, with no activation rounding."""
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe import configs, heuristics
-from kernels.moe.config_schema import label, validate
-from kernels.moe.fused_moe import Fp8Scales, fused_moe, num_programs
-from bench.experts.reference import (FP8, moe_reference, quant_act_groups, quant_fp8, quant_fp8_block, rel_err,
+from moe_serve.kernels.moe import configs, heuristics
+from moe_serve.kernels.moe.config_schema import label, validate
+from moe_serve.kernels.moe.fused_moe import Fp8Scales, fused_moe, num_programs
+from moe_serve.bench.experts.reference import (FP8, moe_reference, quant_act_groups, quant_fp8, quant_fp8_block, rel_err,
                        routing)
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
@@ -55,7 +55,7 @@ def test_gemv_float(case, dtype):
 
 
 def _split_ws_zero() -> bool:
-    from kernels.moe import moe_decode_launch as fm
+    from moe_serve.kernels.moe import moe_decode_launch as fm
     return all(not (f.any() or c.any()) for f, c in fm._SPLIT_WS.values())
 
 

@@ -1,4 +1,4 @@
-"""JIT monitor with real sm_90 compiles on CPU (kernels.moe.aot fake driver, no GPU, no interpreter)."""
+"""JIT monitor with real sm_90 compiles on CPU (moe_serve.kernels.moe.aot fake driver, no GPU, no interpreter)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.plugin import jit_monitor
+from moe_serve.kernels.plugin import jit_monitor
 
 
 def _probe(mode: str, cache_dir: Path) -> dict:

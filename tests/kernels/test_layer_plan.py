@@ -1,4 +1,4 @@
-"""kernels.plugin.layer_plan: a layer's plan holds selection's decision per M (route and config,
+"""moe_serve.kernels.plugin.layer_plan: a layer's plan holds selection's decision per M (route and config,
 for the hot path's look-ups), its router's, and fails closed on what our kernels do not implement."""
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from kernels.config import PluginConfig
-from kernels.moe import configs, routing, selection
-from kernels.moe.router_topk import max_tokens
-from kernels.plugin import layer_plan
-from kernels.plugin.layer_plan import LayerFacts, PlanContext, RouterSpec
+from moe_serve.kernels.config import PluginConfig
+from moe_serve.kernels.moe import configs, routing, selection
+from moe_serve.kernels.moe.router_topk import max_tokens
+from moe_serve.kernels.plugin import layer_plan
+from moe_serve.kernels.plugin.layer_plan import LayerFacts, PlanContext, RouterSpec
 
 E, N, K, TOPK = 8, 1792, 4096, 2
 SPEC = RouterSpec(TOPK, "softmax", True, 1.0, None, max_tokens(E, K))

@@ -12,14 +12,14 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from kernels.moe import configs, routing, selection
-from kernels.plugin import jit_monitor, vllm_compat
-from kernels.plugin.layer_warmup import LayerShape, VllmCallTemplate, _vllm_group, warmup_plan
-from kernels.plugin.plugin_metrics import PluginMetrics
-from kernels.config import PluginConfig
-from kernels.plugin.layer_plan import LayerFacts
-from kernels.plugin.vllm_plugin import MoePlugin
-from bench.experts.reference import moe_reference, rel_err
+from moe_serve.kernels.moe import configs, routing, selection
+from moe_serve.kernels.plugin import jit_monitor, vllm_compat
+from moe_serve.kernels.plugin.layer_warmup import LayerShape, VllmCallTemplate, _vllm_group, warmup_plan
+from moe_serve.kernels.plugin.plugin_metrics import PluginMetrics
+from moe_serve.kernels.config import PluginConfig
+from moe_serve.kernels.plugin.layer_plan import LayerFacts
+from moe_serve.kernels.plugin.vllm_plugin import MoePlugin
+from moe_serve.bench.experts.reference import moe_reference, rel_err
 
 E, N, K, TOPK = 4, 16, 32, 2
 
@@ -210,9 +210,9 @@ def test_block_and_per_token_layers_warm_their_own_variants(plugin, monkeypatch)
     """A block-FP8 and a per-token FP8 layer (hidden states fp8, as vLLM hands them over) are
     keyed by their format, and the real warm_moe_variants (interpreter, M up to 8) warms every
     kernel variant a serving call of that layer then launches."""
-    from kernels.moe import moe_variants, quant_format
-    from kernels.moe.fused_moe import fused_moe
-    from kernels.moe.launch import record_launches
+    from moe_serve.kernels.moe import moe_variants, quant_format
+    from moe_serve.kernels.moe.fused_moe import fused_moe
+    from moe_serve.kernels.moe.launch import record_launches
 
     plugin.config = PluginConfig(moe_routing="ours")
     plugin.facts = vllm_compat.WorkerFacts(0, 0, "test", max_num_batched_tokens=8, max_num_seqs=8,

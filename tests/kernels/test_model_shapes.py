@@ -1,11 +1,11 @@
-"""kernels.tuning.model_shapes: per-rank MoE shapes from HF config.json fields of each family."""
+"""moe_serve.kernels.tuning.model_shapes: per-rank MoE shapes from HF config.json fields of each family."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from kernels.tuning.model_shapes import ModelConfigError, moe_shapes, read_config
+from moe_serve.kernels.tuning.model_shapes import ModelConfigError, moe_shapes, read_config
 
 CONFIGS = {  # architecture: (config fields, tp, expected (E, N, K, topk, dtype))
     "mixtral": ({"architectures": ["MixtralForCausalLM"], "num_local_experts": 8,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.moe.moe_variants import warm_moe_variants
+from moe_serve.kernels.moe.moe_variants import warm_moe_variants
 
 
 def test_warmup_counts_the_variants_of_each_path():

@@ -1,4 +1,4 @@
-"""kernels.config.PluginConfig: defaults, every setting's bad value refused at construction (from
+"""moe_serve.kernels.config.PluginConfig: defaults, every setting's bad value refused at construction (from
 the environment and from additional_config) with the setting and its allowed values named, and
 additional_config winning over the environment."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kernels.config import (KEY, PluginConfig, PluginConfigError, allowed_values, configure, current,
+from moe_serve.kernels.config import (KEY, PluginConfig, PluginConfigError, allowed_values, configure, current,
                             env_name)
 
 # one bad value per setting, as the environment spells it and as additional_config would
@@ -114,6 +114,6 @@ def test_current_is_the_configured_one_else_the_environment(monkeypatch: pytest.
 
 
 def test_the_module_imports_neither_torch_nor_triton() -> None:
-    code = "import sys, kernels.config; print(sorted({'torch', 'triton'} & set(sys.modules)))"
+    code = "import sys, moe_serve.kernels.config; print(sorted({'torch', 'triton'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -1,12 +1,12 @@
-"""The one-launch MoE router (kernels.moe.router_topk) against a float64 reference and vLLM's own
+"""The one-launch MoE router (moe_serve.kernels.moe.router_topk) against a float64 reference and vLLM's own
 CPU router, on fresh random inputs into poisoned outputs, under Triton's interpreter."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.moe.moe_decode_launch import split_workspace
-from kernels.moe.router_topk import TOPK_METHODS, launch_plan, router_topk
+from moe_serve.kernels.moe.moe_decode_launch import split_workspace
+from moe_serve.kernels.moe.router_topk import TOPK_METHODS, launch_plan, router_topk
 
 
 def _inputs(M: int, E: int, K: int, dtype: torch.dtype, bias: bool):
@@ -144,7 +144,7 @@ def test_variants_compile_for_sm90():
         return [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
 
     rows = compiled("0")
-    counting = [r for r in rows if r["kernel"] == "count_experts_kernel"]   # kernels.moe.expert_count
+    counting = [r for r in rows if r["kernel"] == "count_experts_kernel"]   # moe_serve.kernels.moe.expert_count
     assert len(counting) == 2 and all(r["atomics"] >= 1 for r in counting), counting
     rows = [r for r in rows if r not in counting]
     assert len(rows) == 7 and {r["kernel"] for r in rows} == {"router_topk_kernel"}

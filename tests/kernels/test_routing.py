@@ -1,5 +1,5 @@
 """Routing tables (kernels/moe/routing.py, built by kernels/tuning/make_routing.py) and the route
-kernels.moe.selection takes from them; the plugin's use of it is in test_layer_warmup.py."""
+moe_serve.kernels.moe.selection takes from them; the plugin's use of it is in test_layer_warmup.py."""
 from __future__ import annotations
 
 import json
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kernels.moe import configs, routing, selection
-from kernels.moe.config_schema import label
-from kernels.tuning import make_routing
+from moe_serve.kernels.moe import configs, routing, selection
+from moe_serve.kernels.moe.config_schema import label
+from moe_serve.kernels.tuning import make_routing
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "kernels/moe/configs" / routing.file_name("NVIDIA_H200")
@@ -197,8 +197,8 @@ def test_tune_routes_to_ours_where_vllms_kernel_raises(monkeypatch):
     tune was lost that way on the H200 for a block-FP8 N = 192 shard) and routes those M to ours."""
     import time
 
-    from kernels.tuning import tune_cli
-    from kernels.tuning.model_shapes import MoEShape
+    from moe_serve.kernels.tuning import tune_cli
+    from moe_serve.kernels.tuning.model_shapes import MoEShape
 
     def fails(prob, replays):
         raise AssertionError("the last dimension of `x` 192 must be divisible by `group_size` 128")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.models import runner_gate
+from moe_serve.kernels.models import runner_gate
 
 E, K = 4, 8
 
@@ -85,6 +85,6 @@ def test_a_block_that_does_not_fit_is_left_as_built() -> None:
 def test_vllms_mixtral_block_is_what_gated_forward_stands_in_for() -> None:
     """The pin on vLLM's MixtralMoE: its forward computes the gate and hands the logits to its
     runner, its __init__ registers the gate first (the real model's move: tests/kernels/test_fused_model.py)."""
-    from kernels.plugin import vllm_pins
+    from moe_serve.kernels.plugin import vllm_pins
 
     assert vllm_pins.pin_runner_gate() == "MixtralMoE.forward / __init__"

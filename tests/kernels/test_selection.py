@@ -1,4 +1,4 @@
-"""kernels.moe.selection: one decision per (layer shape, M) with its evidence: the path, the
+"""moe_serve.kernels.moe.selection: one decision per (layer shape, M) with its evidence: the path, the
 config and its source, the shared-memory fit's changes, the measured ratio, the fallback."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kernels.moe import configs, routing, selection
+from moe_serve.kernels.moe import configs, routing, selection
 
 SHIPPED_ROUTING = json.loads((configs.CONFIG_DIR / routing.file_name("NVIDIA_H200")).read_text())
 H200 = dict(device="NVIDIA_H200", triton_version=SHIPPED_ROUTING["triton_version"])
@@ -54,7 +54,7 @@ def test_default_rule_names_which_default(env_dir):
 def test_shared_memory_fit_is_recorded(env_dir, caplog):
     big = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SWAP_AB=True)
     (env_dir / configs.config_file_name(4, 48, 64, "bf16", "dev")).write_text(json.dumps({"1": big}))
-    with caplog.at_level("INFO", logger="kernels.moe.selection"):
+    with caplog.at_level("INFO", logger="moe_serve.kernels.moe.selection"):
         choice = selection.config_choice(1, 4, 48, 64, 2, "bf16", "dev")
     assert choice.source == configs.ENV_DIR and choice.config["num_stages"] == 3
     assert "num_stages 4->3" in choice.shrunk and "num_stages 4->3" in caplog.text
@@ -93,7 +93,7 @@ def test_untuned_block_and_per_token_fp8_route_to_vllm():
     """Block-scaled and per-token FP8 have no default rule (their untuned decode path measured
     slower than vLLM's): a shape no table names goes to vLLM at every M, saying why; per-tensor
     fp8 and bf16 keep the default rule."""
-    from kernels.moe import quant_format, selection
+    from moe_serve.kernels.moe import quant_format, selection
 
     for fmt in (quant_format.block_key(128, 128), "fp8_w8a8,per_token"):
         for M in (1, 4, 64):

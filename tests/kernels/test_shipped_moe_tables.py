@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.experts.reference import moe_reference, rel_err, routing
-from kernels.moe import configs
-from kernels.moe.fused_moe import fused_moe
+from moe_serve.bench.experts.reference import moe_reference, rel_err, routing
+from moe_serve.kernels.moe import configs
+from moe_serve.kernels.moe.fused_moe import fused_moe
 
 SHIPPED = sorted(p for p in configs.CONFIG_DIR.glob("E=*.json") if ",dtype=bf16," in p.name)
 BUCKETS = ("1", "2", "4", "8")

@@ -1,6 +1,6 @@
 """Every config the loader returns fits Hopper's shared memory (227 KB per CTA): statically
-for all bench shapes, dtypes and M up to 16384 (kernels.moe.smem.estimate), and for the configs
-closest to the limit plus a random sample by real sm_90 compiles (kernels.moe.aot, subprocess)."""
+for all bench shapes, dtypes and M up to 16384 (moe_serve.kernels.moe.smem.estimate), and for the configs
+closest to the limit plus a random sample by real sm_90 compiles (moe_serve.kernels.moe.aot, subprocess)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kernels.moe import configs, smem
+from moe_serve.kernels.moe import configs, smem
 
 HELPER = Path(__file__).with_name("_smem_sweep.py")
 

@@ -1,15 +1,15 @@
-"""kernels.tuning.tune.tune_shape's search logic with a stand-in cost (no GPU): phase D gives a bucket
+"""moe_serve.kernels.tuning.tune.tune_shape's search logic with a stand-in cost (no GPU): phase D gives a bucket
 its neighbour's winner when one-dimension walks cannot reach it; the decode family wins the
 buckets where it is cheaper; a resumed search skips the phases it already finished; a refine
-(kernels.tuning.refine) runs only the phases named."""
+(moe_serve.kernels.tuning.refine) runs only the phases named."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from kernels.moe import configs, heuristics
-from kernels.tuning import candidates, precompile, refine, tune
+from moe_serve.kernels.moe import configs, heuristics
+from moe_serve.kernels.tuning import candidates, precompile, refine, tune
 
 E, N, K, TOPK = 8, 1792, 4096, 2
 
@@ -75,7 +75,7 @@ def test_block_fp8_is_tuned_as_its_own_format_with_block_k_the_group(monkeypatch
     """Every block-FP8 candidate timed has BLOCK_K = the activation group in both GEMMs (the
     BLOCK_K walks collapse; GEMV candidates: a multiple of it), the quantize-once flip is offered
     on both paths, and the table is written under vLLM's format name."""
-    from kernels.moe import quant_format
+    from moe_serve.kernels.moe import quant_format
 
     key = quant_format.block_key(128, 128)
     timed = _stub(monkeypatch, lambda M, c: 1.0 + (0.5 if c.get("DECODE") else 0.0) * (M > 1))

