@@ -59,7 +59,9 @@ KERNELS = "kernels-moe-layer-h200-2026-12-04"
 KERNELS_DENSE_H100 = "kernels-dense-h100-2026-12-06"
 EXPERT_LOAD_CHECK_H100 = "expert-load-check-h100-2026-12-06"
 MOE_TUNE_H100 = "kernels-moe-tune-h100-2026-12-06"
-STEP_PIECES_H100 = "kernels-step-pieces-qwen3-30b-a3b-h100-2026-12-07"
+STEP_PIECES_H100 = "kernels-step-pieces-qwen3-30b-a3b-h100-vllm-2026-12-07"
+STEP_SWITCHES_H100 = "step-switches-qwen3-30b-a3b-h100-2026-12-07"
+MOE_VS_VLLM_H100 = "kernels-moe-vs-vllm-qwen3-30b-a3b-h100-2026-12-07"
 LOG_STAMP = re.compile(r"^\[[\w-]+ \+ *[\d.]+s\] ")
 PREFILL_2048 = "prefill budget 2048 tokens (`vllm serve`: 8192)"
 
@@ -154,6 +156,15 @@ def _step_pieces(claim: str) -> list[str]:
             + ", ".join(f"{k} {v:+.0f} us" for k, v in saved.items())]
 
 
+def _step_switches(claim: str) -> list[str]:
+    """`moe-serve bench step --model-only`'s tables: step time per switch set, then the step slice
+    by slice."""
+    from moe_serve.bench.step import model_level
+
+    found = runs(claim)
+    return [*(model_level.table(model_level.summary(d)) for d in found), "", *step_budget(*found)]
+
+
 def _check_log(claim: str, name: str) -> list[str]:
     """A check's timings and verdict from its log: every "cost" line and the summary line, as a
     list (time stamps dropped; the summary cut to 200 characters, a BAD reason can be long)."""
@@ -197,6 +208,8 @@ REGISTRY: dict[str, Callable[[], list[str]]] = {
     "kernels-step-pieces-h100": lambda: _step_pieces(STEP_PIECES_H100),
     "expert-load-check-h100": lambda: _check_log(EXPERT_LOAD_CHECK_H100, "expert-load-check.log"),
     "step-budget": lambda: step_budget(*runs(QWEN3_BF16), *runs(MIXTRAL_BF16)),
+    "step-switches-h100": lambda: _step_switches(STEP_SWITCHES_H100),
+    "kernels-moe-vs-vllm-h100": lambda: shape_table(RESULTS / MOE_VS_VLLM_H100 / "results.json"),
     "kernels-moe-layer": _kernels("2026-12-01-tuned-fine-m.json", "2026-12-01-untuned.json",
                                   "2026-12-01-tp2-tp1-validation.json"),
     "kernels-fp8-formats": _kernels("2026-12-04-fp8-formats.json"),

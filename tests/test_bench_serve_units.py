@@ -315,6 +315,20 @@ def test_per_step_classes_take_long_minus_short_and_idle_is_the_rest_of_the_step
     d = trace.per_step_classes({"tokens": [4, 12], "short": summary(4), "long": summary(12)}, step_ms=0.2)
     assert d["expert GEMMs"] == pytest.approx(0.03) and d["attention"] == pytest.approx(0.02)
     assert d["dense GEMMs"] == 0 and d["busy_ms"] == pytest.approx(0.05) and d["gpu_idle_ms"] == pytest.approx(0.15)
+    assert trace.overlap_ms(d) == pytest.approx(0.0)
+
+
+def test_overlapping_kernels_show_as_overlap_so_the_slices_make_the_step() -> None:
+    """With PDL the MoE kernel starts 10 us before attention ends: each class counts those 10 us,
+    busy (the union) once; classes - overlap + idle = the step."""
+    def summary(steps: int) -> dict:
+        return {"kernels": {"moe_decode_up_kernel": [steps, 30.0 * steps], "flash_attn_fwd": [steps, 20.0 * steps]},
+                "busy_us": 40.0 * steps}
+
+    d = trace.per_step_classes({"tokens": [4, 12], "short": summary(4), "long": summary(12)}, step_ms=0.1)
+    assert trace.overlap_ms(d) == pytest.approx(0.01)
+    classes = sum(d[c] for c in trace.KERNEL_CLASSES)
+    assert classes - trace.overlap_ms(d) + d["gpu_idle_ms"] == pytest.approx(0.1)
 
 
 # --- files, rendering, refusals ------------------------------------------------------------------

@@ -12,11 +12,13 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton loads (as tests/kernels/conftest.py)
 
 import ast  # noqa: E402
+import concurrent.futures as cf  # noqa: E402
 import inspect  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import textwrap  # noqa: E402
+import time  # noqa: E402
 import types  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -26,6 +28,7 @@ import torch  # noqa: E402
 from moe_serve.kernels.tuning import vllm_space as space, vllm_tune  # noqa: E402
 from moe_serve.kernels.tuning.model_shapes import MoEShape  # noqa: E402
 from moe_serve.kernels.tuning.vllm_bench import F64_TOL, GATE_TOL, VllmBench  # noqa: E402
+from moe_serve.kernels.tuning.vllm_precompile import wait_timeout  # noqa: E402
 from moe_serve.kernels.tuning.vllm_search import Search, key  # noqa: E402
 
 fm = pytest.importorskip("vllm.model_executor.layers.fused_moe.fused_moe")
@@ -366,3 +369,13 @@ def test_cli_exits_2_without_a_gpu_or_an_out_folder(tmp_path: Path, monkeypatch,
     with pytest.raises(SystemExit) as e:
         tune_cli.main(["--for-vllm", "--model", str(model)])
     assert e.value.code == 2 and "--out" in capsys.readouterr().err
+
+
+def test_the_compile_pool_waits_without_a_limit_for_an_infinite_deadline() -> None:
+    """The seed phase compiles the baselines with no deadline: a timed wait cannot take inf."""
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(time.sleep, 0.2)   # still running when the wait starts
+        done, pending = cf.wait([fut], timeout=wait_timeout(math.inf, time.perf_counter()))
+    assert done == {fut} and not pending
+    assert wait_timeout(10.0, 4.0) == 6.0 and wait_timeout(1.0, 4.0) == 0.0
+

@@ -10,9 +10,10 @@ them as serving does (on an H100 without FlashInfer: CUTLASS's transposed [K, N]
 per-tensor / per-channel, [N, K] with weight_scale_inv for block, or DeepGEMM's where installed)
 and its apply is timed. Ours reads those very tensors as the plugin's hook does
 (moe_serve.kernels.plugin.fp8_dense_hook.layout_of), so both stream the same bytes. Every config of ours
-is first checked into a NaN-poisoned output against float64 of the dequantized weights (TOL),
-and vLLM's output against the same reference (its activation quantization: within VLLM_TOL);
-ours against vLLM's within their noise (VLLM_NOISE).
+is first checked into a NaN-poisoned output against float64 of the weights as stored (TOL): the
+layer's own tensors dequantized, since DeepGEMM's UE8M0 path requantizes block weights to
+power-of-two scales in place; vLLM's output against the same reference (its activation
+quantization: within VLLM_TOL); ours against vLLM's within their noise (VLLM_NOISE).
 
 Outside an engine vLLM's layers need a current config with a model config (its FP8 methods read
 the model dtype, DeepGEMM's check the model type) and a one-rank tensor-parallel group:
@@ -35,6 +36,7 @@ from moe_serve.bench.experts.problem import CUDA, DEV
 from moe_serve.bench.experts.reference import rel_err
 from moe_serve.kernels.dense import configs
 from moe_serve.kernels.dense.gemv_fp8 import FP8, dense_gemv_fp8
+from moe_serve.kernels.dense.op_fp8 import dequantize
 
 TENSOR, CHANNEL, BLOCK = configs.fp8_key(None), configs.fp8_key(None, True), configs.fp8_key((128, 128))
 FORMATS = (TENSOR, CHANNEL, BLOCK)
@@ -166,9 +168,7 @@ class Fp8Cell:
         dtype = torch.bfloat16
         self.ops, self.vllm = [], []
         for i in range(self.n_sets):
-            q, scale, deq = quantize(torch.randn(N, K, generator=g, device=DEV) / K ** 0.5, fmt)
-            if i == 0:
-                self.deq = deq
+            q, scale, _ = quantize(torch.randn(N, K, generator=g, device=DEV) / K ** 0.5, fmt)
             if vllm_builds(fmt):
                 method, layer = vllm_layer(q, scale, fmt, dtype)
                 self.ops.append(stored_operands(method, layer))
@@ -177,7 +177,7 @@ class Fp8Cell:
                 self.ops.append((q, scale, configs.block_of(fmt)))
         self.xs = [torch.randn(M, K, generator=g, device=DEV).to(dtype) for _ in range(self.n_sets)]
         self.outs = [torch.empty(M, N, dtype=dtype, device=DEV) for _ in range(self.n_sets)]
-        self.ref = self.xs[0].double() @ self.deq.T
+        self.ref = self.xs[0].double() @ dequantize(*self.ops[0], dtype=torch.float64).T   # [M, N]
         self.tried: dict[str, float | str] = {}
         self.vllm_err = math.nan
 

@@ -89,9 +89,12 @@ def pairwise_table(*dirs: Path, pairs: tuple[tuple[str, str], ...]) -> list[str]
 def step_budget(*dirs: Path) -> list[str]:
     """Per profiled process and level, one row: the decode step and each of its SLICES as
     measured ms (from the profile) and, in parentheses, the slice's floor (its bytes over the run's
-    copy ceiling; none under a µs: '-'), then GPU idle."""
-    out = ["| model | variant | commit | c | step ms (floor) | " + " | ".join(n for n, _, _ in SLICES) + " | GPU idle |",
-           "|---|---|---|---:|---:|" + "---:|" * (len(SLICES) + 1)]
+    copy ceiling; none under a µs: '-'), then the overlap (kernel time that ran beside other
+    kernels, as PDL lets a kernel start before the previous one ends: each class counts it) and
+    GPU idle, so that the slices minus the overlap plus GPU idle make the step."""
+    out = ["| model | variant | commit | c | step ms (floor) | " + " | ".join(n for n, _, _ in SLICES)
+           + " | overlap | GPU idle |",
+           "|---|---|---|---:|---:|" + "---:|" * (len(SLICES) + 2)]
     for p in sorted(serve_stats.load(list(dirs)), key=lambda p: (p.meta["workload"]["model"], p.variant)):
         w, ceiling = p.meta["workload"], p.meta.get("copy_ceiling_bps")
         cfg = model_config_of_run(w["model"], w["config_sha256"])
@@ -110,7 +113,7 @@ def step_budget(*dirs: Path) -> list[str]:
             slices = [cell_text(sum(d[k] for k in classes), floor_parts) for _, classes, floor_parts in SLICES]
             out.append(f"| {w['model']} | {p.variant} | {(p.meta.get('commit') or '?')[:7]} | {c} | "
                        f"{cell_text(cell['itl_p50_ms'], ('total',))} | " + " | ".join(slices)
-                       + f" | {d['gpu_idle_ms']:.3f} |")
+                       + f" | {trace.overlap_ms(d):.3f} | {d['gpu_idle_ms']:.3f} |")
     return out
 
 

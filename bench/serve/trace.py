@@ -106,3 +106,9 @@ def per_step_classes(profile: dict[str, Any], step_ms: float) -> dict[str, float
     out["busy_ms"] = (profile["long"]["busy_us"] - profile["short"]["busy_us"]) / (l - s) / 1e3
     out["gpu_idle_ms"] = step_ms - out["busy_ms"]
     return out
+
+
+def overlap_ms(step: dict[str, float]) -> float:
+    """Kernel ms of a per_step_classes step that ran beside other kernels: the classes' sum
+    minus GPU busy (their union)."""
+    return sum(step[cls] for cls in KERNEL_CLASSES) - step["busy_ms"]

@@ -90,17 +90,18 @@ def nk_view(weight: torch.Tensor, out_features: int, K: int, weight_kn: bool) ->
     return (weight.t() if weight_kn else weight)[:out_features, :K]
 
 
-def dequantize(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
-    """fp32 [N, K] of fp8 w [N, K] times its scale (one value, per channel [N'] / [N', 1], or per
-    [bn, bk] block; partial blocks at the edges)."""
+def dequantize(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[N, K] (dtype) of fp8 w [N, K] times its scale (one value, per channel [N'] / [N', 1], or
+    per [bn, bk] block; partial blocks at the edges)."""
     N, K = w.shape
-    s = scale.float()
+    s = scale.to(dtype)
     if block:
         bn, bk = block
         s = s[:-(-N // bn), :-(-K // bk)].repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:N, :K]
     elif s.numel() > 1:
         s = s.reshape(-1)[:N, None]
-    return w.float() * s
+    return w.to(dtype) * s
 
 
 def serving_config(M: int, N: int, K: int, fmt: str, device: torch.device) -> Config | None:

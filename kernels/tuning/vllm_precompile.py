@@ -13,6 +13,7 @@ compiles it itself, as it does every config when the pool breaks.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import math
 import multiprocessing as mp
 import os
 import time
@@ -68,6 +69,12 @@ def cannot_run(error: str) -> bool:
     return any(w in low for w in ("outofresources", "out of resource", "compilationerror"))
 
 
+def wait_timeout(deadline: float, now: float) -> float | None:
+    """Seconds to wait for compile jobs until deadline (perf_counter s); None (no limit) for an
+    infinite deadline, which a timed wait cannot take (OverflowError in the lock's acquire)."""
+    return None if math.isinf(deadline) else max(0.0, deadline - now)
+
+
 class Compiler:
     """A pool of GPU worker processes for one shape; compile() as vllm_search.Bench wants it.
     A broken pool hands every config to the timing process, which compiles it itself."""
@@ -88,7 +95,7 @@ class Compiler:
         t0 = time.perf_counter()
         try:
             futs = [self.pool.submit(_job, k, cfg, ms) for k, (cfg, ms) in jobs.items()]
-            done, pending = cf.wait(futs, timeout=max(0.0, deadline - t0))
+            done, pending = cf.wait(futs, timeout=wait_timeout(deadline, t0))
             results = [f.result() for f in done]
         except cf.process.BrokenProcessPool as e:
             self.log(f"  [compile] the worker pool broke ({e}); compiling in the timing process")
