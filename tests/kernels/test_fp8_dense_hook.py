@@ -157,3 +157,24 @@ def test_fp8_bench_cases_run_ours_and_vllms_layer_on_the_same_weights(tp1: None)
     a, b = ours(1).clone(), theirs(1)
     assert a.shape == b.shape == (2, 24) and rel_err(a, b.double()) < 0.1
     assert fp8_bench_cases((24, 256), 1, BLOCK)[1] is None
+
+
+def test_fp8_bench_checks_ours_against_the_weights_as_stored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the layer stores other weights than the checkpoint's (vLLM's DeepGEMM path requantizes
+    block FP8 to power-of-two scales at load), the float64 reference is the stored tensors: a check
+    against the checkpoint's dequantized weights would fail a kernel that reads them right."""
+    from moe_serve.bench.experts import dense_fp8
+
+    real = dense_fp8.quantize
+
+    def requantized(w: torch.Tensor, fmt: str):
+        q, scale, deq = real(w, fmt)
+        pow2 = torch.exp2(torch.ceil(torch.log2(scale)))           # UE8M0-like scales, >= the original
+        bn, bk = dense_fp8.configs.block_of(fmt)
+        full = pow2.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:w.shape[0], :w.shape[1]]
+        q2 = (deq.float() / full).clamp(-448, 448).to(q.dtype)      # the stored weights differ from q
+        assert not torch.equal(q2.float(), q.float())
+        return q2, pow2, deq                                        # deq: the checkpoint's
+    monkeypatch.setattr(dense_fp8, "quantize", requantized)
+    ours, theirs = fp8_bench_cases((256, 512), 1, BLOCK)             # raises if the check fails
+    assert theirs is None and ours(0).shape == (1, 256)
