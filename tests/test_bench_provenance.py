@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,21 @@ def _git(root: Path, *args: str) -> str:
     return subprocess.run(["git", *args], cwd=root, check=True, capture_output=True, text=True).stdout.strip()
 
 
+PYPROJECT = """[project]
+name = 'x'
+[tool.setuptools.package-dir]
+"moe_serve.kernels" = "kernels"
+"moe_serve.service" = "service"
+"moe_serve.bench" = "bench"
+[tool.setuptools.package-data]
+"moe_serve.kernels.moe" = ["configs/*.json"]
+"""
+
+
 @pytest.fixture()
 def repo(tmp_path: Path) -> tuple[Path, str]:
-    files = {"pyproject.toml": "[project]\nname = 'x'\n", "service/app.py": "A = 1\n",
-             "kernels/moe/configs/t.json": "{}\n", "bench/serve/load.py": "B = 2\n",
+    files = {"pyproject.toml": PYPROJECT, "service/app.py": "A = 1\n", "service/setup.sh": "echo\n",
+             "kernels/moe/configs/t.json": "{}\n", "kernels/moe/notes.json": "{}\n", "bench/serve/load.py": "B = 2\n",
              "bench/results/run/meta.json": "{}\n", "README.md": "text\n"}
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -44,6 +56,37 @@ def test_a_clean_tree_has_its_commits_digest_and_only_source_changes_count(repo:
     (root / "service/app.py").write_text("A = 1\n")
     (root / "kernels/moe/configs/new.json").write_text("{}\n")               # an untracked table counts
     assert provenance.source_digest(root) != clean
+
+
+def test_an_installed_package_digests_what_pip_installs_and_is_clean_for_its_commit(repo: tuple[Path, str],
+                                                                                   tmp_path: Path) -> None:
+    """The installed layout (the folders under moe_serve/, without pyproject.toml, setup scripts or
+    JSON outside package-data) has its own digest, and verdict takes it as the commit's."""
+    root, head = repo
+    keep = provenance.installed_selection(PYPROJECT)
+    assert [keep(r) for r in ("service/app.py", "kernels/moe/configs/t.json", "service/setup.sh",
+                              "kernels/moe/notes.json", "kernels/moe/configs/deep/t.json", "README.md")] == \
+        [True, True, False, False, False, False]
+    package = tmp_path / "site" / "moe_serve"
+    for rel in ("service/app.py", "kernels/moe/configs/t.json", "bench/serve/load.py"):
+        (package / rel).parent.mkdir(parents=True, exist_ok=True)
+        (package / rel).write_bytes((root / rel).read_bytes())
+    installed = provenance.source_digest(package)
+    assert installed == provenance.source_digest(root, installed=True) == provenance.digest_at(head, root, installed=True)
+    assert installed != provenance.source_digest(root)
+    assert provenance.verdict({"commit": head, "source_sha256": installed}, root) == "clean"
+    (package / "service/app.py").write_text("A = 2\n")
+    assert provenance.verdict({"commit": head, "source_sha256": provenance.source_digest(package)}, root) == "differs"
+
+
+def test_pip_install_of_this_checkout_digests_as_its_installed_selection(tmp_path: Path) -> None:
+    """The real package: `pip install --target` of this checkout, digested where it landed, equals
+    the checkout's files that pyproject.toml says pip installs."""
+    res = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                          "--no-index", "--target", str(tmp_path), str(provenance.ROOT)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert provenance.source_digest(tmp_path / "moe_serve") == provenance.source_digest(installed=True)
 
 
 def test_verdicts(repo: tuple[Path, str]) -> None:

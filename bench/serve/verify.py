@@ -66,7 +66,7 @@ def request_problems(d: Path, meta: dict[str, Any]) -> list[str]:
     return out
 
 
-def problems(d: Path, meta: dict[str, Any], cache: dict[str, str | None]) -> list[str]:
+def problems(d: Path, meta: dict[str, Any], cache: dict[str, tuple[str | None, ...]]) -> list[str]:
     """Every check of one process that fails (module docstring), as reasons."""
     out = []
     source = provenance.verdict(meta, cache=cache)
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dirs", nargs="+", type=Path, help="yardstick output or claim folders")
     a = p.parse_args(argv)
-    cache: dict[str, str | None] = {}
+    cache: dict[str, tuple[str | None, ...]] = {}
     procs = sorted(m.parent for d in a.dirs for m in d.rglob("meta.json") if (m.parent / COMPLETE).is_file())
     if not procs:
         print(f"no complete yardstick process under {', '.join(map(str, a.dirs))}")
