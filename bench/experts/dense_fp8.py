@@ -229,12 +229,14 @@ class Fp8Cell:
 
 
 def fp8_bench_cases(shape: tuple[int, int], M: int, fmt: str, cfg: dict | None = None
-                    ) -> tuple[Callable[[int], torch.Tensor], Callable[[int], torch.Tensor] | None]:
-    """(ours, vllm): callables of a set index (taken modulo the cell's sets) running our FP8 GEMV
-    (cfg: serving's config when None) and vLLM's FP8 linear layer on the same stored weights
+                    ) -> tuple[Callable[[int], torch.Tensor], Callable[[int], torch.Tensor] | None, dict[str, float]]:
+    """(ours, vllm, errors): callables of a set index (taken modulo the cell's sets) running our FP8
+    GEMV (cfg: serving's config when None) and vLLM's FP8 linear layer on the same stored weights
     ([N, K] = shape, format fmt, M bf16 tokens), for a step benchmark to time
-    (moe_serve.kernels.tuning.timing.time_graph); both checked first (Fp8Cell.check, check_vllm). vllm is
-    None where vLLM cannot build the layer (vllm_builds)."""
+    (moe_serve.kernels.tuning.timing.time_graph), both checked first (Fp8Cell.check, check_vllm);
+    errors: each one's rel_err against float64 on set 0 ("ours", and "vllm" where it runs: vLLM's
+    W8A8 paths quantize the activation, so its error is the larger). vllm is None where vLLM cannot
+    build the layer (vllm_builds)."""
     from moe_serve.kernels.dense.gemv import device_facts
 
     N, K = shape
@@ -242,10 +244,12 @@ def fp8_bench_cases(shape: tuple[int, int], M: int, fmt: str, cfg: dict | None =
     if cfg is None:
         name, sms = device_facts(torch.device(DEV))
         cfg = configs.config_for(M, N, K, fmt, name, sms)
-    if not cell.check(cfg) < TOL:
+    errors = {"ours": cell.check(cfg)}
+    if not errors["ours"] < TOL:
         raise RuntimeError(f"our FP8 GEMV failed its float64 check on {shape} {fmt} M={M}")
     if not cell.vllm:
-        return (lambda i: cell.ours(i % cell.n_sets, cfg)), None
+        return (lambda i: cell.ours(i % cell.n_sets, cfg)), None, errors
     cell.check_vllm(cfg)
+    errors["vllm"] = cell.vllm_err
     return (lambda i: cell.ours(i % cell.n_sets, cfg)), \
-        (lambda i: cell.vllm[i % cell.n_sets](cell.xs[i % cell.n_sets]))
+        (lambda i: cell.vllm[i % cell.n_sets](cell.xs[i % cell.n_sets])), errors
