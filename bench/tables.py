@@ -62,6 +62,7 @@ MOE_TUNE_H100 = "kernels-moe-tune-h100-2026-12-06"
 STEP_PIECES_H100 = "kernels-step-pieces-qwen3-30b-a3b-h100-vllm-2026-12-07"
 STEP_SWITCHES_H100 = "step-switches-qwen3-30b-a3b-h100-2026-12-07"
 MOE_VS_VLLM_H100 = "kernels-moe-vs-vllm-qwen3-30b-a3b-h100-2026-12-07"
+MOE_FP8_VS_VLLM_H100 = "kernels-moe-fp8-vs-vllm-qwen3-30b-a3b-h100-2026-12-07"
 QWEN3_BF16_H100_FAIR = "serve-qwen3-30b-a3b-bf16-h100-fair-2026-12-07"
 LOG_STAMP = re.compile(r"^\[[\w-]+ \+ *[\d.]+s\] ")
 PREFILL_2048 = "prefill budget 2048 tokens (`vllm serve`: 8192)"
@@ -213,6 +214,8 @@ REGISTRY: dict[str, Callable[[], list[str]]] = {
     "step-budget": lambda: step_budget(*runs(QWEN3_BF16), *runs(MIXTRAL_BF16)),
     "step-switches-h100": lambda: _step_switches(STEP_SWITCHES_H100),
     "kernels-moe-vs-vllm-h100": lambda: shape_table(RESULTS / MOE_VS_VLLM_H100 / "results.json"),
+    "kernels-moe-fp8-vs-vllm-h100": lambda: shape_table(RESULTS / MOE_FP8_VS_VLLM_H100 / "results-block.json",
+                                                        RESULTS / MOE_FP8_VS_VLLM_H100 / "results-dynamic.json"),
     "kernels-moe-layer": _kernels("2026-12-01-tuned-fine-m.json", "2026-12-01-untuned.json",
                                   "2026-12-01-tp2-tp1-validation.json"),
     "kernels-fp8-formats": _kernels("2026-12-04-fp8-formats.json"),
