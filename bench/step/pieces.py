@@ -16,6 +16,7 @@ the FP8 GEMV); `check` compares the sides' outputs on set 0 (and float64 where t
 | qk_norm_rope | fuse_qk_norm_rope | layers | Q/K RMSNorm + RoPE, one launch | per-head norms + RoPE (Inductor); alt: vLLM's fused_qk_norm_rope |
 | qk_norm_rope_cache | fuse_qk_norm_rope | layers | and the K / V paged-cache write | the same + reshape_and_cache_flash |
 | fp8_gemv/qkv, fp8_gemv/o | fp8_dense_gemv | layers | the FP8 weights streamed, dequantized in registers | vLLM's FP8 linear layer |
+| decode_attention, decode_attention_4k | decode_attention (not a serving switch yet) | layers | paged decode attention, one launch (256 / 4,096 tokens of context) | vLLM's FA3 as served under full CUDA graphs; alt: FA3 one split, vLLM's Triton kernel |
 
 On a CPU (the dry run) every side runs torch: it proves the harness, not a time.
 """
@@ -34,7 +35,8 @@ L2_BYTES = 60 * 2 ** 20          # the H200's L2 (the H100's: 50 MiB): sets rota
 MAX_SETS = 16
 Run = Callable[[int], Any]
 PIECES = ("norm_gemv/qkv", "norm_gemv/gate", "norm_gemv/lm_head", "qk_norm_rope", "qk_norm_rope_cache",
-          "fp8_gemv/qkv", "fp8_gemv/o")
+          "fp8_gemv/qkv", "fp8_gemv/o", "decode_attention", "decode_attention_4k")
+CONTEXTS = {"decode_attention": 256, "decode_attention_4k": 4096}   # tokens of context per sequence
 
 
 @dataclass
@@ -129,6 +131,30 @@ def fp8_gemv_case(piece: str, s: StepShapes, N: int, K: int, M: int, fmt: str) -
                 fused=ours, chain=vllm, check=lambda: {"fused": errors["ours"], "chain": errors["vllm"]})
 
 
+def decode_attention_case(piece: str, s: StepShapes, M: int, dtype: torch.dtype, device: str) -> Case:
+    """Our decode attention against vLLM's FA3 as served (moe_serve.kernels.attention.bench_cases), M
+    sequences of CONTEXTS[piece] tokens; checked on a fresh input set, every side against float64
+    ("fused" ours, "chain" vLLM's FA3, and each baseline by name)."""
+    from moe_serve.kernels.attention import bench_cases as ab
+
+    context = CONTEXTS[piece]
+
+    def inputs(seed: int) -> Any:
+        return ab.make_inputs(M, s.q_heads, s.kv_heads, s.head_dim, context, dtype=dtype, device=device, seed=seed)
+    per_set = M * context * s.kv_heads * s.head_dim * 2 * dtype.itemsize
+    pairs = [ab.decode_attention_pair(inputs(seed)) for seed in range(n_sets(per_set, device))]
+    names = sorted(set().union(*(p.others for p in pairs)))
+
+    def check() -> dict[str, float]:
+        x = inputs(len(pairs))
+        p, ref = ab.decode_attention_pair(x), ab.float64_attention(x)
+        return {"fused": rel_err(p.fused(), ref), "chain": rel_err(p.unfused(), ref),
+                **{n: rel_err(f(), ref) for n, f in p.others.items()}}
+    return Case(piece, "decode_attention", f"{s.q_heads}+{s.kv_heads}x{s.head_dim} L={context}", M, s.layers,
+                len(pairs), pairs[0].bytes, fused=lambda i: pairs[i].fused(), chain=lambda i: pairs[i].unfused(),
+                check=check, alt={n: (lambda i, n=n: pairs[i].others[n]()) for n in names})
+
+
 def cases(s: StepShapes, Ms: tuple[int, ...], pieces: tuple[str, ...], dtype: torch.dtype, device: str,
           fp8_format: str | None = None) -> list[Case]:
     """Every (piece, M) asked for that the model has, in the order asked; fp8 pieces only for an
@@ -140,6 +166,7 @@ def cases(s: StepShapes, Ms: tuple[int, ...], pieces: tuple[str, ...], dtype: to
         "qk_norm_rope_cache": lambda M: qk_norm_rope_case(s, M, True, dtype, device),
         "fp8_gemv/qkv": lambda M: fp8_gemv_case("fp8_gemv/qkv", s, s.qkv_rows, s.hidden, M, fp8_format or ""),
         "fp8_gemv/o": lambda M: fp8_gemv_case("fp8_gemv/o", s, s.hidden, s.o_cols, M, fp8_format or ""),
+        **{p: (lambda M, p=p: decode_attention_case(p, s, M, dtype, device)) for p in CONTEXTS},
     }
     unknown = [p for p in pieces if p not in build]
     if unknown:
