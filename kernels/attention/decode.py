@@ -202,5 +202,5 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
            q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0), *key_cache.stride()[:3],
            S, key_cache.shape[1], float(scale) * math.log2(math.e),
            G=G, D=D, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=BLOCK_N, MIN_CHUNK=MIN_CHUNK,
-           IEEE=q.dtype == torch.float32, num_warps=4)
+           IEEE=q.dtype == torch.float32, num_warps=8 if block_d * q.element_size() >= 256 else 4)
     return out

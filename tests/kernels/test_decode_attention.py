@@ -6,6 +6,12 @@ flash layout ([2, blocks, block_size, Hkv, D] halves), and the per-(sequence, he
 at zero for the next call."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -91,3 +97,18 @@ def test_unsupported_layouts_are_named() -> None:
     with pytest.raises(ValueError, match="num_splits"):
         dec.decode_attention(q, kc, vc, table, seq_lens, 1.0, num_splits=dec.MAX_SPLITS + 1)
     assert dec.default_splits(1, 4, torch.device("cpu")) == 4 and dec.default_splits(64, 4, torch.device("cpu")) == 1
+
+
+def test_sm90_compiles_once_per_model_without_spills() -> None:
+    """The kernel compiled for sm_90 without a GPU (tests/kernels/_attention_sm90.py, a subprocess
+    outside the interpreter): Qwen3-30B-A3B's heads at B = 1 with 32 splits and at B = 8 with 4
+    share one compiled kernel (split count, batch and strides unspecialized: no recompile while
+    serving); nothing spills; 16-bit dots run on tensor cores; the combine's atomic is there."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, str(Path(__file__).with_name("_attention_sm90.py"))], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {r["variant"]: r for r in map(json.loads, (ln for ln in res.stdout.splitlines() if ln.startswith("{")))}
+    assert len(rows) == 4 and all(r["spills"] == 0 and r["atomic"] for r in rows.values()), rows
+    assert rows["qwen3-bf16-B8"]["compiled"] == 1 and rows["fp32-ieee"]["compiled"] == 3
+    assert all(r["mma"] == "HMMA" for name, r in rows.items() if name != "fp32-ieee"), rows
