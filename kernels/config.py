@@ -92,6 +92,9 @@ class PluginConfig(BaseModel):
     fp8_dense_gemv: bool = _setting(
         False, "FP8 linear layers (per-tensor, per-channel, block) at 1..16 tokens on our weight-streaming GEMV "
         "where a tuned table lists the shape (kernels/plugin/fp8_dense_hook.py)", BOOL)
+    decode_attention: bool = _setting(
+        False, "decode batches' attention on our one-launch paged decode kernel instead of vLLM's FlashAttention "
+        "(kernels/plugin/attention_hook.py), in optimized mode", BOOL)
     fp8_moe_gemv: bool = _setting(
         False, "FP8 MoE layers at 1..16 tokens on our CUDA-core decode path (FP8 weights dequantized in "
         "registers; the layer plan's buckets 1..16)", BOOL)

@@ -48,12 +48,15 @@ def test_cpu_points_of_the_test_plugin() -> None:
 
 def test_every_patch_names_its_vllm_symbol_and_a_pin() -> None:
     """PATCHES: each symbol the plugin replaces exists on this vLLM and is guarded by a pin the
-    plugin runs (test_register_per_mode checks that what a worker installs is listed here)."""
+    plugin runs, at start (PINS) or as its hook installs (HOOK_PINS), and every pin holds here
+    (test_register_per_mode checks that what a worker installs is listed here)."""
     import importlib
 
-    assert len(vllm_pins.PATCHES) == 16          # Mixtral's gate moves in our model class (ModelRegistry)
+    assert len(vllm_pins.PATCHES) == 17          # Mixtral's gate moves in our model class (ModelRegistry)
+    for pin in vllm_pins.HOOK_PINS:
+        assert pin(), pin
     for hook, (symbol, pin, why) in vllm_pins.PATCHES.items():
-        assert pin in vllm_pins.PINS and why, hook
+        assert (pin in vllm_pins.PINS or pin in vllm_pins.HOOK_PINS) and why, hook
         if ":" in symbol:
             module, qualname = symbol.split(":")
             obj = importlib.import_module(module)

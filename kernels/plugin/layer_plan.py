@@ -212,19 +212,20 @@ class HookPlan:
     dense: str | None
     fused_model: str | None     # our model classes (kernels/models): the fused decode-step pieces
     fp8_dense: str | None       # the FP8 linear methods at decode on our FP8 GEMV
+    attention: str | None       # decode batches' attention on our decode kernel
 
     @classmethod
     def of(cls, ctx: PlanContext) -> "HookPlan":
         cfg = ctx.config
         if cfg.mode != "optimized":
-            return cls(*(["mode vllm"] * 5))
+            return cls(*(["mode vllm"] * 6))
 
         def setting(on: bool, name: str) -> str | None:
             return BATCH_INVARIANT if ctx.batch_invariant else None if on else f"the {name} setting is off"
         return cls(None, None if cfg.fused_router else "the fused_router setting is off",
                    setting(cfg.dense_gemv, "dense_gemv"),
                    setting(cfg.fuse_norm_gemv or cfg.fuse_qk_norm_rope, "fuse_norm_gemv / fuse_qk_norm_rope"),
-                   setting(cfg.fp8_dense_gemv, "fp8_dense_gemv"))
+                   setting(cfg.fp8_dense_gemv, "fp8_dense_gemv"), setting(cfg.decode_attention, "decode_attention"))
 
 
 def router_plan(router: RouterSpec | str | None, ctx: PlanContext) -> RouterPlan:

@@ -247,10 +247,19 @@ def pin_fp8_dense() -> str:
     return "; ".join(pin() for pin in fp8_dense_pins.PINS)
 
 
+def _pin_flash_attention() -> str:
+    """kernels/plugin/attention_hook.py's pin, checked when that hook installs (a failure there
+    leaves vLLM's attention in place, not the whole plugin off)."""
+    from moe_serve.kernels.plugin import attention_hook
+
+    return attention_hook.pin_flash_attention()
+
+
 PINS: tuple[Callable[[], str], ...] = (pin_version, pin_apply, pin_finish_points, pin_worker, pin_config_fields,
                                        pin_config_chooser, pin_workspace_views,
                                        pin_kernel_baselines, pin_fp8_layout, pin_router, pin_router_terms,
                                        pin_runner_gate, pin_expert_load, pin_dense_linear, pin_fp8_dense)
+HOOK_PINS: tuple[Callable[[], str], ...] = (_pin_flash_attention,)   # checked by their hook as it installs
 _FP8_LINEAR = "vllm.model_executor.layers.quantization.fp8:Fp8LinearMethod"
 _CT_FP8 = ("vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w8a8_fp8:"
            "CompressedTensorsW8A8Fp8")
@@ -292,6 +301,9 @@ PATCHES: dict[str, tuple[str, Callable[[], str], str]] = {
     "CompressedTensorsW8A8Fp8.process_weights_after_loading": (f"{_CT_FP8}.process_weights_after_loading",
                                                                pin_fp8_dense, _NO_OOT_FP8),
     "CompressedTensorsW8A8Fp8.apply_weights": (f"{_CT_FP8}.apply_weights", pin_fp8_dense, _NO_OOT_FP8),
+    "FlashAttentionImpl.forward": ("vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.forward",
+                                   _pin_flash_attention, "a CUSTOM attention backend is chosen by the engine's "
+                                   "attention_config, which a plugin cannot set under `vllm serve` (attention_hook.py)"),
 }
 
 

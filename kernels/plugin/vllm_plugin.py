@@ -123,6 +123,8 @@ class MoePlugin:
                                                                                 plan.router is None)))
         if plan.fp8_dense is None:
             steps.append(("fp8 dense gemv", self._install_fp8_dense_hook))
+        if plan.attention is None:
+            steps.append(("decode attention", self._install_attention_hook))
         for name, why in (("router", plan.router), ("dense GEMV", plan.dense), ("FP8 dense GEMV", plan.fp8_dense)):
             if why and plan.moe is None:
                 self.logger.info("moe-serve plugin: no %s hook: %s", name, why)
@@ -176,6 +178,11 @@ class MoePlugin:
         from moe_serve.kernels.plugin import fp8_dense_hook
         self.hooks.extend(fp8_dense_hook.install(self.config, self.logger))
         self.warmups.append(("FP8 dense GEMV", lambda: fp8_dense_hook.warm_pending()))
+
+    def _install_attention_hook(self) -> None:
+        from moe_serve.kernels.plugin import attention_hook
+        self.hooks.extend(attention_hook.install(self.config, self.logger))
+        self.warmups.append(("decode attention", lambda: attention_hook.warm_pending()))
 
     def _install_worker_hook(self) -> None:
         if vc.wrap_method(vc.load(vc.WORKER_BASE), "__init__", self.around_worker_init):

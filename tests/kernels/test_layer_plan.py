@@ -89,18 +89,20 @@ def test_config_json_routers() -> None:
     assert layer_plan.config_router({}, 1024, 8192, 2) == "gate [1024, 8192] too large for one launch"
 
 
-@pytest.mark.parametrize("settings, fused_model, fp8_dense", [
-    ({}, "the fuse_norm_gemv / fuse_qk_norm_rope setting is off", "the fp8_dense_gemv setting is off"),
-    ({"fuse_qk_norm_rope": True, "fp8_dense_gemv": True}, None, None),
-    ({"fuse_norm_gemv": True, "mode": "vllm"}, "mode vllm", "mode vllm"),
+@pytest.mark.parametrize("settings, fused_model, fp8_dense, attention", [
+    ({}, "the fuse_norm_gemv / fuse_qk_norm_rope setting is off", "the fp8_dense_gemv setting is off",
+     "the decode_attention setting is off"),
+    ({"fuse_qk_norm_rope": True, "fp8_dense_gemv": True, "decode_attention": True}, None, None, None),
+    ({"fuse_norm_gemv": True, "decode_attention": True, "mode": "vllm"}, "mode vllm", "mode vllm", "mode vllm"),
 ])
-def test_the_hook_plan_installs_the_fused_model_classes_and_the_fp8_gemv_only_when_asked(
-        settings: dict, fused_model: str | None, fp8_dense: str | None) -> None:
+def test_the_hook_plan_installs_the_fused_model_classes_the_fp8_gemv_and_decode_attention_only_when_asked(
+        settings: dict, fused_model: str | None, fp8_dense: str | None, attention: str | None) -> None:
     plan = layer_plan.HookPlan.of(PlanContext(PluginConfig(**settings), "NVIDIA_H200", None, "test"))
-    assert (plan.fused_model, plan.fp8_dense) == (fused_model, fp8_dense)
-    invariant = layer_plan.HookPlan.of(PlanContext(PluginConfig(fuse_norm_gemv=True, fp8_dense_gemv=True),
+    assert (plan.fused_model, plan.fp8_dense, plan.attention) == (fused_model, fp8_dense, attention)
+    invariant = layer_plan.HookPlan.of(PlanContext(PluginConfig(fuse_norm_gemv=True, fp8_dense_gemv=True,
+                                                                decode_attention=True),
                                                    "NVIDIA_H200", None, "test", batch_invariant=True))
-    assert invariant.fused_model == invariant.fp8_dense == layer_plan.BATCH_INVARIANT   # fail closed
+    assert invariant.fused_model == invariant.fp8_dense == invariant.attention == layer_plan.BATCH_INVARIANT
 
 
 @pytest.mark.parametrize("fmt", ["fp8_w8a8,block_shape=[128,128]", "fp8"])

@@ -27,6 +27,7 @@ BAD: dict[str, tuple[str, object]] = {
     "fuse_qk_norm_rope": ("x", [1]),
     "fp8_dense_gemv": ("x", {}),
     "fp8_moe_gemv": ("x", "x"),
+    "decode_attention": ("maybe", 2),
 }
 
 
@@ -44,7 +45,7 @@ def test_defaults() -> None:
     assert (cfg.moe_routing, cfg.block_pdl, cfg.vllm_warmup_max_calls, cfg.kernel_config_dir, cfg.cache) == \
         ("table", False, 4096, None, None)
     assert not any((cfg.fuse_norm_gemv, cfg.fuse_qk_norm_rope, cfg.fp8_dense_gemv,
-                    cfg.fp8_moe_gemv))
+                    cfg.fp8_moe_gemv, cfg.decode_attention))
 
 
 @pytest.mark.parametrize("name", sorted(BAD))
