@@ -8,7 +8,8 @@ graphs on Hopper: `flash_attn_varlen_func` with the ahead-of-time scheduler meta
 `flash_attn_max_num_splits_for_cuda_graph` (32) splits (the split-KV combine runs inside it).
 Baselines by name where vLLM's GPU kernels import: "fa3_one_split" (the same with one split: no
 combine), "triton_unified" (vLLM's Triton backend's `unified_attention`, its 3D split-softmax
-path below 128 / Hkv sequences, as its metadata builder sets it up). Off a GPU (dry runs)
+path below 128 / Hkv sequences, as its metadata builder sets it up); and our kernel at other
+settings than its defaults (VARIANTS: "ours_<name>"), the data for choosing them. Off a GPU (dry runs)
 `unfused` is torch attention over the gathered context, and there are no baselines.
 """
 from __future__ import annotations
@@ -25,6 +26,10 @@ from moe_serve.kernels.fused.bench_cases import Pair
 FA3_MAX_SPLITS = 32              # vLLM's AttentionConfig.flash_attn_max_num_splits_for_cuda_graph
 TRITON_GRID_2D = 128             # vLLM's triton_attn MIN_LAUNCH_GRID_SIZE_2D
 TRITON_SEGMENTS = 16             # and NUM_PAR_SOFTMAX_SEGMENTS
+VARIANTS = {  # our kernel at other settings (decode_attention's keyword arguments)
+    "n16": {"block_n": 16, "min_chunk": 16}, "n64": {"block_n": 64, "min_chunk": 64},
+    "c128": {"min_chunk": 128}, "w4": {"num_warps": 4}, "one_split": {"num_splits": 1},
+}
 
 
 @dataclass(frozen=True)
@@ -123,17 +128,19 @@ def _triton_unified(x: Inputs, out: torch.Tensor) -> Any:
 
 def decode_attention_pair(x: Inputs) -> Pair:
     """Ours against vLLM's FA3 as served (module doc); on a CPU against torch attention."""
-    outs = [torch.full_like(x.q, float("nan")) for _ in range(4)]
+    outs = [torch.full_like(x.q, float("nan")) for _ in range(4 + len(VARIANTS))]
 
-    def fused() -> torch.Tensor:
-        return decode_attention(x.q, x.key_cache, x.value_cache, x.block_table, x.seq_lens, x.scale, out=outs[0])
+    def ours(out: torch.Tensor, **settings: Any) -> Any:
+        return lambda: decode_attention(x.q, x.key_cache, x.value_cache, x.block_table, x.seq_lens, x.scale, out=out,
+                                        **settings)
+    fused = ours(outs[0])
 
     B, Hq, D = x.q.shape
     cache_bytes = int(x.seq_lens.sum()) * x.key_cache.shape[2] * D * 2 * x.key_cache.element_size()
     moved = cache_bytes + 2 * x.q.numel() * x.q.element_size()
     if x.q.device.type != "cuda":
         return Pair(fused, lambda: _torch_attention(x, outs[1]), bytes=moved)
-    others = {}
+    others = {f"ours_{name}": ours(outs[4 + i], **settings) for i, (name, settings) in enumerate(VARIANTS.items())}
     with contextlib.suppress(ImportError):
         others["fa3_one_split"] = _fa3(x, outs[2], 1)
     with contextlib.suppress(ImportError):

@@ -174,10 +174,13 @@ def _counters(n: int, device: torch.device) -> torch.Tensor:
 
 def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                     num_splits: int | None = None) -> torch.Tensor:
+                     num_splits: int | None = None, block_n: int = BLOCK_N, min_chunk: int = MIN_CHUNK,
+                     num_warps: int | None = None) -> torch.Tensor:
     """Attention of q [B, Hq, D] (one token per sequence) over its paged context (see the module
-    doc) into out [B, Hq, D] of q's dtype (unit stride along D; new when None); every seq_lens[b]
-    must be >= 1. num_splits: splits per (sequence, kv head) (default_splits when None). Raises
+    doc) into out [B, Hq, D] of q's dtype (unit stride along D; new when None); a sequence of
+    length 0 writes nothing. num_splits: splits per (sequence, kv head) (default_splits when None);
+    block_n: tokens per tile, min_chunk: tokens per split at least (powers of two >= 16),
+    num_warps: the kernel's (8 where a head row is 256 bytes or more, else 4, when None). Raises
     ValueError for what unsupported names. One launch, no host sync."""
     why = unsupported(q, key_cache, value_cache, block_table, seq_lens)
     if why is None and out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1
@@ -185,6 +188,8 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         why = f"out {tuple(out.shape)} {out.dtype} must be q's shape {tuple(q.shape)} and dtype, unit stride along D"
     if why is None and num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
         why = f"num_splits {num_splits} must be in 1..{MAX_SPLITS}"
+    if why is None and not all(v >= 16 and v & (v - 1) == 0 for v in (block_n, min_chunk)):
+        why = f"block_n {block_n} and min_chunk {min_chunk} must be powers of two >= 16"
     if why is not None:
         raise ValueError(f"decode_attention: {why}")
     out = torch.empty_like(q) if out is None else out
@@ -201,6 +206,7 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
            q, key_cache, value_cache, block_table, seq_lens, out, parts, ml, _counters(B * Hkv, q.device),
            q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0), *key_cache.stride()[:3],
            S, key_cache.shape[1], float(scale) * math.log2(math.e),
-           G=G, D=D, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=BLOCK_N, MIN_CHUNK=MIN_CHUNK,
-           IEEE=q.dtype == torch.float32, num_warps=8 if block_d * q.element_size() >= 256 else 4)
+           G=G, D=D, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, MIN_CHUNK=min_chunk,
+           IEEE=q.dtype == torch.float32,
+           num_warps=num_warps or (8 if block_d * q.element_size() >= 256 else 4))
     return out

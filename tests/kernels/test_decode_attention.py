@@ -74,6 +74,16 @@ def test_decode_attention_matches_float64(B, Hq, Hkv, D, block_size, lens, dtype
     assert not dec._COUNTERS[q.device][-1].any()                   # left at zero for the next launch
 
 
+@pytest.mark.parametrize("settings", [{"block_n": 16, "min_chunk": 16}, {"block_n": 64, "min_chunk": 128},
+                                      {"num_warps": 2, "num_splits": 5}])
+def test_other_tile_and_split_settings_give_the_same_attention(settings: dict) -> None:
+    """The settings the GPU benchmark compares (bench_cases.VARIANTS) are all exact."""
+    q, kc, vc, table, seq_lens = _case(2, 8, 2, 64, 16, [150, 33], torch.float16, seed=11)
+    out = torch.full_like(q, float("nan"))
+    dec.decode_attention(q, kc, vc, table, seq_lens, 0.125, out=out, **settings)
+    assert rel_err(out, _float64(q, kc, vc, table, seq_lens, 0.125)) < 2e-3
+
+
 def test_the_same_buffers_serve_a_new_context_length() -> None:
     """As a CUDA graph replays: one launch shape (B, splits), seq_lens rewritten in place between
     calls; each call against float64."""
@@ -94,6 +104,8 @@ def test_unsupported_layouts_are_named() -> None:
         dec.decode_attention(q[:, :3], kc, vc, table, seq_lens, 1.0)
     with pytest.raises(ValueError, match="block_table"):
         dec.decode_attention(q, kc, vc, table.long(), seq_lens, 1.0)
+    with pytest.raises(ValueError, match="powers of two"):
+        dec.decode_attention(q, kc, vc, table, seq_lens, 1.0, block_n=24)
     with pytest.raises(ValueError, match="num_splits"):
         dec.decode_attention(q, kc, vc, table, seq_lens, 1.0, num_splits=dec.MAX_SPLITS + 1)
     assert dec.default_splits(1, 4, torch.device("cpu")) == 4 and dec.default_splits(64, 4, torch.device("cpu")) == 1
