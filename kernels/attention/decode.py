@@ -37,6 +37,7 @@ from moe_serve.kernels.moe.launch import jit, launch
 MAX_SPLITS = 64           # splits per (sequence, kv head) at most
 MIN_CHUNK = 32            # tokens per split at least
 BLOCK_N = 32              # tokens per tile
+SPLIT_TILE = 8            # splits the combine reads at once
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}   # per device: every counter buffer made (kept alive)
 
 
@@ -54,7 +55,7 @@ def decode_attention_kernel(
     S, block_size, scale_log2,
     # meta
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MIN_CHUNK: tl.constexpr, IEEE: tl.constexpr,
+    MIN_CHUNK: tl.constexpr, IEEE: tl.constexpr, MAX_S: tl.constexpr, SPLIT_TILE: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -83,6 +84,7 @@ def decode_attention_kernel(
             row = page.to(tl.int64) * stride_cb + (t % block_size) * stride_cs + h * stride_ch   # [BLOCK_N]
             nd = in_t[:, None] & (d < D)[None, :]
             k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=nd, other=0.0)             # [BLOCK_N, BLOCK_D]
+            v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=nd, other=0.0)             # issued with K
             if IEEE:
                 qk = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -92,7 +94,6 @@ def decode_attention_kernel(
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(qk - m_new[:, None])
             den = den * alpha + tl.sum(p, 1)
-            v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=nd, other=0.0)             # [BLOCK_N, BLOCK_D]
             if IEEE:
                 pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
@@ -113,18 +114,22 @@ def decode_attention_kernel(
             if ticket == active - 1:                             # the last split: combine
                 tl.store(count_ptr + pair, 0)
                 first = pair * S
-                top = tl.full([BLOCK_G], float("-inf"), tl.float32)
-                for j in range(0, active):
-                    top = tl.maximum(top, tl.load(ml_ptr + ((first + j) * BLOCK_G + g) * 2, cache_modifier=".cg"))
+                jj = tl.arange(0, MAX_S)
+                m_all = tl.load(ml_ptr + ((first + jj)[:, None] * BLOCK_G + g[None, :]) * 2,
+                                mask=(jj < active)[:, None], other=float("-inf"), cache_modifier=".cg")
+                top = tl.max(m_all, 0)                                                   # [BLOCK_G]
                 total = tl.zeros([BLOCK_G], tl.float32)
                 num = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-                for j in range(0, active):
-                    mj = tl.load(ml_ptr + ((first + j) * BLOCK_G + g) * 2, cache_modifier=".cg")
-                    w = tl.exp2(mj - top)
-                    total += w * tl.load(ml_ptr + ((first + j) * BLOCK_G + g) * 2 + 1, cache_modifier=".cg")
-                    part = tl.load(part_ptr + (first + j) * BLOCK_G * BLOCK_D + g[:, None] * BLOCK_D + d[None, :],
-                                   cache_modifier=".cg")
-                    num += w[:, None] * part
+                for j0 in range(0, active, SPLIT_TILE):                 # SPLIT_TILE splits' partials at once
+                    j = j0 + tl.arange(0, SPLIT_TILE)
+                    ok = (j < active)[:, None]
+                    at = (first + j)[:, None] * BLOCK_G + g[None, :]                   # [SPLIT_TILE, BLOCK_G]
+                    w = tl.exp2(tl.load(ml_ptr + at * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                                - top[None, :])
+                    total += tl.sum(w * tl.load(ml_ptr + at * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg"), 0)
+                    part = tl.load(part_ptr + at[:, :, None] * BLOCK_D + d[None, None, :], mask=ok[:, :, None],
+                                   other=0.0, cache_modifier=".cg")                   # [SPLIT_TILE, BLOCK_G, BLOCK_D]
+                    num += tl.sum(w[:, :, None] * part, 0)
                 tl.store(o_ptrs, (num / total[:, None]).to(out_ptr.dtype.element_ty), mask=gd)
 
 
@@ -207,6 +212,6 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
            q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0), *key_cache.stride()[:3],
            S, key_cache.shape[1], float(scale) * math.log2(math.e),
            G=G, D=D, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, MIN_CHUNK=min_chunk,
-           IEEE=q.dtype == torch.float32,
+           IEEE=q.dtype == torch.float32, MAX_S=MAX_SPLITS, SPLIT_TILE=SPLIT_TILE,
            num_warps=num_warps or (8 if block_d * q.element_size() >= 256 else 4))
     return out
