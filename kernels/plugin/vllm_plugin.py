@@ -16,7 +16,8 @@ inherit it; a user sets it to run our kernels under ``vllm serve``. Active, the 
    vllm_config.additional_config["moe_serve"] over the environment, once (a bad value raises: the
    worker does not start), then, before the model is built, the kernel hooks its HookPlan asks
    for (kernels/plugin/layer_plan.py: MoE, router, dense GEMV, our model classes for the fused
-   pieces and Mixtral's gate, FP8 dense GEMV). Then it reads rank and scheduler limits (vllm_compat.worker_facts),
+   pieces and Mixtral's gate, FP8 dense GEMV, decode attention). Then it reads rank and scheduler
+   limits (vllm_compat.worker_facts),
    switches this process's metrics to prometheus multiprocess files in the runtime dir
    (kernels/plugin/plugin_metrics.py), gives the worker the method through which the API process
    asks a worker on another node for them (``REPORT_METHOD``, over vLLM's collective_rpc) and
@@ -39,6 +40,7 @@ TritonExperts is never called. Settings: kernels/config.py; process plumbing: MO
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 from dataclasses import replace
 import os
@@ -111,21 +113,17 @@ class MoePlugin:
     def kernel_hook_steps(self) -> list[tuple[str, Callable[[], None]]]:
         """(name, install function) of every kernel hook the worker's HookPlan installs, in order."""
         plan = HookPlan.of(replace(self.plans.context, config=self.config.model_copy(update={"mode": self.mode})))
-        steps: list[tuple[str, Callable[[], None]]] = []
-        if plan.moe is None:
-            steps.append(("moe", self._install_moe_hook))
-        if plan.router is None:
-            steps.append(("router", self._install_router_hook))
-        if plan.dense is None:
-            steps.append(("dense gemv", self._install_dense_hook))
+        steps: list[tuple[str, Callable[[], None]]] = [(name, step) for why, name, step in (
+            (plan.moe, "moe", self._install_moe_hook), (plan.router, "router", self._install_router_hook),
+            (plan.dense, "dense gemv", self._install_dense_hook)) if why is None]
         if plan.fused_model is None or plan.router is None:
             steps.append(("model classes", lambda: self._register_model_classes(plan.fused_model is None,
                                                                                 plan.router is None)))
-        if plan.fp8_dense is None:
-            steps.append(("fp8 dense gemv", self._install_fp8_dense_hook))
-        if plan.attention is None:
-            steps.append(("decode attention", self._install_attention_hook))
-        for name, why in (("router", plan.router), ("dense GEMV", plan.dense), ("FP8 dense GEMV", plan.fp8_dense)):
+        steps += [(label, functools.partial(self._install_switch_hook, module, label)) for why, module, label in (
+            (plan.fp8_dense, "fp8_dense_hook", "FP8 dense GEMV"), (plan.attention, "attention_hook", "decode attention"))
+            if why is None]
+        for name, why in (("router", plan.router), ("dense GEMV", plan.dense), ("FP8 dense GEMV", plan.fp8_dense),
+                          ("decode attention", plan.attention)):
             if why and plan.moe is None:
                 self.logger.info("moe-serve plugin: no %s hook: %s", name, why)
         return steps
@@ -174,15 +172,11 @@ class MoePlugin:
         if fused:
             self.warmups.append(("fused pieces", lambda: warmup.warm_pending()))
 
-    def _install_fp8_dense_hook(self) -> None:
-        from moe_serve.kernels.plugin import fp8_dense_hook
-        self.hooks.extend(fp8_dense_hook.install(self.config, self.logger))
-        self.warmups.append(("FP8 dense GEMV", lambda: fp8_dense_hook.warm_pending()))
-
-    def _install_attention_hook(self) -> None:
-        from moe_serve.kernels.plugin import attention_hook
-        self.hooks.extend(attention_hook.install(self.config, self.logger))
-        self.warmups.append(("decode attention", lambda: attention_hook.warm_pending()))
+    def _install_switch_hook(self, module: str, label: str) -> None:
+        """kernels/plugin/<module>.py's install(config, logger) and its warm_pending."""
+        hook = importlib.import_module(f"moe_serve.kernels.plugin.{module}")
+        self.hooks.extend(hook.install(self.config, self.logger))
+        self.warmups.append((label, hook.warm_pending))
 
     def _install_worker_hook(self) -> None:
         if vc.wrap_method(vc.load(vc.WORKER_BASE), "__init__", self.around_worker_init):

@@ -142,3 +142,18 @@ def test_install_needs_the_setting_and_a_holding_pin(monkeypatch: pytest.MonkeyP
     with caplog.at_level(logging.WARNING, logger="t"):
         assert ah.AttentionHook(logging.getLogger("t")).install() == []
     assert "does not match its pin" in caplog.text and "forward changed" in caplog.text
+
+
+def test_the_plugin_installs_it_as_a_worker_step_only_when_switched_on() -> None:
+    """The worker's HookPlan: a "decode attention" step with the setting on in optimized mode,
+    from additional_config or the environment; none by default or in mode vllm."""
+    from moe_serve.kernels.config import KEY
+    from moe_serve.kernels.plugin.vllm_plugin import MoePlugin
+
+    def steps(environ: dict[str, str], **given: object) -> list[str]:
+        return [name for name, _ in MoePlugin(PluginConfig.from_vllm({KEY: given}, environ), None).kernel_hook_steps()]
+
+    assert "decode attention" not in steps({})
+    assert "decode attention" in steps({}, decode_attention=True)
+    assert "decode attention" in steps({"MOE_SERVE_DECODE_ATTENTION": "1"})
+    assert "decode attention" not in steps({}, decode_attention=True, mode="vllm")
