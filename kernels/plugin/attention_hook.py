@@ -10,8 +10,8 @@ vLLM's attention in place and says why). vLLM's supported point for attention, a
 other path, and takes only the calls our kernel computes exactly:
 
 - the layer: a decoder layer without ALiBi, logit soft-capping, a sliding window, attention sinks
-  or decode context parallelism, its KV cache in the model's dtype (kv_cache_dtype "auto");
-  decided once per layer (`layer_unsupported`) and logged once per reason;
+  or decode context parallelism, its KV cache in the model's dtype (kv_cache_dtype "auto"): its
+  plan (`layer_plan.attention_plan`), looked up once per layer and logged once per reason;
 - the call: metadata present (not the profile run), one query token per sequence
   (max_query_len 1), no cascade, per-batch sliding window, per-sequence causal mask, multimodal
   prefix or R-SWA ranges, no fused output quantization, bf16 / fp16 (`call_unsupported`).
@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from moe_serve.kernels.config import PluginConfig
+from moe_serve.kernels.plugin.layer_plan import attention_plan
 from moe_serve.kernels.plugin.vllm_compat import load, wrap_method
 
 FLASH_IMPL = ("vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl")
@@ -45,8 +46,8 @@ ShapeKey = tuple[str, torch.dtype, int, int, int]   # device, dtype, Hq, Hkv, D
 def pin_flash_attention() -> str:
     """What the hook relies on in vLLM's FlashAttentionImpl (0.26 and 0.32): forward's parameters;
     the cache's K / V views; seq_lens, block_table and self.scale as FlashAttention's decode
-    inputs; the features layer_unsupported reads set in __init__; the KV-cache update outside
-    forward."""
+    inputs; the features layer_plan.attention_plan reads set in __init__; the KV-cache update
+    outside forward."""
     impl = load(FLASH_IMPL)
     assert tuple(inspect.signature(inspect.unwrap(impl.forward)).parameters) == FORWARD_PARAMS
     src = inspect.getsource(inspect.unwrap(impl.forward))
@@ -60,25 +61,6 @@ def pin_flash_attention() -> str:
         assert f"self.{attr} = " in init, attr
     assert load(FLASH_BACKEND).forward_includes_kv_cache_update is False
     return "FlashAttentionImpl.forward's parameters, cache views, decode inputs and features"
-
-
-def layer_unsupported(impl: Any) -> str | None:
-    """Why an attention layer's features are not our kernel's; None: they are."""
-    if str(getattr(impl, "attn_type", "decoder")) not in ("decoder", "AttentionType.DECODER"):
-        return f"attention type {impl.attn_type}"
-    if impl.alibi_slopes is not None:
-        return "ALiBi"
-    if impl.logits_soft_cap:
-        return "logit soft-capping"
-    if impl.sliding_window is not None and tuple(impl.sliding_window) != (-1, -1):
-        return "a sliding window"
-    if getattr(impl, "sinks", None) is not None:
-        return "attention sinks"
-    if impl.kv_cache_dtype != "auto":
-        return f"KV cache dtype {impl.kv_cache_dtype}"
-    if getattr(impl, "dcp_world_size", 1) != 1:
-        return "decode context parallelism"
-    return None
 
 
 def call_unsupported(impl: Any, query: torch.Tensor, kv_cache: torch.Tensor, md: Any, output: torch.Tensor | None,
@@ -150,7 +132,7 @@ class AttentionHook:
         return forward
 
     def _decide(self, impl: Any) -> str | None:
-        why = layer_unsupported(impl)
+        why = attention_plan(impl)
         setattr(impl, WHY, why)
         if why is not None and why not in self.logged:
             self.logged.add(why)

@@ -228,6 +228,27 @@ class HookPlan:
                    setting(cfg.fp8_dense_gemv, "fp8_dense_gemv"), setting(cfg.decode_attention, "decode_attention"))
 
 
+def attention_plan(impl: Any) -> str | None:
+    """An attention layer's plan under the decode_attention setting (kernels/plugin/attention_hook.py
+    looks it up once per layer): None, our decode kernel serves its decode batches; else why
+    vLLM's FlashAttention keeps them (a feature our kernel does not implement: fail closed)."""
+    if str(getattr(impl, "attn_type", "decoder")) not in ("decoder", "AttentionType.DECODER"):
+        return f"attention type {impl.attn_type}"
+    if impl.alibi_slopes is not None:
+        return "ALiBi"
+    if impl.logits_soft_cap:
+        return "logit soft-capping"
+    if impl.sliding_window is not None and tuple(impl.sliding_window) != (-1, -1):
+        return "a sliding window"
+    if getattr(impl, "sinks", None) is not None:
+        return "attention sinks"
+    if impl.kv_cache_dtype != "auto":
+        return f"KV cache dtype {impl.kv_cache_dtype}"
+    if getattr(impl, "dcp_world_size", 1) != 1:
+        return "decode context parallelism"
+    return None
+
+
 def router_plan(router: RouterSpec | str | None, ctx: PlanContext) -> RouterPlan:
     """For a router's spec (or why ours cannot run it; None: not seen): ours where the settings
     ask for it, the router is eligible and the batch need not be invariant; else vLLM's, with why."""
