@@ -92,19 +92,32 @@ def _blobs(commit: str, root: Path) -> list[tuple[str, bytes]] | None:
     return items
 
 
+def _installed_items(items: list[tuple[str, bytes]]) -> list[tuple[str, bytes]] | None:
+    """The items `pip install .` of their own pyproject.toml installs; None without one."""
+    pyproject = dict(items).get("pyproject.toml")
+    if pyproject is None:
+        return None
+    keep = installed_selection(pyproject.decode())
+    return [(rel, data) for rel, data in items if keep(rel)]
+
+
 def digest_at(commit: str, root: Path = ROOT, installed: bool = False) -> str | None:
     """The same digest over the blobs of `commit` in root's git repository (installed: only those
     `pip install .` of that commit installs); None where git or the commit is not available."""
     items = _blobs(commit, root)
+    if items is not None and installed:
+        items = _installed_items(items)
+    return None if items is None else _digest(items)
+
+
+def _digests_at(commit: str, root: Path) -> tuple[str | None, ...]:
+    """(checkout digest, installed digest) of `commit`, its blobs read once; (None,) where git or
+    the commit is not available."""
+    items = _blobs(commit, root)
     if items is None:
-        return None
-    if installed:
-        pyproject = dict(items).get("pyproject.toml")
-        if pyproject is None:
-            return None
-        keep = installed_selection(pyproject.decode())
-        items = [(rel, data) for rel, data in items if keep(rel)]
-    return _digest(items)
+        return (None,)
+    installed = _installed_items(items)
+    return (_digest(items),) + (() if installed is None else (_digest(installed),))
 
 
 def verdict(meta: dict, root: Path = ROOT, cache: dict[str, tuple[str | None, ...]] | None = None) -> str:
@@ -115,7 +128,7 @@ def verdict(meta: dict, root: Path = ROOT, cache: dict[str, tuple[str | None, ..
         return "no digest recorded"
     cache = {} if cache is None else cache
     if commit not in cache:
-        cache[commit] = (digest_at(commit, root), digest_at(commit, root, installed=True)) if commit else (None,)
+        cache[commit] = _digests_at(commit, root) if commit else (None,)
     if cache[commit][0] is None:
         return "commit not in this clone"
     return "clean" if recorded in cache[commit] else "differs"

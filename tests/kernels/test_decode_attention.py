@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from moe_serve.bench.experts.reference import rel_err
+from moe_serve.kernels.attention import bench_cases
 from moe_serve.kernels.attention import decode as dec
 
 
@@ -39,18 +40,8 @@ def _case(B: int, Hq: int, Hkv: int, D: int, block_size: int, lens: list[int], d
 
 
 def _float64(q, kc, vc, table, lens, scale):
-    B, Hq, D = q.shape
-    G = Hq // kc.shape[2]
-    out = torch.empty(B, Hq, D, dtype=torch.float64)
-    for b in range(B):
-        n = int(lens[b])
-        t = torch.arange(n)
-        rows = table[b, t // kc.shape[1]].long(), t % kc.shape[1]
-        k, v = kc[rows].double(), vc[rows].double()                       # [n, Hkv, D]
-        k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)       # [n, Hq, D]
-        logits = torch.einsum("hd,nhd->hn", q[b].double(), k) * scale
-        out[b] = torch.einsum("hn,nhd->hd", logits.softmax(-1), v)
-    return out
+    """float64 attention over the gathered context (the bench case's reference)."""
+    return bench_cases.float64_attention(bench_cases.Inputs(q, kc, vc, table, lens, scale))
 
 
 CASES = [  # B, Hq, Hkv, D, block_size, seq_lens, dtype, num_splits
