@@ -28,7 +28,9 @@ TRITON_GRID_2D = 128             # vLLM's triton_attn MIN_LAUNCH_GRID_SIZE_2D
 TRITON_SEGMENTS = 16             # and NUM_PAR_SOFTMAX_SEGMENTS
 VARIANTS = {  # our kernel at other settings (decode_attention's keyword arguments)
     "n16": {"block_n": 16, "min_chunk": 16}, "n64": {"block_n": 64, "min_chunk": 64},
-    "c128": {"min_chunk": 128}, "w4": {"num_warps": 4}, "one_split": {"num_splits": 1},
+    "c64": {"min_chunk": 64}, "c128": {"min_chunk": 128}, "c256": {"min_chunk": 256},
+    "s8": {"num_splits": 8}, "s16": {"num_splits": 16}, "s32": {"num_splits": 32},
+    "w8": {"num_warps": 8}, "one_split": {"num_splits": 1},
 }
 
 

@@ -38,11 +38,11 @@ MAX_SPLITS = 64           # splits per (sequence, kv head) at most
 MIN_CHUNK = 32            # tokens per split at least
 BLOCK_N = 32              # tokens per tile
 SPLIT_TILE = 8            # splits the combine reads at once
+NUM_WARPS = 4             # per program for a 16-bit cache; twice that for fp32 (its tiles' registers)
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}   # per device: every counter buffer made (kept alive)
 
 
-@jit(do_not_specialize=["S", "block_size", "stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_bt",
-                        "stride_cb", "stride_cs", "stride_ch"])
+@jit(do_not_specialize=["S", "block_size", "stride_bt"])
 def decode_attention_kernel(
     # pointers: q [B, Hq, D], key / value cache [blocks, block_size, Hkv, D], block_table
     # [B, max_blocks] int32, seq_lens [B] int32, out [B, Hq, D]; scratch: partials [B, Hkv, S,
@@ -106,9 +106,9 @@ def decode_attention_kernel(
         else:
             pair = (b * hkv + h).to(tl.int64)
             split = pair * S + s
-            tl.store(part_ptr + split * BLOCK_G * BLOCK_D + g[:, None] * BLOCK_D + d[None, :], acc)
-            tl.store(ml_ptr + (split * BLOCK_G + g) * 2, m)
-            tl.store(ml_ptr + (split * BLOCK_G + g) * 2 + 1, den)
+            tl.store(part_ptr + split * BLOCK_G * BLOCK_D + g[:, None] * BLOCK_D + d[None, :], acc, mask=gd)
+            tl.store(ml_ptr + (split * BLOCK_G + g) * 2, m, mask=g < G)
+            tl.store(ml_ptr + (split * BLOCK_G + g) * 2 + 1, den, mask=g < G)
             tl.debug_barrier()                                   # every thread's partials before the ticket
             ticket = tl.atomic_add(count_ptr + pair, 1, sem="acq_rel", scope="gpu")
             if ticket == active - 1:                             # the last split: combine
@@ -116,20 +116,23 @@ def decode_attention_kernel(
                 first = pair * S
                 jj = tl.arange(0, MAX_S)
                 m_all = tl.load(ml_ptr + ((first + jj)[:, None] * BLOCK_G + g[None, :]) * 2,
-                                mask=(jj < active)[:, None], other=float("-inf"), cache_modifier=".cg")
-                top = tl.max(m_all, 0)                                                   # [BLOCK_G]
+                                mask=(jj < active)[:, None] & (g < G)[None, :], other=float("-inf"),
+                                cache_modifier=".cg")
+                top = tl.where(g < G, tl.max(m_all, 0), 0.0)                             # [BLOCK_G]
                 total = tl.zeros([BLOCK_G], tl.float32)
                 num = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
                 for j0 in range(0, active, SPLIT_TILE):                 # SPLIT_TILE splits' partials at once
                     j = j0 + tl.arange(0, SPLIT_TILE)
-                    ok = (j < active)[:, None]
+                    ok = (j < active)[:, None] & (g < G)[None, :]                       # [SPLIT_TILE, BLOCK_G]
                     at = (first + j)[:, None] * BLOCK_G + g[None, :]                   # [SPLIT_TILE, BLOCK_G]
                     w = tl.exp2(tl.load(ml_ptr + at * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
                                 - top[None, :])
                     total += tl.sum(w * tl.load(ml_ptr + at * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg"), 0)
-                    part = tl.load(part_ptr + at[:, :, None] * BLOCK_D + d[None, None, :], mask=ok[:, :, None],
-                                   other=0.0, cache_modifier=".cg")                   # [SPLIT_TILE, BLOCK_G, BLOCK_D]
+                    part = tl.load(part_ptr + at[:, :, None] * BLOCK_D + d[None, None, :],
+                                   mask=ok[:, :, None] & (d < D)[None, None, :], other=0.0,
+                                   cache_modifier=".cg")                               # [SPLIT_TILE, BLOCK_G, BLOCK_D]
                     num += tl.sum(w[:, :, None] * part, 0)
+                total = tl.where(g < G, total, 1.0)                   # padded rows: no 0 / 0
                 tl.store(o_ptrs, (num / total[:, None]).to(out_ptr.dtype.element_ty), mask=gd)
 
 
@@ -185,7 +188,7 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     doc) into out [B, Hq, D] of q's dtype (unit stride along D; new when None); a sequence of
     length 0 writes nothing. num_splits: splits per (sequence, kv head) (default_splits when None);
     block_n: tokens per tile, min_chunk: tokens per split at least (powers of two >= 16),
-    num_warps: the kernel's (8 where a head row is 256 bytes or more, else 4, when None). Raises
+    num_warps: the kernel's (NUM_WARPS for a 16-bit q, twice that for fp32, when None). Raises
     ValueError for what unsupported names. One launch, no host sync."""
     why = unsupported(q, key_cache, value_cache, block_table, seq_lens)
     if why is None and out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1
@@ -213,5 +216,5 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
            S, key_cache.shape[1], float(scale) * math.log2(math.e),
            G=G, D=D, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, MIN_CHUNK=min_chunk,
            IEEE=q.dtype == torch.float32, MAX_S=MAX_SPLITS, SPLIT_TILE=SPLIT_TILE,
-           num_warps=num_warps or (8 if block_d * q.element_size() >= 256 else 4))
+           num_warps=num_warps or NUM_WARPS * max(1, q.element_size() // 2))
     return out

@@ -105,8 +105,9 @@ def test_unsupported_layouts_are_named() -> None:
 def test_sm90_compiles_once_per_model_without_spills() -> None:
     """The kernel compiled for sm_90 without a GPU (tests/kernels/_attention_sm90.py, a subprocess
     outside the interpreter): Qwen3-30B-A3B's heads at B = 1 with 32 splits and at B = 8 with 4
-    share one compiled kernel (split count, batch and strides unspecialized: no recompile while
-    serving); nothing spills; 16-bit dots run on tensor cores; the combine's atomic is there."""
+    share one compiled kernel (split count and batch unspecialized: no recompile while serving);
+    nothing spills; 16-bit dots run on tensor cores; the combine's atomic is there; the cache is
+    read 16 bytes at a time (the strides' alignment is known to the compiler), never 2."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, str(Path(__file__).with_name("_attention_sm90.py"))], env=env,
                          capture_output=True, text=True, timeout=900)
@@ -115,3 +116,4 @@ def test_sm90_compiles_once_per_model_without_spills() -> None:
     assert len(rows) == 4 and all(r["spills"] == 0 and r["atomic"] for r in rows.values()), rows
     assert rows["qwen3-bf16-B8"]["compiled"] == 1 and rows["fp32-ieee"]["compiled"] == 3
     assert all(r["mma"] == "HMMA" for name, r in rows.items() if name != "fp32-ieee"), rows
+    assert all(r["wide_loads"] > 0 and r["narrow_loads"] == 0 for r in rows.values()), rows
