@@ -61,6 +61,9 @@ EXPERT_LOAD_CHECK_H100 = "expert-load-check-h100-2026-12-06"
 MOE_TUNE_H100 = "kernels-moe-tune-h100-2026-12-06"
 STEP_PIECES_H100 = "kernels-step-pieces-qwen3-30b-a3b-h100-vllm-2026-12-07"
 STEP_SWITCHES_H100 = "step-switches-qwen3-30b-a3b-h100-2026-12-07"
+STEP_ATTENTION_H100 = "step-switches-qwen3-30b-a3b-h100-attention-2026-12-07"
+STEP_FP8_H100 = "step-switches-qwen3-30b-a3b-fp8-block-h100-2026-12-07"
+PIECES_ATTENTION_FP8_H100 = "kernels-step-pieces-attention-fp8-h100-2026-12-07"
 MOE_VS_VLLM_H100 = "kernels-moe-vs-vllm-qwen3-30b-a3b-h100-2026-12-07"
 MOE_FP8_VS_VLLM_H100 = "kernels-moe-fp8-vs-vllm-qwen3-30b-a3b-h100-2026-12-07"
 QWEN3_BF16_H100_FAIR = "serve-qwen3-30b-a3b-bf16-h100-fair-2026-12-07"
@@ -146,12 +149,12 @@ def _dense(claim: str) -> list[str]:
     return table(json.loads(lzma.decompress((RESULTS / claim / "results.json.xz").read_bytes()))["dense"])
 
 
-def _step_pieces(claim: str) -> list[str]:
+def _step_pieces(claim: str, name: str = "kernels.json.xz") -> list[str]:
     """`moe-serve bench step --kernels-only`'s table and its predicted saving at M = 1, from the
-    claim's kernels.json."""
+    claim's kernels.json (xz) of that name."""
     from moe_serve.bench.step import kernel_level
 
-    rows = json.loads(lzma.decompress((RESULTS / claim / "kernels.json.xz").read_bytes()))["rows"]
+    rows = json.loads(lzma.decompress((RESULTS / claim / name).read_bytes()))["rows"]
     saved = kernel_level.predicted_savings(rows, 1)
     return [kernel_level.table(rows), "",
             "Predicted change of a decode step at M = 1, per switch (chain minus fused, times the pieces a "
@@ -213,6 +216,10 @@ REGISTRY: dict[str, Callable[[], list[str]]] = {
     "expert-load-check-h100": lambda: _check_log(EXPERT_LOAD_CHECK_H100, "expert-load-check.log"),
     "step-budget": lambda: step_budget(*runs(QWEN3_BF16), *runs(MIXTRAL_BF16)),
     "step-switches-h100": lambda: _step_switches(STEP_SWITCHES_H100),
+    "step-switches-attention-h100": lambda: _step_switches(STEP_ATTENTION_H100),
+    "step-switches-fp8-h100": lambda: _step_switches(STEP_FP8_H100),
+    "kernels-step-pieces-attention-h100": lambda: _step_pieces(PIECES_ATTENTION_FP8_H100, "kernels-attention.json.xz"),
+    "kernels-step-pieces-fp8-h100": lambda: _step_pieces(PIECES_ATTENTION_FP8_H100, "kernels-fp8.json.xz"),
     "kernels-moe-vs-vllm-h100": lambda: shape_table(RESULTS / MOE_VS_VLLM_H100 / "results.json"),
     "kernels-moe-fp8-vs-vllm-h100": lambda: shape_table(RESULTS / MOE_FP8_VS_VLLM_H100 / "results-block.json",
                                                         RESULTS / MOE_FP8_VS_VLLM_H100 / "results-dynamic.json"),

@@ -296,6 +296,7 @@ def test_speedup_is_the_ratio_of_geometric_means_and_failed_cells_are_left_out()
     ("void tensorrt_llm::kernels::cutlass_kernels::expandInputRowsKernel<...>", "alignment"),
     ("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<...>>>", "attention"),
     ("void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16>(...)", "attention"),
+    ("kernel_unified_attention", "attention"), ("reduce_segments", "attention"),     # vLLM's Triton backend
     ("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT", "dense GEMMs"), ("dense_gemv_kernel", "dense GEMMs"),   # ours
     ("void cutlass::device_kernel<vllm::cutlass_3x_gemm_sm90_fp8<...>>", "dense GEMMs"),
     ("triton_red_fused__to_copy_clamp_cutlass_scaled_mm_fused_add_rms_norm_mul_reciprocal_2", "norms/elementwise"),

@@ -65,11 +65,21 @@ def workload(meta: dict[str, Any]) -> dict[str, Any]:
     return {k: meta["workload"].get(k, False) for k in WORKLOAD_KEYS}   # older runs: no warm-up pass, vocab
 
 
+def read_text(d: Path, name: str) -> str | None:
+    """A process file as the run wrote it, or the compressed copy kept as evidence (name.xz);
+    None when neither is there."""
+    plain, packed = d / name, d / (name + ".xz")
+    if plain.is_file():
+        return plain.read_text()
+    return lzma.decompress(packed.read_bytes()).decode() if packed.is_file() else None
+
+
 def read_records(d: Path) -> list[dict[str, Any]]:
-    """A process's request records: requests.jsonl as the run wrote it, or the compressed copy
-    kept as evidence (requests.jsonl.xz); a torn last line (killed writer) is skipped."""
-    plain, packed = d / REQUESTS, d / (REQUESTS + ".xz")
-    text = plain.read_text() if plain.is_file() else lzma.decompress(packed.read_bytes()).decode()
+    """A process's request records (requests.jsonl, or its .xz copy); a torn last line (killed
+    writer) is skipped."""
+    text = read_text(d, REQUESTS)
+    if text is None:
+        raise FileNotFoundError(d / REQUESTS)
     out = []
     for line in text.splitlines():
         try:
@@ -125,9 +135,10 @@ def load_process(d: Path) -> Process:
         spent = api_cpu.get(str(c))
         if spent and spent["output_tokens"] and not p.cells[c]["errors"]:
             p.cells[c]["api_cpu_us_tok"] = spent["cpu_s"] * 1e6 / spent["output_tokens"]
-    for name, key in (("profile.json", "profile"), (answers.ANSWERS, "answers")):
-        if (d / name).is_file():
-            p.meta[key] = json.loads((d / name).read_text())
+    if (profile := read_text(d, "profile.json")) is not None:
+        p.meta["profile"] = json.loads(profile)
+    if (d / answers.ANSWERS).is_file():
+        p.meta["answers"] = json.loads((d / answers.ANSWERS).read_text())
     return p
 
 

@@ -40,7 +40,8 @@ MOE_SUBCLASSES = (
 # The other kernels, first match wins, else "other". Names of Inductor's fused kernels (triton_*) and
 # of FlashAttention's (templated on cutlass types) mention GEMMs: they are matched before GEMMs.
 OTHER_CLASSES = (
-    ("attention", re.compile(r"flash|attn|attention|fmha|mla|reshape_and_cache|paged|slot_mapping", re.I)),
+    ("attention", re.compile(r"flash|attn|attention|fmha|mla|reshape_and_cache|paged|slot_mapping|"
+                             r"^reduce_segments$", re.I)),      # vLLM's Triton backend's split-softmax reduce
     ("norms/elementwise", re.compile(r"^triton_(poi|red|per)_", re.I)),
     ("dense GEMMs", re.compile(r"gemm|gemv|nvjet|cublas|splitKreduce|cutlass|xmma|^Kernel2$", re.I)),
     ("sampling", re.compile(r"sampl|argmax|softmax|distribution_|exponential|multinomial|TopKTopP|"

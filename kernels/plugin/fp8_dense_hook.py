@@ -122,6 +122,7 @@ class Fp8DenseHook:
         self._warmed: set[op_fp8.ShapeKey] = set()
         self._reported: set[op_fp8.ShapeKey] = set()
         self.skipped: dict[str, str] = {}        # layer -> why vLLM serves it entirely
+        self._skips_reported = 0                 # how many of skipped's entries were logged
 
     def install(self) -> list[str]:
         """Wrap each method's load and apply (once); the names of what was wrapped."""
@@ -151,7 +152,7 @@ class Fp8DenseHook:
         name = str(getattr(layer, "prefix", "") or f"layer@{id(layer):x}")
         layout = layout_of(method, layer)
         if not isinstance(layout, str) and not (op_fp8.UNTUNED_TOO or tabled(layout, layer.weight.device)):
-            layout = "no tuned table lists its shape and format for this GPU (`moe-serve bench kernels --dense`)"
+            layout = "no tuned table lists its shape and format for this GPU (`moe-serve bench kernels --dense --sweep`)"
         if isinstance(layout, str):
             self.skipped[name] = layout
             setattr(layer, MARK, None)
@@ -180,7 +181,9 @@ class Fp8DenseHook:
     def warm_pending(self) -> int:
         """Compile the kernel variants (M = 1..16) of every weight the op has seen and not yet
         warmed, and log (once each) the weights whose small calls the data's layout sent to vLLM;
-        returns how many weights were warmed."""
+        returns how many weights were warmed. Layers vLLM serves entirely (skipped) are logged too,
+        once per reason with their count and a first name: a switch that takes no layer says so."""
+        self._report_skipped()
         for key, why in op_fp8.fallbacks().items():
             if key not in self._reported:
                 self._reported.add(key)
@@ -196,6 +199,18 @@ class Fp8DenseHook:
                              list(entry.weight.shape), key[2], n, op_fp8.MAX_M)
             done += 1
         return done
+
+
+    def _report_skipped(self) -> None:
+        """Log the layers skipped since the last report, grouped by why."""
+        new = list(self.skipped.items())[self._skips_reported:]
+        self._skips_reported = len(self.skipped)
+        by_reason: dict[str, list[str]] = {}
+        for name, why in new:
+            by_reason.setdefault(why, []).append(name)
+        for why, names in by_reason.items():
+            self.logger.warning("moe-serve FP8 dense GEMV: %d FP8 linear layer(s) left to vLLM at every M (%s%s): %s",
+                                len(names), names[0], ", ..." if len(names) > 1 else "", why)
 
 
 _hook: Fp8DenseHook | None = None

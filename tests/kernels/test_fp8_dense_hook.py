@@ -111,6 +111,21 @@ def test_what_the_op_cannot_take_stays_vllms(hook) -> None:
     assert calls == []
 
 
+def test_a_switch_that_takes_no_layer_says_so_at_warm_up(hook, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    """Without a tuned table for this GPU every layer stays vLLM's; the warm-up logs that once, with
+    the count of such layers and the command that makes a table."""
+    monkeypatch.setattr(op_fp8, "UNTUNED_TOO", False)
+    h, calls = hook
+    layers = [_layer(16, 64, TENSOR)[:2] for _ in range(3)]
+    assert all(getattr(layer, hk.MARK) is None for _, layer in layers)
+    with caplog.at_level(logging.INFO, logger=LOG.name):
+        h.warm_pending()
+        h.warm_pending()
+    lines = [r.getMessage() for r in caplog.records if "left to vLLM" in r.getMessage()]
+    assert len(lines) == 1 and "3 FP8 linear layer(s)" in lines[0] and "moe-serve bench kernels --dense" in lines[0]
+    assert calls == []
+
+
 def test_torch_compile_traces_the_wrapper_whole(hook) -> None:
     """vLLM compiles its models with fullgraph=True: the wrapper must not break the graph, and the
     graph holds our op for a marked layer."""
