@@ -5,7 +5,8 @@ path setting of the plugin's config on, `<server>+<tweak>` changes one vLLM atte
 at c = 1 as the weights route, one process per variant, profiled (vLLM's torch profiler: the step
 per kernel class and GPU idle). From its records: ITL p50 per variant, the ratio to `moe-serve` as
 shipped, launches per decode step (kernels and copies in the profile, long burst minus short over
-the token difference) and the step budget slice by slice (moe_serve.bench.serve.render.step_budget: measured
+the token difference), how many kernel names a set ran that moe-serve did not and the reverse (none:
+the switch changed no kernel) and the step budget slice by slice (moe_serve.bench.serve.render.step_budget: measured
 ms and the slice's byte floor).
 """
 from __future__ import annotations
@@ -31,13 +32,21 @@ def launches_per_step(profile_level: dict[str, Any]) -> float:
     return (count["long"] - count["short"]) / (l - s)
 
 
+def kernel_names(profile_level: dict[str, Any]) -> set[str]:
+    """The names of the kernels (and copies) one profiled level ran, both bursts."""
+    return {name for k in ("short", "long") for name in profile_level[k]["kernels"]}
+
+
 def summary(out: Path) -> list[dict[str, Any]]:
     """Per variant: the median over its processes of ITL p50 ms at c = 1, its ratio to moe-serve as
-    shipped, launches per step (from its profiled process), processes."""
+    shipped, launches per step and the kernel names it ran (from its profiled process), processes;
+    "kernels_changed": (names new, names gone) against moe-serve's, so that a switch set that ran
+    the same kernels (a switch that took no layer) shows it."""
     from moe_serve.bench.serve import stats as serve_stats
 
     itl: dict[str, list[float]] = {}
     launches: dict[str, float] = {}
+    names: dict[str, set[str]] = {}
     for p in serve_stats.load([out]):
         cell = p.cells.get(1, {})
         if cell.get("errors", 1) or "itl_p50_ms" not in cell:
@@ -46,19 +55,27 @@ def summary(out: Path) -> list[dict[str, Any]]:
         prof = ((p.meta.get("profile") or {}).get("levels") or {}).get("1")
         if prof:
             launches[p.variant] = launches_per_step(prof)
+            names[p.variant] = kernel_names(prof)
     rows = {v: {"variant": v, "itl_p50_ms": statistics.median(ts), "processes": len(ts),
                 "launches_per_step": launches.get(v)} for v, ts in itl.items()}
     base = rows.get("moe-serve", {}).get("itl_p50_ms")
-    for r in rows.values():
+    shipped = names.get("moe-serve")
+    for v, r in rows.items():
         r["vs_moe_serve"] = base / r["itl_p50_ms"] if base else None
+        r["kernels_changed"] = ((len(names[v] - shipped), len(shipped - names[v]))
+                                if shipped is not None and v in names and v != "moe-serve" else None)
     return sorted(rows.values(), key=lambda r: r["itl_p50_ms"])
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    out = ["| switch set | processes | ITL p50 ms (c = 1) | speedup vs moe-serve as shipped | launches / step |",
-           "|---|---:|---:|---:|---:|"]
+    out = ["| switch set | processes | ITL p50 ms (c = 1) | speedup vs moe-serve as shipped | launches / step "
+           "| kernels new / gone vs moe-serve |",
+           "|---|---:|---:|---:|---:|---|"]
     for r in rows:
         ratio = f"{r['vs_moe_serve']:.3f}" if r["vs_moe_serve"] else "—"
         launches = f"{r['launches_per_step']:.0f}" if r["launches_per_step"] is not None else "—"
-        out.append(f"| {r['variant']} | {r['processes']} | {r['itl_p50_ms']:.3f} | {ratio} | {launches} |")
+        changed = r.get("kernels_changed")
+        diff = "—" if changed is None else ("none: the same kernels" if changed == (0, 0) else
+                                            f"{changed[0]} / {changed[1]}")
+        out.append(f"| {r['variant']} | {r['processes']} | {r['itl_p50_ms']:.3f} | {ratio} | {launches} | {diff} |")
     return "\n".join(out)

@@ -39,8 +39,17 @@ def test_model_level_summary_of_a_profiled_run() -> None:
     assert ours["vs_moe_serve"] == 1.0
     assert abs(base["vs_moe_serve"] - ours["itl_p50_ms"] / base["itl_p50_ms"]) < 1e-12
     assert 100 < ours["launches_per_step"] < base["launches_per_step"]   # our router and decode path launch less
+    new, gone = base["kernels_changed"]
+    assert new > 0 and gone > 0 and ours["kernels_changed"] is None      # vLLM's MoE kernels against ours
     text = model_level.table(list(rows.values()))
-    assert "| moe-serve | 1 |" in text
+    assert "| moe-serve | 1 |" in text and f"| {new} / {gone} |" in text
+
+
+def test_model_level_flags_a_switch_set_that_ran_the_same_kernels() -> None:
+    """A switch that took no layer shows as "none" (a set that ran moe-serve's kernels exactly)."""
+    rows = [{"variant": "moe-serve+x", "processes": 1, "itl_p50_ms": 4.0, "vs_moe_serve": 1.0,
+             "launches_per_step": 650.0, "kernels_changed": (0, 0)}]
+    assert "| none: the same kernels |" in model_level.table(rows)
 
 
 def test_model_level_asks_the_yardstick_for_one_profiled_process_per_set(tmp_path: Path) -> None:
