@@ -58,7 +58,7 @@ def max_tokens(E: int, K: int) -> int:
     return min(MAX_M, MAX_WORK // (E * K))
 
 
-@jit(do_not_specialize=["M", "K", "E"])
+@jit(do_not_specialize=["M"])
 def router_topk_kernel(
     # pointers (ws_ptr [>= M * E_P2] fp32 and cnt_ptr [>= M] int32: the split workspace, zero
     # between calls; unused with one program per token; counts_ptr [E] int64 and num_tokens_ptr

@@ -1,6 +1,7 @@
 """Subprocess helper (TRITON_INTERPRET=0): compile the router's variants (moe_serve.kernels.moe.router_topk),
 two of them adding the expert load (one with the sort top-k), and the expert count kernel (moe_serve.kernels.moe.expert_count) for
-sm_90 on CPU (moe_serve.kernels.moe.aot) and print one JSON line per compiled kernel."""
+sm_90 on CPU (moe_serve.kernels.moe.aot) and print one JSON line per compiled kernel (with its count
+of 16-byte global loads)."""
 from __future__ import annotations
 
 import json
@@ -39,6 +40,7 @@ if __name__ == "__main__":
             print(json.dumps({"variant": name, "kernel": kname, "grid": list(grid), "count": kw["COUNT"],
                               "one_program": kw["ONE_PROGRAM"], "smem": int(ck.metadata.shared),
                               "launch_pdl": bool(kw.get("launch_pdl")),
+                              "wide_loads": len(re.findall(r"\b(?:LDG|LDGSTS)\.E\S*\.128\b", aot.sass(ck))),
                               "gdc": [i for i in ("griddepcontrol.launch_dependents", "griddepcontrol.wait")
                                       if i in ck.asm["ptx"]]}), flush=True)
     for name, dtype in COUNTS.items():

@@ -128,7 +128,9 @@ def test_bad_arguments_are_refused():
 def test_variants_compile_for_sm90():
     """Both paths (split with the arrival counter, one program per token) compile for sm_90 with
     the bundled ptxas, for bf16 gates of the served model families' sizes, one adding the expert
-    load, one with the sort top-k; so does the expert count kernel, for int32 and int64 ids."""
+    load, one with the sort top-k; so does the expert count kernel, for int32 and int64 ids. The
+    gate streams 16 bytes a load (hidden size and expert count specialized: their masks' constancy
+    known), never two at a time."""
     import json
     import os
     import subprocess
@@ -150,6 +152,7 @@ def test_variants_compile_for_sm90():
     assert len(rows) == 7 and {r["kernel"] for r in rows} == {"router_topk_kernel"}
     assert {r["one_program"] for r in rows} == {True, False} and sum(r["count"] for r in rows) == 2
     assert all(r["grid"][0] * r["grid"][1] * r["grid"][2] >= 64 for r in rows if not r["one_program"])
+    assert all(r["wide_loads"] > 0 for r in rows), rows
     assert not any(r["launch_pdl"] or r["gdc"] for r in rows), rows      # launched plainly
     # with the block chained (sm_90 is the target here, no CUDA device), each is a programmatic
     # dependent launch that waits for the kernel before it and lets the next one launch
