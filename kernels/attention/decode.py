@@ -183,12 +183,13 @@ def _counters(n: int, device: torch.device) -> torch.Tensor:
 def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                      num_splits: int | None = None, block_n: int = BLOCK_N, min_chunk: int = MIN_CHUNK,
-                     num_warps: int | None = None) -> torch.Tensor:
+                     num_warps: int | None = None, split_tile: int = SPLIT_TILE) -> torch.Tensor:
     """Attention of q [B, Hq, D] (one token per sequence) over its paged context (see the module
     doc) into out [B, Hq, D] of q's dtype (unit stride along D; new when None); a sequence of
     length 0 writes nothing. num_splits: splits per (sequence, kv head) (default_splits when None);
     block_n: tokens per tile, min_chunk: tokens per split at least (powers of two >= 16),
-    num_warps: the kernel's (NUM_WARPS for a 16-bit q, twice that for fp32, when None). Raises
+    num_warps: the kernel's (NUM_WARPS for a 16-bit q, twice that for fp32, when None), split_tile:
+    the splits whose partials the combine reads at once (a power of two <= MAX_SPLITS). Raises
     ValueError for what unsupported names. One launch, no host sync."""
     why = unsupported(q, key_cache, value_cache, block_table, seq_lens)
     if why is None and out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1
@@ -198,6 +199,8 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         why = f"num_splits {num_splits} must be in 1..{MAX_SPLITS}"
     if why is None and not all(v >= 16 and v & (v - 1) == 0 for v in (block_n, min_chunk)):
         why = f"block_n {block_n} and min_chunk {min_chunk} must be powers of two >= 16"
+    if why is None and not (1 <= split_tile <= MAX_SPLITS and split_tile & (split_tile - 1) == 0):
+        why = f"split_tile {split_tile} must be a power of two in 1..{MAX_SPLITS}"
     if why is not None:
         raise ValueError(f"decode_attention: {why}")
     out = torch.empty_like(q) if out is None else out
@@ -215,6 +218,6 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
            q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0), *key_cache.stride()[:3],
            S, key_cache.shape[1], float(scale) * math.log2(math.e),
            G=G, D=D, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, MIN_CHUNK=min_chunk,
-           IEEE=q.dtype == torch.float32, MAX_S=MAX_SPLITS, SPLIT_TILE=SPLIT_TILE,
+           IEEE=q.dtype == torch.float32, MAX_S=MAX_SPLITS, SPLIT_TILE=split_tile,
            num_warps=num_warps or NUM_WARPS * max(1, q.element_size() // 2))
     return out

@@ -66,7 +66,8 @@ def test_decode_attention_matches_float64(B, Hq, Hkv, D, block_size, lens, dtype
 
 
 @pytest.mark.parametrize("settings", [{"block_n": 16, "min_chunk": 16}, {"block_n": 64, "min_chunk": 128},
-                                      {"num_warps": 2, "num_splits": 5}])
+                                      {"num_warps": 2, "num_splits": 5},
+                                      {"split_tile": 1, "num_splits": 7}, {"split_tile": 4, "num_splits": 11}])
 def test_other_tile_and_split_settings_give_the_same_attention(settings: dict) -> None:
     """The settings the GPU benchmark compares (bench_cases.VARIANTS) are all exact."""
     q, kc, vc, table, seq_lens = _case(2, 8, 2, 64, 16, [150, 33], torch.float16, seed=11)
@@ -97,6 +98,8 @@ def test_unsupported_layouts_are_named() -> None:
         dec.decode_attention(q, kc, vc, table.long(), seq_lens, 1.0)
     with pytest.raises(ValueError, match="powers of two"):
         dec.decode_attention(q, kc, vc, table, seq_lens, 1.0, block_n=24)
+    with pytest.raises(ValueError, match="split_tile"):
+        dec.decode_attention(q, kc, vc, table, seq_lens, 1.0, split_tile=3)
     with pytest.raises(ValueError, match="num_splits"):
         dec.decode_attention(q, kc, vc, table, seq_lens, 1.0, num_splits=dec.MAX_SPLITS + 1)
     assert dec.default_splits(1, 4, torch.device("cpu")) == 4 and dec.default_splits(64, 4, torch.device("cpu")) == 1
