@@ -47,7 +47,7 @@ def _normed(ptrs, w_ptrs, mask, rstd, DT: tl.constexpr):
     return ((x * rstd).to(DT).to(tl.float32) * w).to(DT).to(tl.float32)
 
 
-@jit(do_not_specialize=["stride_t", "stride_o"])
+@jit()
 def qk_norm_rope_kernel(
     # pointers: qkv [T, (Hq + 2 Hkv) * D], the output qk [T, (Hq + Hkv) * D] (qkv itself: in
     # place), positions [T], the norm weights [D], cos_sin_cache [max_pos, ROT]; with

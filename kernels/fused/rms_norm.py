@@ -20,7 +20,7 @@ from moe_serve.kernels.moe.launch import jit, launch
 BLOCK = 1024                        # columns per step
 
 
-@jit(do_not_specialize=["K"])
+@jit()
 def add_rms_norm_kernel(
     # pointers: x, residual [M, K] (residual unused without HAS_RESIDUAL), weight [K]; outputs
     # h and residual_out [M, K] (residual_out unused without HAS_RESIDUAL); rows contiguous
