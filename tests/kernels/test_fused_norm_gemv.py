@@ -156,6 +156,7 @@ def test_sm90_compiles_without_spills_and_streams_through_registers() -> None:
     kernels = {r["kernel"] for r in rows}
     assert len(rows) == 12 and kernels == {"norm_gemv_kernel", "add_rms_norm_kernel", "qk_norm_rope_kernel"}
     assert {r["block_m"] for r in rows if r["block_m"]} == {1, 2, 4, 8}
+    assert all(r["narrow_loads"] == 0 for r in rows if r["kernel"] != "qk_norm_rope_kernel"), rows   # no 2-byte loads
     assert {False, True} <= {r["exact_h"] for r in rows}
     for r in rows:
         assert r["spills"] == 0, r
