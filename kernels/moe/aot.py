@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -94,6 +95,13 @@ def mma_kind(sass_text: str) -> str:
         if ins in sass_text:
             return ins
     return "none"
+
+
+def global_loads(sass_text: str) -> dict[str, int]:
+    """How many global loads in the SASS move 16 bytes ("wide": LDG / LDGSTS .128) and how many
+    move 2 ("narrow": LDG .U16, the sign of an access the compiler could not prove aligned)."""
+    return {"wide": len(re.findall(r"\b(?:LDG|LDGSTS)\.E\S*\.128\b", sass_text)),
+            "narrow": len(re.findall(r"\bLDG\.E\S*\.U16\b", sass_text))}
 
 
 def compile_launches(launches: list, arch: int = 90,

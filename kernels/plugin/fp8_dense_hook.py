@@ -200,7 +200,6 @@ class Fp8DenseHook:
             done += 1
         return done
 
-
     def _report_skipped(self) -> None:
         """Log the layers skipped since the last report, grouped by why."""
         new = list(self.skipped.items())[self._skips_reported:]

@@ -1,8 +1,8 @@
 """Subprocess helper (TRITON_INTERPRET=0): compile the decode attention kernel
 (moe_serve.kernels.attention.decode) for sm_90 on CPU (moe_serve.kernels.moe.aot) and print one JSON
 line per variant: register spills, the MMA kind, whether the combine's atomic is there, how many
-16-byte and 2-byte global loads it has, and the kernels the launches compiled (one per model: the split count, sequences and strides are not
-specialized). Variants: Qwen3-30B-A3B's heads (bf16, 32 + 4 x 128) at B = 1 with 32 splits and at
+16-byte and 2-byte global loads it has, and the kernels the launches compiled (one per model: the
+split count and sequences are not specialized). Variants: Qwen3-30B-A3B's heads (bf16, 32 + 4 x 128) at B = 1 with 32 splits and at
 B = 8 with 4; fp16 G = 8 x 64; fp32 (IEEE dots)."""
 from __future__ import annotations
 
@@ -39,6 +39,5 @@ if __name__ == "__main__":
             print(json.dumps({"variant": name, "kernel": kernel, "grid": list(grid),
                               "spills": len(re.findall(r"\b(?:STL|LDL)\b", sass)), "mma": aot.mma_kind(sass),
                               "atomic": bool(re.search(r"\b(?:ATOMG|ATOM|RED)\b", sass)),
-                              "wide_loads": len(re.findall(r"\b(?:LDG|LDGSTS)\.E\S*\.128\b", sass)),
-                              "narrow_loads": len(re.findall(r"\bLDG\.E\.U16\b", sass)),
+                              **{f"{k}_loads": n for k, n in aot.global_loads(sass).items()},
                               "compiled": len(cache[kernel].device_caches[0][0])}), flush=True)

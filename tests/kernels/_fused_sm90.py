@@ -58,7 +58,7 @@ def report(variant: str, launches: list, cache: dict, loop: bool) -> None:
                           "block_m": kw.get("BLOCK_M"), "block_n": kw.get("BLOCK_N"), "vec": kw.get("VEC"),
                           "pairs": kw.get("ACC_PAIRS"), "exact_h": kw.get("EXACT_H"),
                           "spills": len(re.findall(r"\b(?:STL|LDL)\b", sass)),
-                          "narrow_loads": len(re.findall(r"\bLDG\.E\S*\.U16\b", sass)),
+                          "narrow_loads": aot.global_loads(sass)["narrow"],
                           "loop": dict(k_loop(sass)) if loop else {}}), flush=True)
 
 

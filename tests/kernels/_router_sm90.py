@@ -40,7 +40,7 @@ if __name__ == "__main__":
             print(json.dumps({"variant": name, "kernel": kname, "grid": list(grid), "count": kw["COUNT"],
                               "one_program": kw["ONE_PROGRAM"], "smem": int(ck.metadata.shared),
                               "launch_pdl": bool(kw.get("launch_pdl")),
-                              "wide_loads": len(re.findall(r"\b(?:LDG|LDGSTS)\.E\S*\.128\b", aot.sass(ck))),
+                              "wide_loads": aot.global_loads(aot.sass(ck))["wide"],
                               "gdc": [i for i in ("griddepcontrol.launch_dependents", "griddepcontrol.wait")
                                       if i in ck.asm["ptx"]]}), flush=True)
     for name, dtype in COUNTS.items():
