@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the dense GEMMs of unquantized layers (QKV, O, MLP, lm_head) at 1..8 tokens on "
                    "moe-serve's split-K GEMV (kernels/dense/) instead of cuBLAS, for the shapes and token "
                    "counts where a tuned table for the GPU lists it (measured faster; "
-                   "`moe-serve bench kernels --dense --sweep` makes tables); default on with --moe-kernels optimized")
+                   "`moe-serve bench kernels --dense --model DIR` makes tables); default on with --moe-kernels optimized")
     p.add_argument("--expert-stats", action=argparse.BooleanOptionalAction, default=_env_switch("expert_stats"),
                    help="count the tokens routed to each expert of each MoE layer on the GPU, in every worker, "
                    "for /metrics (per layer) and GET /v1/moe/expert-load (layer x expert); default on")

@@ -10,10 +10,12 @@ one), and only its small calls (ours) are run."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
 
+from moe_serve.bench.experts import run
 from moe_serve.bench.experts.dense_fp8 import BLOCK, CHANNEL, TENSOR, fp8_bench_cases, quantize, vllm_apply, vllm_layer
 from moe_serve.bench.experts.reference import rel_err
 from moe_serve.kernels.config import PluginConfig
@@ -124,6 +126,8 @@ def test_a_switch_that_takes_no_layer_says_so_at_warm_up(hook, monkeypatch: pyte
     lines = [r.getMessage() for r in caplog.records if "left to vLLM" in r.getMessage()]
     assert len(lines) == 1 and "3 FP8 linear layer(s)" in lines[0] and "moe-serve bench kernels --dense" in lines[0]
     assert calls == []
+    command = re.search(r"`moe-serve bench kernels ([^`]*)`", lines[0]).group(1).replace("DIR", "m")
+    assert run.parse_args([*command.split(), "--out", "o"]).dense  # the command it names parses
 
 
 def test_torch_compile_traces_the_wrapper_whole(hook) -> None:
