@@ -40,7 +40,6 @@ TritonExperts is never called. Settings: kernels/config.py; process plumbing: MO
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 from dataclasses import replace
 import os
@@ -174,7 +173,8 @@ class MoePlugin:
 
     def _install_switch_hook(self, module: str, label: str) -> None:
         """kernels/plugin/<module>.py's install(config, logger) and its warm_pending."""
-        hook = importlib.import_module(f"moe_serve.kernels.plugin.{module}")
+        from moe_serve.kernels.plugin import attention_hook, fp8_dense_hook
+        hook = {"fp8_dense_hook": fp8_dense_hook, "attention_hook": attention_hook}[module]
         self.hooks.extend(hook.install(self.config, self.logger))
         self.warmups.append((label, hook.warm_pending))
 
