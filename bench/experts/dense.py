@@ -175,10 +175,11 @@ def baseline(cell: Cell | Fp8Cell, serving: dict) -> dict[str, float]:
 
 def part_dense(shapes: dict[str, list[DenseShape]], ms: tuple[int, ...], ceiling: float, n_sets: int,
                replays: int, sweep: bool, axes: tuple = AXES, rounds: int = 2,
-               sweep_rows: list | None = None) -> list[dict]:
+               sweep_rows: list | None = None,
+               on_shape: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """One row per (model, shape, M <= configs.max_m of its format): ours (serving's config), vLLM's
     GEMM (baseline), the floor, the best config the search found; every config tried goes to
-    sweep_rows."""
+    sweep_rows; on_shape(rows so far) after each shape, so a run stopped midway keeps what it did."""
     from moe_serve.bench.experts.floor import floor_us
 
     device, sms = device_facts(torch.device(DEV))
@@ -231,6 +232,8 @@ def part_dense(shapes: dict[str, list[DenseShape]], ms: tuple[int, ...], ceiling
                                           for k, v in row.items() if k != "best"))
             if CUDA:
                 torch.cuda.empty_cache()
+            if on_shape is not None:
+                on_shape(rows)
     return rows
 
 
@@ -293,11 +296,15 @@ def main(args: argparse.Namespace, results: dict[str, Any], save: Callable[[], N
     results["ceiling"] = copy_ceiling()
     ceiling = results["ceiling"]["copy_bytes_per_s"]
     sweep_rows: list[dict] = []
-    results["dense"] = part_dense(shapes, ms, ceiling, args.sets, args.replays, args.sweep, axes, rounds, sweep_rows)
-    results["dense-sweep"] = sweep_rows
-    save()
     device = device_facts(torch.device(DEV))[0]
-    written = write_tables(results["dense"], args.out / "dense-tables", device) if args.sweep else []
+    written: list[Path] = []
+
+    def keep(rows: list[dict]) -> None:   # after each shape: the results and the tables so far
+        results["dense"], results["dense-sweep"] = rows, sweep_rows
+        save()
+        written[:] = write_tables(rows, args.out / "dense-tables", device) if args.sweep else []
+
+    keep(part_dense(shapes, ms, ceiling, args.sets, args.replays, args.sweep, axes, rounds, sweep_rows, keep))
     log("\n".join(table(results["dense"])))
     log(f"dense part: {time.perf_counter() - t0:.0f}s; tables of the best configs: "
         f"{', '.join(p.name for p in written) or 'none'} in {args.out / 'dense-tables'}")

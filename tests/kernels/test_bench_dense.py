@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from moe_serve.bench.experts.dense import coordinate_search, feasible, with_value
 from moe_serve.bench.experts.dense_shapes import NAMED, dense_shapes
 from moe_serve.kernels.dense import configs
@@ -120,3 +122,30 @@ def test_tables_keep_only_the_buckets_where_the_gemv_beat_f_linear(tmp_path: Pat
                                        configs.table_file_name(5120, 2048, "fp8_block128x128", "NVIDIA_H100_80GB_HBM3")]
     assert sorted(k for k in json.loads(paths[0].read_text()) if k.isdigit()) == ["1"]
     assert {k: v for k, v in json.loads(paths[1].read_text()).items() if k.isdigit()} == {"16": fp8}
+
+
+def test_a_sweep_stopped_midway_keeps_the_shapes_it_finished(monkeypatch) -> None:
+    """on_shape sees the rows of every finished shape, so `main` saves results and tables as it goes:
+    a stop in the second shape keeps the first one's rows."""
+    from moe_serve.bench.experts import dense
+
+    class Stop(BaseException):     # as a kill would: nothing in the loop catches it
+        pass
+
+    class FakeCell:
+        def __init__(self, shape, M, *args, **kwargs) -> None:
+            if shape.name == "o":
+                raise Stop
+            self.tried = {}
+
+        def time_ours(self, cfg: dict) -> float:
+            return 1.0
+
+    monkeypatch.setattr(dense, "Cell", FakeCell)
+    monkeypatch.setattr(dense, "baseline", lambda cell, serving: {})
+    monkeypatch.setattr(dense, "CUDA", False)
+    seen: list[list[tuple[str, int]]] = []
+    with pytest.raises(Stop):
+        dense.part_dense({"tiny/tp1": dense.SMOKE["tiny/tp1"]}, (1, 4), 1.0, 2, 2, False,
+                         on_shape=lambda rows: seen.append([(r["shape"], r["M"]) for r in rows]))
+    assert seen == [[("qkv", 1), ("qkv", 4)]]
