@@ -162,8 +162,10 @@ def run_cell(name: str, shape: RouterShape, M: int, sets: int, replays: int) -> 
         row[f"{method}_near_ties"] = check_reference(shape, out, score, key, scale)
         outs[method] = out
     first, *others = outs.values()
-    if any(not (torch.equal(first[0], o[0]) and torch.equal(first[1], o[1])) for o in others):
+    if any(not torch.equal(first[1], o[1]) for o in others):
         raise AssertionError(f"the top-k methods pick differently: {[o[1].tolist() for o in outs.values()]}")
+    # weights: each method's already checked against float64 above; on the GPU they may differ in the last bits
+    row["methods_max_weight_diff"] = max(((first[0] - o[0]).abs().max().item() for o in others), default=0.0)
     for method in TOPK_METHODS:
         row[f"{method}_us"] = round(time_graph(
             lambda i, m=method: router_topk(xs[i], gates[i], shape.topk, shape.scoring, shape.renormalize,
