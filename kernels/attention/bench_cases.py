@@ -31,7 +31,7 @@ VARIANTS = {  # our kernel at other settings (decode_attention's keyword argumen
     "c64": {"min_chunk": 64}, "c128": {"min_chunk": 128}, "c256": {"min_chunk": 256},
     "s8": {"num_splits": 8}, "s16": {"num_splits": 16}, "s32": {"num_splits": 32},
     "w8": {"num_warps": 8}, "one_split": {"num_splits": 1},
-    "t1": {"split_tile": 1}, "t4": {"split_tile": 4}, "c256_t1": {"min_chunk": 256, "split_tile": 1},
+    "t8": {"split_tile": 8}, "t4": {"split_tile": 4},
 }
 
 

@@ -37,7 +37,7 @@ from moe_serve.kernels.moe.launch import jit, launch
 MAX_SPLITS = 64           # splits per (sequence, kv head) at most
 MIN_CHUNK = 32            # tokens per split at least
 BLOCK_N = 32              # tokens per tile
-SPLIT_TILE = 8            # splits the combine reads at once
+SPLIT_TILE = 1            # splits the combine reads at once (1: the fastest of 1, 4, 8 on an H100, bench/RESULTS.md)
 NUM_WARPS = 4             # per program for a 16-bit cache; twice that for fp32 (its tiles' registers)
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}   # per device: every counter buffer made (kept alive)
 
