@@ -64,6 +64,9 @@ STEP_SWITCHES_H100 = "step-switches-qwen3-30b-a3b-h100-2026-12-07"
 STEP_ATTENTION_H100 = "step-switches-qwen3-30b-a3b-h100-attention-2026-12-07"
 STEP_FP8_H100 = "step-switches-qwen3-30b-a3b-fp8-block-h100-2026-12-07"
 PIECES_ATTENTION_FP8_H100 = "kernels-step-pieces-attention-fp8-h100-2026-12-07"
+ATTENTION_WIDE_LOADS_H100 = "kernels-decode-attention-wide-loads-h100-2026-12-07"
+DENSE_FP8_H100 = "kernels-dense-fp8-block-h100-2026-12-07"
+STEP_FP8_TABLES_H100 = "step-switches-qwen3-30b-a3b-fp8-block-dense-tables-h100-2026-12-07"
 MOE_VS_VLLM_H100 = "kernels-moe-vs-vllm-qwen3-30b-a3b-h100-2026-12-07"
 MOE_FP8_VS_VLLM_H100 = "kernels-moe-fp8-vs-vllm-qwen3-30b-a3b-h100-2026-12-07"
 QWEN3_BF16_H100_FAIR = "serve-qwen3-30b-a3b-bf16-h100-fair-2026-12-07"
@@ -220,6 +223,9 @@ REGISTRY: dict[str, Callable[[], list[str]]] = {
     "step-switches-fp8-h100": lambda: _step_switches(STEP_FP8_H100),
     "kernels-step-pieces-attention-h100": lambda: _step_pieces(PIECES_ATTENTION_FP8_H100, "kernels-attention.json.xz"),
     "kernels-step-pieces-fp8-h100": lambda: _step_pieces(PIECES_ATTENTION_FP8_H100, "kernels-fp8.json.xz"),
+    "kernels-decode-attention-wide-loads-h100": lambda: _step_pieces(ATTENTION_WIDE_LOADS_H100),
+    "kernels-dense-fp8-h100": lambda: _dense(DENSE_FP8_H100),
+    "step-switches-fp8-tables-h100": lambda: _step_switches(STEP_FP8_TABLES_H100),
     "kernels-moe-vs-vllm-h100": lambda: shape_table(RESULTS / MOE_VS_VLLM_H100 / "results.json"),
     "kernels-moe-fp8-vs-vllm-h100": lambda: shape_table(RESULTS / MOE_FP8_VS_VLLM_H100 / "results-block.json",
                                                         RESULTS / MOE_FP8_VS_VLLM_H100 / "results-dynamic.json"),
