@@ -12,7 +12,7 @@
 | `moe-serve-no-expert-stats` | `python -m moe_serve.service --no-expert-stats`: without the expert load counting, what it costs (on request) |
 | `moe-serve-qk-norm-rope-fusion` | `python -m moe_serve.service` with vLLM's fused q/k RMSNorm + RoPE compile pass turned on (on request) |
 | `moe-serve-dense-gemv` | `python -m moe_serve.service --dense-gemv`: and the dense GEMMs at 1..8 tokens on our GEMV (on request) |
-| `moe-serve+<setting>` | `MOE_SERVE_<SETTING>=1 python -m moe_serve.service`: a decode-path setting of the plugin's config on (`SWITCHES`: `fuse_norm_gemv`, `fuse_qk_norm_rope`, both as `fused`, `fp8_dense_gemv`, `fp8_moe_gemv`, `decode_attention`; on request) |
+| `moe-serve+<setting>` | `MOE_SERVE_<SETTING>=1 python -m moe_serve.service`: a decode-path setting of the plugin's config on (`SWITCHES`: `fuse_norm_gemv`, `fuse_qk_norm_rope`, both as `fused`, `fp8_dense_gemv`, `fp8_moe_gemv`, both as `fp8_gemv`, `decode_attention`; on request) |
 | `vllm-serve+<tweak>`, `moe-serve+<tweak>` | either server with one vLLM attention setting (`ATTENTION`: `fa3-one-split`, FA3 without split-KV at decode; `triton-attn`, vLLM's Triton attention backend; on request) |
 
 `EngineFlags` are the engine settings every variant gets, each in its own CLI's spelling; the
@@ -52,10 +52,11 @@ DENSE_GEMV = "moe-serve-dense-gemv"            # --dense-gemv spelled out (OURS 
 NO_DENSE_GEMV = "moe-serve-no-dense-gemv"      # --no-dense-gemv: what the dense decode GEMV adds
 # moe-serve with decode-path settings of the plugin's config turned on (kernels/config.py), each
 # through its documented MOE_SERVE_<SETTING> override: `moe-serve+<setting>`, `moe-serve+fused` both
-# fused-step pieces. Until the yardstick shows a setting's gain it stays off by default.
+# fused-step pieces, `moe-serve+fp8_gemv` both FP8 GEMVs. Until the yardstick shows a setting's gain it stays off by default.
 SWITCHES = {"fuse_norm_gemv": ("fuse_norm_gemv",), "fuse_qk_norm_rope": ("fuse_qk_norm_rope",),
             "fused": ("fuse_norm_gemv", "fuse_qk_norm_rope"), "fp8_dense_gemv": ("fp8_dense_gemv",),
-            "fp8_moe_gemv": ("fp8_moe_gemv",), "decode_attention": ("decode_attention",)}
+            "fp8_moe_gemv": ("fp8_moe_gemv",), "fp8_gemv": ("fp8_dense_gemv", "fp8_moe_gemv"),
+            "decode_attention": ("decode_attention",)}
 SWITCH_ENV = {f"{OURS}+{name}": {f"MOE_SERVE_{s.upper()}": "1" for s in settings} for name, settings in SWITCHES.items()}
 # One vLLM attention setting, in either server (`<server>+<tweak>`): FA3 without split-KV at decode
 # (no combine kernel), or vLLM's Triton attention backend.
