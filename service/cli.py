@@ -13,7 +13,7 @@ from moe_serve.service.settings import DEFAULT_REQUEST_TIMEOUT_S, EXECUTOR_BACKE
 
 KEEP_ALIVE_S = 75  # seconds an idle HTTP connection is kept open
 SUBCOMMANDS = """subcommands (each has its own --help):
-  moe-serve tune --model DIR [--tensor-parallel-size N]      tune the MoE kernels for a model on this GPU
+  moe-serve tune --model DIR [--tensor-parallel-size N]      tune the MoE and dense kernels for a model on this GPU
   moe-serve bench serve|kernels|tables ...                  benchmarks: against `vllm serve` over HTTP, the kernels
                                                             against vLLM's, the results' tables
   moe-serve explain --model DIR [--device NAME]             which kernel and config serve each MoE shape and M
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the dense GEMMs of unquantized layers (QKV, O, MLP, lm_head) at 1..8 tokens on "
                    "moe-serve's split-K GEMV (kernels/dense/) instead of cuBLAS, for the shapes and token "
                    "counts where a tuned table for the GPU lists it (measured faster; "
-                   "`moe-serve bench kernels --dense --model DIR` makes tables); default on with --moe-kernels optimized")
+                   "`moe-serve tune --model DIR` makes tables); default on with --moe-kernels optimized")
     p.add_argument("--expert-stats", action=argparse.BooleanOptionalAction, default=_env_switch("expert_stats"),
                    help="count the tokens routed to each expert of each MoE layer on the GPU, in every worker, "
                    "for /metrics (per layer) and GET /v1/moe/expert-load (layer x expert); default on")
@@ -211,9 +211,10 @@ def settings_from_args(argv: list[str] | None = None) -> Settings:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["tune"]:                      # moe-serve tune ... (moe_serve.kernels.tuning.tune_cli)
+        from moe_serve.bench.experts.run import tune_dense
         from moe_serve.kernels.tuning.tune_cli import main as tune_main
 
-        return tune_main(args[1:])
+        return tune_main(args[1:], dense=tune_dense)
     if args[:1] == ["bench"]:                     # moe-serve bench serve|kernels|tables ... (moe_serve.bench.cli)
         from moe_serve.bench.cli import main as bench_main
 

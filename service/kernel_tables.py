@@ -119,7 +119,8 @@ def export(statuses: list[ShapeStatus], registry: CollectorRegistry) -> None:
 def tune_on_start(model: str, tp: int, quantization: str | None, budget_minutes: float) -> int:
     """Run `moe-serve tune` for the model in a subprocess (its CUDA context ends with it)."""
     cmd = [sys.executable, "-c", "import sys; from moe_serve.service.cli import main; sys.exit(main())",
-           *tune_command(model, tp, quantization)[1:], "--budget-minutes", str(budget_minutes)]
+           *tune_command(model, tp, quantization)[1:], "--budget-minutes", str(budget_minutes),
+           "--no-dense"]                       # the MoE shapes only: the dense search has no budget
     logger.info("tuning the model's MoE kernels before serving (budget %.1f min): %s",
                 budget_minutes, shlex.join(cmd[3:]))
     rc = subprocess.run(cmd, timeout=budget_minutes * 60 * 1.5 + 120).returncode

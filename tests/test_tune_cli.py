@@ -46,7 +46,7 @@ def test_no_gpu_and_bad_models_exit_2(model: Path, tmp_path: Path) -> None:
 def test_tune_writes_tables_the_loader_reads_then_skips_and_resumes(model: Path,
                                                                     tmp_path: Path) -> None:
     out = tmp_path / "cache"
-    args = ["--model", str(model), "--budget-minutes", "0.4", "--buckets", "1,2,8", "--out", str(out)]
+    args = ["--model", str(model), "--budget-minutes", "0.4", "--buckets", "1,2,8", "--out", str(out), "--no-dense"]
     r = _run(args, TRITON_INTERPRET="1")
     assert r.returncode == 0, r.stderr[-3000:]
     spec = json.loads((model / "config.json").read_text())
@@ -104,6 +104,37 @@ def test_tune_writes_tables_the_loader_reads_then_skips_and_resumes(model: Path,
         assert "has no tuned kernel table" not in srv.log()
     finally:
         srv.stop()
+
+
+def test_tune_also_searches_the_dense_gemms_into_the_same_place(model: Path, tmp_path: Path) -> None:
+    """After the MoE shapes, the model's dense GEMMs (QKV, O, lm_head) are searched and their tables
+    written beside the MoE ones, where the dense loader finds them; a second run skips the search."""
+    from moe_serve.bench.experts.dense_shapes import dense_shapes
+    from moe_serve.kernels.dense import configs as dense_configs
+
+    spec = {**json.loads((model / "config.json").read_text()), "hidden_size": 64, "intermediate_size": 64,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 96,
+            "num_hidden_layers": 1}                                   # small enough for the interpreter
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    (tiny / "config.json").write_text(json.dumps(spec))
+    out = tmp_path / "cache"
+    args = ["--model", str(tiny), "--budget-minutes", "0.1", "--buckets", "1", "--dense-ms", "1", "--out", str(out)]
+    r = _run(args, TRITON_INTERPRET="1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    shapes = {(s.N, s.K) for s in dense_shapes(spec, 1)}
+    assert len(shapes) >= 2                                      # QKV and lm_head share 128 x 64 here
+    assert {p.name for p in out.glob("dense,*")} == {dense_configs.table_file_name(N, K, "bf16", "cpu")
+                                                       for N, K in shapes}
+    assert (out / "dense-search" / "results.json").is_file() and "[tune] dense GEMMs: " in r.stdout
+    N, K = sorted(shapes)[0]
+    code = ("from moe_serve.kernels.dense import configs; import json; "
+            f"print(json.dumps(sorted(configs.load_table({N}, {K}, 'bf16', 'cpu'))))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "MOE_SERVE_KERNEL_CONFIG_DIR": str(out)})
+    assert json.loads(loaded.stdout.strip().splitlines()[-1]) == [1], loaded.stderr[-2000:]
+    again = _run(args, TRITON_INTERPRET="1")
+    assert again.returncode == 0 and "dense GEMMs: already searched" in again.stderr
 
 
 def test_untuned_shape_is_warned_and_counted(server, http) -> None:

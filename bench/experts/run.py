@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -337,3 +339,23 @@ def main(argv: list[str] | None = None) -> int:
         log("\n".join(shape_table(args.out / "results.json")))
     log(f"total {time.perf_counter() - t0:.0f}s; results in {args.out}/results.md")
     return 0
+
+
+def tune_dense(args: argparse.Namespace, out: Path, force: bool) -> int:
+    """`moe-serve tune`'s dense step (kernels/tuning/tune_cli.py): the model's dense GEMMs searched
+    as `moe-serve bench kernels --dense --model` does, rows in out/dense-search/, the tables (the
+    buckets where ours won) copied into out, where the server reads them. Skipped when an earlier
+    run finished its search there, unless force."""
+    search = out / "dense-search"
+    if (search / "results.json").is_file() and not force:
+        print(f"[tune] dense GEMMs: already searched ({search}); --force to search again", file=sys.stderr)
+        return 0
+    argv = ["--dense", "--model", str(args.model), "-tp", str(args.tensor_parallel_size), "--out", str(search),
+            *(["--quantization", args.quantization] if args.quantization else []),
+            *(["--ms", args.dense_ms] if args.dense_ms else [])]
+    rc = main(argv)
+    tables = sorted((search / "dense-tables").glob("*.json"))
+    for table in tables:
+        shutil.copyfile(table, out / table.name)
+    print(f"[tune] dense GEMMs: {len(tables)} table(s) into {out} (rows: {search / 'results.json'})", flush=True)
+    return rc

@@ -176,7 +176,7 @@ def load_table(N: int, K: int, dtype: str, device: str, kind: str = DENSE) -> di
         why = moe_configs.version_refusal(path, raw.get("triton_version"), running)
         if why:
             logger.warning("moe-serve: %s table refused (%s); re-measure it with `%s`", kind, why,
-                           "moe-serve bench kernels --dense --model DIR" if kind == DENSE else "moe-serve bench step --sweep")
+                           "moe-serve tune --model DIR" if kind == DENSE else "moe-serve bench step --sweep")
             continue
         return {int(k): validate(v, dtype) for k, v in raw.items() if k.isdigit()}
     return None

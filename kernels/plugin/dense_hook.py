@@ -82,7 +82,7 @@ class DenseHook:
             n = op.warm_variants(weight, bias)
             self._warmed.add(key)
             what = (f"{n} variants warmed for M = 1..{op.MAX_M}" if n else
-                    "F.linear at every M: no tuned table lists it for this GPU (`moe-serve bench kernels --dense --model DIR`)")
+                    "F.linear at every M: no tuned table lists it for this GPU (`moe-serve tune --model DIR`)")
             self.plugin.logger.info("moe-serve dense GEMV: weight %s %s%s: %s", list(weight.shape), weight.dtype,
                                     " + bias" if bias is not None else "", what)
             done += 1

@@ -152,7 +152,7 @@ class Fp8DenseHook:
         name = str(getattr(layer, "prefix", "") or f"layer@{id(layer):x}")
         layout = layout_of(method, layer)
         if not isinstance(layout, str) and not (op_fp8.UNTUNED_TOO or tabled(layout, layer.weight.device)):
-            layout = "no tuned table lists its shape and format for this GPU (`moe-serve bench kernels --dense --model DIR`)"
+            layout = "no tuned table lists its shape and format for this GPU (`moe-serve tune --model DIR`)"
         if isinstance(layout, str):
             self.skipped[name] = layout
             setattr(layer, MARK, None)

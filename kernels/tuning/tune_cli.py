@@ -10,7 +10,9 @@ each format is tuned and routed on its own), searches configs for
 every M bucket (moe_serve.kernels.tuning.tune) within the budget, then times ours against vLLM's
 fused_experts at M = 1..4096 and writes the configs and the routing table (ours only where
 measured faster beyond the run-to-run spread: moe_serve.kernels.tuning.make_routing) into the cache the
-server reads first ($MOE_SERVE_CACHE/kernels/<device>/triton-<version>, or --out).
+server reads first ($MOE_SERVE_CACHE/kernels/<device>/triton-<version>, or --out). Then, from
+`moe-serve tune` (unless --no-dense), the model's dense GEMMs are searched as `moe-serve bench
+kernels --dense` does, and their tables go to the same place (OUT/dense-search/ keeps the rows).
 Interrupted runs resume after their last finished phase; a shape already tuned is skipped
 unless --force. --refine "decode prefetch[,...]" runs only those search phases on each shape's
 table in use (moe_serve.kernels.tuning.refine), writes the refined table to the cache (or --out), and
@@ -28,7 +30,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -148,6 +150,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--for-vllm", action="store_true",
                     help="tune vLLM's own fused-MoE kernel into vLLM's table format for plain "
                          "`vllm serve` (VLLM_TUNED_CONFIG_FOLDER); its options: --for-vllm --help")
+    ap.add_argument("--no-dense", dest="dense", action="store_false",
+                    help="skip the dense GEMMs' search (QKV, O, MLP, lm_head in the model's formats; "
+                         "after the MoE shapes, a few minutes outside --budget-minutes)")
+    ap.add_argument("--dense-ms", default=None, help="the dense search's token counts (default: its own, 1..16)")
     ap.add_argument("--refine", default=None, metavar="PHASES",
                     help="comma-separated search phases to run on the tables in use, e.g. "
                          "'decode prefetch' (no full search, routing kept)")
@@ -188,7 +194,12 @@ def _refine(shapes: list[MoEShape], phases: list[str], out: Path, device: str,
     return 0 if done else 2
 
 
-def main(argv: list[str] | None = None) -> int:
+DenseTuner = Callable[[argparse.Namespace, Path, bool], int]
+
+
+def main(argv: list[str] | None = None, dense: DenseTuner | None = None) -> int:
+    """`dense(args, out, force)`: the dense GEMMs' search writing its tables into out (the caller
+    gives it: moe_serve.bench.experts.dense.tune_dense from `moe-serve tune`); None: MoE only."""
     argv = sys.argv[1:] if argv is None else argv
     if "--for-vllm" in argv:
         from moe_serve.kernels.tuning import vllm_tune
@@ -283,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     selection.clear_caches()
     print(f"[tune] wrote {len(shapes)} table(s) and {path} in {time.perf_counter() - t_start:.0f}s",
           flush=True)
-    return 0
+    return dense(args, out, args.force) if dense is not None and args.dense else 0
 
 
 if __name__ == "__main__":

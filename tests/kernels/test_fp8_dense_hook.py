@@ -15,7 +15,6 @@ import re
 import pytest
 import torch
 
-from moe_serve.bench.experts import run
 from moe_serve.bench.experts.dense_fp8 import BLOCK, CHANNEL, TENSOR, fp8_bench_cases, quantize, vllm_apply, vllm_layer
 from moe_serve.bench.experts.reference import rel_err
 from moe_serve.kernels.config import PluginConfig
@@ -23,6 +22,7 @@ from moe_serve.kernels.dense import op_fp8
 from moe_serve.kernels.plugin import fp8_dense_hook as hk
 from moe_serve.kernels.plugin import vllm_compat as vc
 from moe_serve.kernels.plugin.fp8_dense_pins import PINS
+from moe_serve.kernels.tuning import tune_cli
 
 LOG = logging.getLogger("test.fp8_dense")
 
@@ -124,10 +124,10 @@ def test_a_switch_that_takes_no_layer_says_so_at_warm_up(hook, monkeypatch: pyte
         h.warm_pending()
         h.warm_pending()
     lines = [r.getMessage() for r in caplog.records if "left to vLLM" in r.getMessage()]
-    assert len(lines) == 1 and "3 FP8 linear layer(s)" in lines[0] and "moe-serve bench kernels --dense" in lines[0]
+    assert len(lines) == 1 and "3 FP8 linear layer(s)" in lines[0] and "moe-serve tune --model" in lines[0]
     assert calls == []
-    command = re.search(r"`moe-serve bench kernels ([^`]*)`", lines[0]).group(1).replace("DIR", "m")
-    assert run.parse_args([*command.split(), "--out", "o"]).dense  # the command it names parses
+    command = re.search(r"`moe-serve tune ([^`]*)`", lines[0]).group(1).replace("DIR", "m")
+    assert tune_cli.parse_args(command.split()).dense        # the command it names parses, dense search on
 
 
 def test_torch_compile_traces_the_wrapper_whole(hook) -> None:
