@@ -187,3 +187,38 @@ def test_on_a_gpu_the_device_and_arch_come_from_it(tmp_path, capsys, monkeypatch
     out = capsys.readouterr().out
     assert "on NVIDIA_H200, " in out and out.splitlines()[0].endswith("arch sm90")
     assert configs.SHIPPED in _rows(out)[1]
+
+
+@pytest.mark.parametrize("fp8_dense_gemv", [False, True])
+def test_dense_gemms_show_the_buckets_their_table_lists(fp8_dense_gemv: bool, capsys, monkeypatch) -> None:
+    """Per dense GEMM: ours at the token counts the shipped H100 table lists (read from the table, not
+    restated), vLLM's where its setting is off or no table lists the shape (with the command)."""
+    from moe_serve.kernels.dense import configs as dense_configs
+    from moe_serve.kernels.tuning.dense_shapes import dense_shapes
+
+    if fp8_dense_gemv:
+        monkeypatch.setenv("MOE_SERVE_FP8_DENSE_GEMV", "1")
+    path = REPO / "bench" / "models" / "qwen3-30b-a3b-fp8-block"
+    device = "NVIDIA_H100_80GB_HBM3"
+    assert explain.main(["--model", str(path), "--device", device, "--triton-version", SHIPPED_TRITON]) == 0
+    out = capsys.readouterr().out
+    lines = {ln.split()[0]: ln for ln in out[out.index("dense GEMMs"):].splitlines()[1:] if ln.startswith("  ")}
+    shapes = dense_shapes(read_config(path))
+    assert set(lines) == {s.name for s in shapes}
+    for s in shapes:
+        table = dense_configs.find_table(s.N, s.K, s.fmt, device, triton_version=SHIPPED_TRITON).table
+        ms = [m for m in dense_configs.BUCKETS if m <= dense_configs.max_m(s.fmt) and table and m in table]
+        if dense_configs.is_fp8(s.fmt) and not fp8_dense_gemv:
+            assert "fp8_dense_gemv is off" in lines[s.name]
+        elif ms:
+            assert f"ours at M in {{{', '.join(map(str, ms))}}} (shipped table" in lines[s.name], lines[s.name]
+        else:
+            assert "no table lists it" in lines[s.name] and f"moe-serve tune --model {path}" in lines[s.name]
+    assert explain.main(["--model", str(path), "--device", "NO_SUCH_GPU", "--triton-version", SHIPPED_TRITON]) == 0
+    other = capsys.readouterr().out
+    assert other.count("no table lists it for NO_SUCH_GPU") == (len(shapes) if fp8_dense_gemv else 1)
+
+
+def test_a_config_without_attention_sizes_says_the_dense_gemms_are_not_derived(tmp_path, capsys) -> None:
+    assert explain.main(["--model", _model(tmp_path), "--device", "NVIDIA_H200"]) == 0
+    assert "dense GEMMs (a decode step, per rank): not derived, config.json lacks 'num_attention_heads'" in capsys.readouterr().out

@@ -109,7 +109,7 @@ def test_tune_writes_tables_the_loader_reads_then_skips_and_resumes(model: Path,
 def test_tune_also_searches_the_dense_gemms_into_the_same_place(model: Path, tmp_path: Path) -> None:
     """After the MoE shapes, the model's dense GEMMs (QKV, O, lm_head) are searched and their tables
     written beside the MoE ones, where the dense loader finds them; a second run skips the search."""
-    from moe_serve.bench.experts.dense_shapes import dense_shapes
+    from moe_serve.kernels.tuning.dense_shapes import dense_shapes
     from moe_serve.kernels.dense import configs as dense_configs
 
     spec = {**json.loads((model / "config.json").read_text()), "hidden_size": 64, "intermediate_size": 64,

@@ -4,7 +4,7 @@ torch's F.linear (cuBLAS, what vLLM runs), for FP8 weights vLLM's own FP8 linear
 our FP8 GEMV (dense_fp8.py; the rows' cublas_us is that baseline).
 
     moe-serve bench kernels --dense --model DIR [-tp 8] --out OUT    a model's dense shapes at TP
-    moe-serve bench kernels --dense --dense-shapes qwen3-30b-a3b/tp8 --out OUT     named (dense_shapes.py)
+    moe-serve bench kernels --dense --dense-shapes qwen3-30b-a3b/tp8 --out OUT     named (kernels/tuning/dense_shapes.py)
     moe-serve bench kernels --dense --model bench/models/qwen3-30b-a3b-fp8-block --out OUT   FP8 layers
     TRITON_INTERPRET=1 moe-serve bench kernels --dense --smoke --out OUT           CPU, tiny shapes
 
@@ -34,7 +34,7 @@ import torch
 import triton
 
 from moe_serve.bench.experts.dense_fp8 import Fp8Cell
-from moe_serve.bench.experts.dense_shapes import DEFAULT_NAMED, NAMED, SMOKE, DenseShape, dense_shapes
+from moe_serve.kernels.tuning.dense_shapes import DEFAULT_NAMED, NAMED, SMOKE, DenseShape, dense_shapes
 from moe_serve.bench.experts.problem import CUDA, DEV, copy_ceiling, log, named
 from moe_serve.bench.experts.reference import rel_err
 from moe_serve.kernels.dense import configs

@@ -267,7 +267,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dense", action="store_true", help="only the dense GEMMs of a decode step (dense.py): our "
                     "GEMV vs F.linear (cuBLAS) vs the floor at M 1, 2, 4, 8, and a config search per cell")
     ap.add_argument("--dense-shapes", default=None, help="with --dense and no --model: comma list of named "
-                    "shapes (bench/experts/dense_shapes.py; default qwen3-30b-a3b/tp1,mixtral-8x7b/tp1)")
+                    "shapes (kernels/tuning/dense_shapes.py; default qwen3-30b-a3b/tp1,mixtral-8x7b/tp1)")
     ap.add_argument("--no-dense-sweep", dest="sweep", action="store_false", help="with --dense: no config search")
     router.add_args(ap)
     ap.add_argument("--out", required=True, type=Path)

