@@ -19,7 +19,8 @@ table in use (moe_serve.kernels.tuning.refine), writes the refined table to the 
 keeps the routing as it is: a refined config is never slower than the one routed.
 `--for-vllm` tunes vLLM's own fused-MoE kernel instead, for plain `vllm serve`
 (moe_serve.kernels.tuning.vllm_tune; `moe-serve tune --for-vllm --help`).
-Exit codes: 0 done, 2 no GPU / bad model / no table to refine / unknown phase.
+Exit codes: 0 done, 1 a dense cell failed (its row says why), 2 no GPU / bad model / no table to refine /
+unknown phase.
 On a CPU with TRITON_INTERPRET=1 the whole pipeline runs (for tests), timed by wall clock.
 """
 from __future__ import annotations
@@ -199,7 +200,7 @@ DenseTuner = Callable[[argparse.Namespace, Path, bool], int]
 
 def main(argv: list[str] | None = None, dense: DenseTuner | None = None) -> int:
     """`dense(args, out, force)`: the dense GEMMs' search writing its tables into out (the caller
-    gives it: moe_serve.bench.experts.dense.tune_dense from `moe-serve tune`); None: MoE only."""
+    gives it: moe_serve.bench.experts.run.tune_dense from `moe-serve tune`); None: MoE only."""
     argv = sys.argv[1:] if argv is None else argv
     if "--for-vllm" in argv:
         from moe_serve.kernels.tuning import vllm_tune
