@@ -306,9 +306,8 @@ def main(args: argparse.Namespace, results: dict[str, Any], save: Callable[[], N
         save()
         written[:] = write_tables(rows, args.out / "dense-tables", device) if args.sweep else []
 
-    keep(part_dense(shapes, ms, ceiling, args.sets, args.replays, args.sweep, axes, rounds, sweep_rows, keep))
-    log("\n".join(table(results["dense"])))
+    rows = part_dense(shapes, ms, ceiling, args.sets, args.replays, args.sweep, axes, rounds, sweep_rows, keep)
+    log("\n".join(table(rows)))
     log(f"dense part: {time.perf_counter() - t0:.0f}s; tables of the best configs: "
         f"{', '.join(p.name for p in written) or 'none'} in {args.out / 'dense-tables'}")
-    return 1 if any("error" in r for r in results["dense"]) else 0
-
+    return 1 if any("error" in r for r in rows) else 0

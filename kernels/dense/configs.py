@@ -170,19 +170,8 @@ def find_table(N: int, K: int, dtype: str, device: str, kind: str = DENSE,
     """The first table of this shape and kind the server would accept under `triton_version` (default:
     the running Triton), with its source and path; the files refused on the way (another Triton)."""
     running = triton_version or moe_configs.running_triton_version()
-    refused = []
-    for source, d in table_dirs(device, triton_version):
-        path = d / table_file_name(N, K, dtype, device, kind)
-        if not path.is_file():
-            continue
-        raw = json.loads(path.read_text())
-        why = moe_configs.version_refusal(path, raw.get("triton_version"), running)
-        if why:
-            refused.append(why)
-            continue
-        table = {int(k): validate(v, dtype) for k, v in raw.items() if k.isdigit()}
-        return moe_configs.TableLookup(table, source, path, tuple(refused))
-    return moe_configs.TableLookup(None, None, None, tuple(refused))
+    return moe_configs.lookup(table_file_name(N, K, dtype, device, kind), table_dirs(device, running), running,
+                              lambda raw: {int(k): validate(v, dtype) for k, v in raw.items() if k.isdigit()})
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,6 +25,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 from moe_serve.kernels.config import current
 from moe_serve.kernels.moe import heuristics, quant_format, smem, vllm_kernels
@@ -110,27 +111,35 @@ class TableLookup:
     refused: tuple[str, ...] = ()
 
 
-@functools.lru_cache(maxsize=None)
-def find_table(E: int, N: int, K: int, dtype: str, device: str,
-               triton_version: str | None = None) -> TableLookup:
-    """The first table for this shape in the config dirs that is not refused (see the module
-    doc); triton_version: the Triton the configs will run under (default: this one)."""
-    running = triton_version or running_triton_version()
-    name = config_file_name(E, N, K, dtype, device)
+def lookup(name: str, dirs: list[tuple[str, Path]], running: str,
+           parse: Callable[[dict[str, Any]], Any]) -> TableLookup:
+    """The first file `name` in dirs ((source, dir) in search order) made under Triton `running`
+    (or recording none), its {bucket: config} as parse(raw) gives it; the files refused on the way."""
     refused: list[str] = []
-    for source, d in labelled_dirs(device, running):
+    for source, d in dirs:
         path = d / name
         if not path.is_file():
             continue
         raw = json.loads(path.read_text())
         why = version_refusal(path, raw.get("triton_version"), running)
         if why:
-            logger.warning("moe-serve: kernel table refused (%s); %s", why, TUNE_HINT)
             refused.append(why)
             continue
-        table = {int(k): validate(v) for k, v in raw.items() if k.isdigit()}
-        return TableLookup(table, source, path, tuple(refused))
+        return TableLookup(parse(raw), source, path, tuple(refused))
     return TableLookup(None, None, None, tuple(refused))
+
+
+@functools.lru_cache(maxsize=None)
+def find_table(E: int, N: int, K: int, dtype: str, device: str,
+               triton_version: str | None = None) -> TableLookup:
+    """The first table for this shape in the config dirs that is not refused (see the module
+    doc); triton_version: the Triton the configs will run under (default: this one)."""
+    running = triton_version or running_triton_version()
+    found = lookup(config_file_name(E, N, K, dtype, device), labelled_dirs(device, running), running,
+                   lambda raw: {int(k): validate(v) for k, v in raw.items() if k.isdigit()})
+    for why in found.refused:
+        logger.warning("moe-serve: kernel table refused (%s); %s", why, TUNE_HINT)
+    return found
 
 
 def load_table(E: int, N: int, K: int, dtype: str, device: str,
